@@ -1,0 +1,1 @@
+"""The coordinator: membership, the model layout, and the published plan."""

@@ -1,0 +1,178 @@
+"""The coordinator's store: the only module in IMerge that issues Redis commands.
+
+Every role (coordinator, shards, workers) reaches Redis through :class:`Store`.
+Redis failures are translated into :class:`StoreError` here, at one choke
+point. Blocking waits use blocking list pops (never loops of GETs), are cut in
+slices of at most ``_BLOCK_SLICE_S`` seconds so that a dead Redis is noticed,
+and end with :class:`WaitTimeout` naming what they waited for.
+
+Key layout (all under ``imerge:{job}:``):
+
+==========================  =======  ==============================================
+key                         type     meaning
+==========================  =======  ==============================================
+``shards``                  hash     shard index -> advertised gRPC address
+``shards:queue``            list     shard indexes, pushed on each registration
+``workers``                 hash     worker rank -> JSON {host, pid}
+``worker:{rank}:alive``     string   heartbeat, expires after the heartbeat TTL
+``layout:{rank}``           string   the worker's model layout (JSON, see planning)
+``layouts:queue``           list     ranks, pushed when a layout is submitted
+``event:{name}``            list     a latch: holds one token once the event is set
+``event:{name}:value``      string   the event's payload
+``done:queue``              list     ranks, pushed when a worker finished its job
+==========================  =======  ==============================================
+
+Events in use: ``plan`` (payload: the plan JSON, or ``{"error": ...}``) and
+``blocks-ready:{version}`` (rank 0 initialized every block of that plan).
+A latch is waited on with BLPOP and the token is pushed back at once, so any
+number of waiters see it, now or later.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from imerge.errors import StoreError, WaitTimeout
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+_BLOCK_SLICE_S = 5.0
+
+
+def _translated(method: F) -> F:
+    """Turn any Redis failure of ``method`` into a StoreError naming the server."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {self.url}: {method.__name__} failed: {exc}") from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Store:
+    def __init__(self, url: str, job: str, *, socket_timeout_s: float = 10.0):
+        self.url = url
+        self.job = job
+        self._prefix = f"imerge:{job}:"
+        self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s + _BLOCK_SLICE_S,
+                                           socket_connect_timeout=socket_timeout_s,
+                                           decode_responses=True)
+
+    def key(self, *parts: object) -> str:
+        return self._prefix + ":".join(str(p) for p in parts)
+
+    @_translated
+    def ping(self) -> None:
+        self._redis.ping()
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # -- blocking primitives ------------------------------------------------
+    def _pop(self, key: str, deadline: float, what: str, timeout_s: float) -> str:
+        """BLPOP one item of ``key`` before ``deadline`` (monotonic)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
+            item = self._redis.blpop([key], timeout=min(remaining, _BLOCK_SLICE_S))
+            if item is not None:
+                return item[1]
+
+    @_translated
+    def set_event(self, name: str, value: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self.key("event", name, "value"), value)
+        pipe.rpush(self.key("event", name), "1")
+        pipe.execute()
+
+    @_translated
+    def wait_event(self, name: str, timeout_s: float, what: str) -> str:
+        """Block until event ``name`` is set; return its payload."""
+        self._pop(self.key("event", name), time.monotonic() + timeout_s, what, timeout_s)
+        self._redis.rpush(self.key("event", name), "1")  # re-arm the latch for other waiters
+        return self._redis.get(self.key("event", name, "value")) or ""
+
+    # -- shards -------------------------------------------------------------
+    @_translated
+    def register_shard(self, index: int, address: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self.key("shards"), str(index), address)
+        pipe.rpush(self.key("shards", "queue"), str(index))
+        pipe.execute()
+
+    @_translated
+    def wait_shards(self, count: int, timeout_s: float) -> list[str]:
+        """Addresses of shards 0..count-1, once all of them registered."""
+        deadline = time.monotonic() + timeout_s
+        seen: set[int] = set()
+        while len(seen) < count:
+            missing = sorted(set(range(count)) - seen)
+            index = int(self._pop(self.key("shards", "queue"), deadline,
+                                  f"PS shards {missing} to register", timeout_s))
+            if 0 <= index < count:
+                seen.add(index)
+            else:
+                log.warning("shard %d registered but the job has only %d shards; ignored", index, count)
+        addresses = self._redis.hgetall(self.key("shards"))
+        return [addresses[str(i)] for i in range(count)]
+
+    # -- workers ------------------------------------------------------------
+    @_translated
+    def register_worker(self, rank: int, info: dict[str, Any], ttl_s: float) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self.key("workers"), str(rank), json.dumps(info))
+        pipe.set(self.key("worker", rank, "alive"), "1", px=int(ttl_s * 1000))
+        pipe.execute()
+
+    @_translated
+    def heartbeat(self, rank: int, ttl_s: float) -> None:
+        self._redis.set(self.key("worker", rank, "alive"), "1", px=int(ttl_s * 1000))
+
+    @_translated
+    def live_workers(self, world_size: int) -> list[int]:
+        pipe = self._redis.pipeline()
+        for rank in range(world_size):
+            pipe.exists(self.key("worker", rank, "alive"))
+        return [rank for rank, alive in enumerate(pipe.execute()) if alive]
+
+    @_translated
+    def submit_layout(self, rank: int, layout_json: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self.key("layout", rank), layout_json)
+        pipe.rpush(self.key("layouts", "queue"), str(rank))
+        pipe.execute()
+
+    @_translated
+    def wait_layouts(self, world_size: int, timeout_s: float) -> dict[int, str]:
+        deadline = time.monotonic() + timeout_s
+        seen: set[int] = set()
+        while len(seen) < world_size:
+            missing = sorted(set(range(world_size)) - seen)
+            rank = int(self._pop(self.key("layouts", "queue"), deadline,
+                                 f"workers {missing} to submit their model layout", timeout_s))
+            if 0 <= rank < world_size:
+                seen.add(rank)
+        pipe = self._redis.pipeline()
+        for rank in range(world_size):
+            pipe.get(self.key("layout", rank))
+        return dict(enumerate(pipe.execute()))
+
+    @_translated
+    def mark_done(self, rank: int) -> None:
+        self._redis.rpush(self.key("done", "queue"), str(rank))
+
+    @_translated
+    def pop_done(self, timeout_s: float) -> int | None:
+        """One rank that finished, or None if none did within ``timeout_s``."""
+        item = self._redis.blpop([self.key("done", "queue")], timeout=min(timeout_s, _BLOCK_SLICE_S))
+        return None if item is None else int(item[1])

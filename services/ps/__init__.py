@@ -1,0 +1,1 @@
+"""The PS shard: blocking synchronous aggregation with the optimizer on the shard."""

@@ -1,0 +1,257 @@
+"""The shard's gRPC server: the only module of the shard that touches gRPC.
+
+Streams are parsed here into calls on :class:`Shard`; every
+:class:`RequestError` becomes a gRPC status at one choke point
+(:func:`_unary` / :func:`_streaming`), and any other exception becomes
+INTERNAL with the error logged, so one bad request never harms the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from imerge.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks
+from imerge.errors import InvalidArgument, RequestError
+from imerge.optim import OptimizerSpec
+from imerge.rpc import ps_pb2, ps_pb2_grpc
+
+from .config import PSConfig
+from .state import BlockMeta, Shard
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "imerge.v1.ParameterServer"
+MAX_MESSAGE_BYTES = 2 * CHUNK_BYTES + 4096
+DTYPE_NAMES = {ps_pb2.FLOAT32: "float32"}
+DTYPE_VALUES = {name: value for value, name in DTYPE_NAMES.items()}
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def dtype_name(value: int, what: str) -> str:
+    try:
+        return DTYPE_NAMES[value]
+    except KeyError:
+        raise InvalidArgument(f"{what}: unsupported dtype {value}") from None
+
+
+def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
+    return OptimizerSpec(name=spec.name, lr=spec.lr, momentum=spec.momentum, dampening=spec.dampening,
+                         weight_decay=spec.weight_decay, nesterov=spec.nesterov, beta1=spec.beta1,
+                         beta2=spec.beta2, eps=spec.eps)
+
+
+async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(exc, RequestError):
+        shard.counters.rejected += 1
+        log.warning("rejected (%s): %s", exc.status, exc)
+        await context.abort(grpc.StatusCode[exc.status], str(exc))
+    log.exception("internal error")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _unary(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def wrapper(self: "ParameterServerServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # the one choke point for unary replies
+            await _status_from(exc, self.shard, context)
+
+    return wrapper
+
+
+def _streaming(method: Callable) -> Callable:
+    @functools.wraps(method)
+    async def wrapper(self: "ParameterServerServicer", request: Any,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for reply in method(self, request, context):
+                yield reply
+        except Exception as exc:  # the one choke point for streamed replies
+            await _status_from(exc, self.shard, context)
+
+    return wrapper
+
+
+async def _first(stream: AsyncIterator[Any], field: str, what: str) -> Any:
+    first = await anext(aiter(stream), None)
+    if first is None:
+        raise InvalidArgument(f"{what}: empty stream")
+    if first.WhichOneof("part") != field:
+        raise InvalidArgument(f"{what}: the first message must carry the {field}")
+    return getattr(first, field)
+
+
+async def _receive(stream: AsyncIterator[Any], assembler: ChunkAssembler | None, what: str) -> None:
+    """Feed the rest of a stream into ``assembler`` (None: drain a duplicate)."""
+    async for chunk in stream:
+        if chunk.WhichOneof("part") != "data":
+            raise InvalidArgument(f"{what}: only the first message may carry a header")
+        if assembler is not None:
+            assembler.feed(chunk.data)
+    if assembler is not None:
+        assembler.finish()
+
+
+class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
+    def __init__(self, shard: Shard, config: PSConfig):
+        self.shard = shard
+        self.config = config
+
+    @_unary
+    async def InitBlock(self, request_iterator, context):
+        spec = await _first(request_iterator, "spec", "InitBlock")
+        meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
+                         spec.num_workers, optimizer_from_proto(spec.optimizer))
+        self.shard.check_meta(meta)
+        init = torch.empty(meta.numel)
+        await _receive(request_iterator, ChunkAssembler(init, f"InitBlock {meta.block_id}"),
+                       f"InitBlock {meta.block_id}")
+        created, round_ = self.shard.create_block(meta, init)
+        return ps_pb2.InitBlockReply(block_id=meta.block_id, created=created, round=round_)
+
+    @_unary
+    async def Push(self, request_iterator, context):
+        header = await _first(request_iterator, "header", "Push")
+        what = f"push of block {header.block_id} by worker {header.worker}"
+        slot = self.shard.begin_push(header.block_id, header.worker, header.round,
+                                     dtype_name(header.dtype, what), header.numel)
+        if slot is None:
+            await _receive(request_iterator, None, what)
+            return ps_pb2.PushReply(duplicate=True, pushed=len(self.shard.block(header.block_id).pushed))
+        try:
+            await _receive(request_iterator, slot.assembler, what)
+            pushed = self.shard.finish_push(slot)
+        finally:
+            self.shard.abort_push(slot)
+        return ps_pb2.PushReply(duplicate=False, pushed=pushed)
+
+    def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:
+        timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer with our own message before the caller's deadline
+            timeout = min(timeout, max(remaining - 0.2, 0.01))
+        return timeout
+
+    async def _send(self, round_: int, snapshot: bytes) -> AsyncIterator[ps_pb2.TensorChunk]:
+        yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, numel=len(snapshot) // 4,
+                                                        round=round_))
+        for data in iter_chunks(snapshot):
+            yield ps_pb2.TensorChunk(data=data)
+        self.shard.counters.bytes_sent += len(snapshot)
+
+    @_streaming
+    async def Pull(self, request, context):
+        round_, snapshot = await self.shard.pull(request.block_id, request.worker, request.round,
+                                                 self._pull_timeout(request, context))
+        async for chunk in self._send(round_, snapshot):
+            yield chunk
+
+    @_streaming
+    async def Fetch(self, request, context):
+        round_, snapshot = self.shard.fetch(request.block_id)
+        async for chunk in self._send(round_, snapshot):
+            yield chunk
+
+    @_unary
+    async def Stats(self, request, context):
+        c = self.shard.counters
+        blocks = [ps_pb2.BlockStats(block_id=b.meta.block_id, numel=b.meta.numel, round=b.round,
+                                    pushed=len(b.pushed), num_workers=b.meta.num_workers)
+                  for b in self.shard.blocks.values()]
+        return ps_pb2.StatsReply(shard_index=self.shard.index, blocks=blocks, bytes_received=c.bytes_received,
+                                 bytes_sent=c.bytes_sent, pushes=c.pushes, duplicate_pushes=c.duplicate_pushes,
+                                 pulls=c.pulls, rounds_completed=c.rounds_completed, rejected=c.rejected)
+
+
+class ShardServer:
+    """One shard: the gRPC server, its health service and its registration."""
+
+    def __init__(self, config: PSConfig):
+        self.config = config
+        self.shard = Shard(config.shard_index, check_finite=config.check_finite,
+                           max_block_numel=config.max_block_numel, max_workers=config.max_workers)
+        self.address = ""
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+
+    async def start(self) -> str:
+        cfg = self.config
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard, cfg), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"shard {cfg.shard_index}: cannot listen on {cfg.host}:{cfg.port}")
+        await self._server.start()
+        self.address = cfg.advertise or f"{cfg.host}:{port}"
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.register:
+            from imerge.coordinator.store import Store
+            store = Store(cfg.redis_url, cfg.job)
+            await asyncio.to_thread(store.register_shard, cfg.shard_index, self.address)
+            store.close()
+        log.info("shard %d serving on %s", cfg.shard_index, self.address)
+        return self.address
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._server is not None:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
+            self._server = None
+        self.shard.close()
+
+    async def wait(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+async def serve(config: PSConfig) -> int:
+    """Run a shard until SIGTERM or SIGINT, then stop gracefully."""
+    server = ShardServer(config)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("shard %d stopping", config.shard_index)
+    await server.stop()
+    return 0
+
+
+class ThreadedShard:
+    """A shard served from a background thread's event loop (tests, embedding)."""
+
+    def __init__(self, config: PSConfig):
+        self.server = ShardServer(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard-{config.shard_index}",
+                                        daemon=True)
+        self._thread.start()
+        self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(30)
+
+    @property
+    def shard(self) -> Shard:
+        return self.server.shard
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self._loop).result(30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

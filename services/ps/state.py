@@ -1,0 +1,214 @@
+"""The shard's blocks and the round protocol, independent of gRPC.
+
+A block holds flat fp32 parameters, their optimizer and a round counter (the
+number of completed aggregations). Gradients of round ``r`` are received into
+one preallocated row per worker; when every worker pushed, the rows are summed
+in worker-id order, divided by the worker count and handed to ``torch.optim``.
+The new parameters are serialized once into a snapshot that every pull of
+that round is answered with.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+
+import torch
+
+from imerge.codec import ChunkAssembler, digest, tensor_view
+from imerge.errors import (Aborted, AlreadyExists, DeadlineExceeded, FailedPrecondition,
+                           InvalidArgument, NotFound)
+from imerge.optim import OptimizerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMeta:
+    block_id: str
+    dtype: str
+    numel: int
+    num_workers: int
+    optimizer: OptimizerSpec
+
+
+@dataclasses.dataclass
+class ShardCounters:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    pushes: int = 0
+    duplicate_pushes: int = 0
+    pulls: int = 0
+    rounds_completed: int = 0
+    rejected: int = 0
+
+
+class BlockState:
+    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str):
+        self.meta = meta
+        self.init_digest = init_digest
+        self.param = torch.nn.Parameter(init, requires_grad=True)
+        self.optimizer = meta.optimizer.build([self.param])
+        self.grads = torch.zeros(meta.num_workers, meta.numel)
+        self.round = 0
+        self.pushed: set[int] = set()
+        self.receiving: set[int] = set()
+        self.snapshot = tensor_view(self.param).tobytes()
+        self.changed = asyncio.Condition()
+
+    def missing_workers(self) -> list[int]:
+        return sorted(set(range(self.meta.num_workers)) - self.pushed)
+
+    def aggregate(self) -> bytes:
+        """Average the pushed gradients in worker-id order and step (runs off the event loop)."""
+        with torch.no_grad():
+            mean = self.grads[0].clone()
+            for row in self.grads[1:]:
+                mean.add_(row)
+            mean.div_(self.meta.num_workers)
+        self.param.grad = mean
+        self.optimizer.step()
+        self.param.grad = None
+        return tensor_view(self.param).tobytes()
+
+
+@dataclasses.dataclass
+class PushSlot:
+    """Where one push's data goes: the worker's row of the block's gradient buffer."""
+
+    block: BlockState
+    worker: int
+    round: int
+    assembler: ChunkAssembler
+
+
+class Shard:
+    def __init__(self, index: int, *, check_finite: bool = True, max_block_numel: int = 1 << 28,
+                 max_workers: int = 4096):
+        self.index = index
+        self.check_finite = check_finite
+        self.max_block_numel = max_block_numel
+        self.max_workers = max_workers
+        self.blocks: dict[str, BlockState] = {}
+        self.counters = ShardCounters()
+        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"ps{index}-step")
+        self._tasks: set[asyncio.Task] = set()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # -- validation (before any allocation) ---------------------------------
+    def check_meta(self, meta: BlockMeta) -> None:
+        if not meta.block_id:
+            raise InvalidArgument("block_id is empty")
+        if meta.dtype != "float32":
+            raise InvalidArgument(f"block {meta.block_id}: dtype {meta.dtype} is not supported (float32 only)")
+        if not 0 < meta.numel <= self.max_block_numel:
+            raise InvalidArgument(f"block {meta.block_id}: numel {meta.numel} outside 1..{self.max_block_numel}")
+        if not 0 < meta.num_workers <= self.max_workers:
+            raise InvalidArgument(f"block {meta.block_id}: num_workers {meta.num_workers} "
+                                  f"outside 1..{self.max_workers}")
+        meta.optimizer.validate()
+
+    def block(self, block_id: str) -> BlockState:
+        try:
+            return self.blocks[block_id]
+        except KeyError:
+            raise NotFound(f"block {block_id!r} is not on shard {self.index}") from None
+
+    def _check_worker(self, block: BlockState, worker: int) -> None:
+        if not 0 <= worker < block.meta.num_workers:
+            raise InvalidArgument(f"block {block.meta.block_id}: worker {worker} outside "
+                                  f"0..{block.meta.num_workers - 1}")
+
+    # -- init -----------------------------------------------------------------
+    def create_block(self, meta: BlockMeta, init: torch.Tensor) -> tuple[bool, int]:
+        """First writer wins; an identical init is accepted, a different one rejected."""
+        init_digest = digest(tensor_view(init))
+        existing = self.blocks.get(meta.block_id)
+        if existing is None:
+            self.blocks[meta.block_id] = BlockState(meta, init, init_digest)
+            log.info("block %s: %d elements, %d workers, %s", meta.block_id, meta.numel,
+                     meta.num_workers, meta.optimizer.name)
+            return True, 0
+        if existing.meta != meta:
+            raise AlreadyExists(f"block {meta.block_id} exists with a different spec: "
+                                f"{existing.meta} vs {meta}")
+        if existing.init_digest != init_digest:
+            raise AlreadyExists(f"block {meta.block_id} exists with different initial parameters")
+        return False, existing.round
+
+    # -- push -----------------------------------------------------------------
+    def begin_push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int) -> PushSlot | None:
+        """Validate a push header; None means a duplicate to acknowledge and drain."""
+        block = self.block(block_id)
+        self._check_worker(block, worker)
+        what = f"push of block {block_id} by worker {worker} for round {round_}"
+        if dtype != block.meta.dtype or numel != block.meta.numel:
+            raise InvalidArgument(f"{what}: got {numel} x {dtype}, the block holds "
+                                  f"{block.meta.numel} x {block.meta.dtype}")
+        if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
+            self.counters.duplicate_pushes += 1
+            return None
+        if round_ != block.round:
+            raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
+        if worker in block.receiving:
+            raise Aborted(f"{what}: another push of the same round is still in flight")
+        block.receiving.add(worker)
+        return PushSlot(block, worker, round_, ChunkAssembler(block.grads[worker], what))
+
+    def abort_push(self, slot: PushSlot) -> None:
+        slot.block.receiving.discard(slot.worker)
+
+    def finish_push(self, slot: PushSlot) -> int:
+        """Count a complete push; start the aggregation when it was the last one."""
+        block = slot.block
+        block.receiving.discard(slot.worker)
+        slot.assembler.finish()
+        if self.check_finite and not bool(torch.isfinite(block.grads[slot.worker]).all()):
+            raise InvalidArgument(f"push of block {block.meta.block_id} by worker {slot.worker} for round "
+                                  f"{slot.round}: gradient holds NaN or infinity")
+        block.pushed.add(slot.worker)
+        self.counters.pushes += 1
+        self.counters.bytes_received += slot.assembler.expected_bytes
+        if len(block.pushed) == block.meta.num_workers:
+            task = asyncio.get_running_loop().create_task(self._aggregate(block))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return len(block.pushed)
+
+    async def _aggregate(self, block: BlockState) -> None:
+        snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, block.aggregate)
+        async with block.changed:
+            block.snapshot = snapshot
+            block.round += 1
+            block.pushed.clear()
+            self.counters.rounds_completed += 1
+            block.changed.notify_all()
+
+    # -- pull -----------------------------------------------------------------
+    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float) -> tuple[int, bytes]:
+        """Wait until every worker pushed ``round_``; return (new round, parameters)."""
+        block = self.block(block_id)
+        self._check_worker(block, worker)
+        what = f"pull of block {block_id} by worker {worker} for round {round_}"
+        self.counters.pulls += 1
+        if round_ == block.round - 1:
+            return block.round, block.snapshot
+        if round_ != block.round:
+            raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
+        if worker not in block.pushed and worker not in block.receiving:
+            raise FailedPrecondition(f"{what}: worker {worker} has not pushed this round")
+        try:
+            async with block.changed:
+                await asyncio.wait_for(block.changed.wait_for(lambda: block.round > round_), timeout_s)
+        except asyncio.TimeoutError:
+            missing = block.missing_workers()
+            reason = (f"workers {missing} have not pushed" if missing else "the aggregation is still running")
+            raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
+        return block.round, block.snapshot
+
+    def fetch(self, block_id: str) -> tuple[int, bytes]:
+        block = self.block(block_id)
+        return block.round, block.snapshot

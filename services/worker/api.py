@@ -1,0 +1,145 @@
+"""The public API: ``imerge.distribute(model)`` wraps a module for PS training.
+
+    model = imerge.distribute(Net(), lr=0.1, momentum=0.9)   # IMERGE_* / RANK / WORLD_SIZE
+    for x, y in loader:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()          # gradients stream to the shards during backward
+    model.close()                # waits for the last sync, leaves the job
+
+There is no local optimizer step: the optimizer runs on the shards, and the
+next forward waits, module by module, for the parameters it needs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from imerge.coordinator.store import Store
+from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.planning import Layout, ParamInfo, Plan
+
+from .config import WorkerConfig
+from .engine import SyncEngine
+
+log = logging.getLogger(__name__)
+
+
+def layout_of(model: torch.nn.Module) -> Layout:
+    """Trainable parameters in backward order (the reverse of registration order, as DDP assumes)."""
+    owner: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owner.setdefault(id(param), module_name)
+    params = [ParamInfo(name, tuple(p.shape), owner[id(p)])
+              for name, p in model.named_parameters() if p.requires_grad]
+    return Layout(tuple(reversed(params)))
+
+
+def wait_plan(store: Store, config: WorkerConfig) -> Plan:
+    payload = store.wait_event("plan", config.wait_timeout_s, "the coordinator to publish the plan")
+    raw = json.loads(payload)
+    if "error" in raw:
+        raise (LayoutMismatchError if raw.get("kind") == "layout-mismatch" else PlanError)(raw["error"])
+    return Plan.from_json(payload)
+
+
+class Heartbeat:
+    """Refreshes this worker's liveness key until stopped."""
+
+    def __init__(self, store: Store, rank: int, ttl_s: float):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, rank, ttl_s), daemon=True,
+                                        name=f"imerge-heartbeat-{rank}")
+        self._thread.start()
+
+    def _run(self, store: Store, rank: int, ttl_s: float) -> None:
+        while not self._stop.wait(ttl_s / 3):
+            try:
+                store.heartbeat(rank, ttl_s)
+            except IMergeError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+class DistributedModel(torch.nn.Module):
+    """A module whose parameters are trained by the PS shards of an IMerge job."""
+
+    def __init__(self, module: torch.nn.Module, config: WorkerConfig):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self._store = Store(config.redis_url, config.job)
+        self._store.register_worker(config.rank, {"host": socket.gethostname(), "pid": os.getpid()},
+                                    config.heartbeat_ttl_s)
+        self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
+        self._engine: SyncEngine | None = None
+        try:
+            self._store.submit_layout(config.rank, layout_of(module).to_json())
+            self.plan = wait_plan(self._store, config)
+            self._engine = SyncEngine(module, self.plan, config)
+            self._engine.initialize(self._store)
+        except BaseException:
+            self._shutdown()
+            raise
+        log.info("worker %d/%d joined job %s: %d groups on %d shards", config.rank, config.world_size,
+                 config.job, len(self.plan.groups), len(self.plan.shard_addresses))
+
+    @property
+    def engine(self) -> SyncEngine:
+        if self._engine is None:
+            raise IMergeError("this DistributedModel is closed")
+        return self._engine
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine  # fail loudly once closed
+        return self.module(*args, **kwargs)
+
+    def synchronize(self) -> None:
+        """Wait for every in-flight sync, so the parameters are the shards' latest."""
+        self.engine.synchronize()
+
+    def _shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        self._heartbeat.stop()
+        self._store.close()
+
+    def close(self) -> None:
+        """Finish the last sync, tell the coordinator this worker is done, release resources."""
+        if self._engine is None:
+            return
+        try:
+            self._engine.synchronize()
+            self._store.mark_done(self.config.rank)
+        finally:
+            self._shutdown()
+
+    def __enter__(self) -> "DistributedModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._shutdown()
+
+
+def distribute(module: torch.nn.Module, config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
+    """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``)."""
+    from imerge.config import from_env
+
+    if config is None:
+        config = from_env(WorkerConfig, **options)
+    elif options:
+        raise IMergeError("pass either a WorkerConfig or keyword options, not both")
+    return DistributedModel(module, config)

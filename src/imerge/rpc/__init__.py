@@ -1,0 +1,1 @@
+"""Generated gRPC code (python -m imerge.protogen); never edit by hand."""

@@ -1,0 +1,175 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "lr", "momentum", "dampening", "weight_decay", "nesterov", "beta1", "beta2", "eps")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    DAMPENING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lr: float
+    momentum: float
+    dampening: float
+    weight_decay: float
+    nesterov: bool
+    beta1: float
+    beta2: float
+    eps: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+
+class BlockSpec(_message.Message):
+    __slots__ = ("block_id", "dtype", "numel", "num_workers", "optimizer")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    dtype: DType
+    numel: int
+    num_workers: int
+    optimizer: OptimizerSpec
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class InitBlockChunk(_message.Message):
+    __slots__ = ("spec", "data")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    spec: BlockSpec
+    data: bytes
+    def __init__(self, spec: _Optional[_Union[BlockSpec, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class InitBlockReply(_message.Message):
+    __slots__ = ("block_id", "created", "round")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    created: bool
+    round: int
+    def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    worker: int
+    round: int
+    dtype: DType
+    numel: int
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("duplicate", "pushed")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    pushed: int
+    def __init__(self, duplicate: _Optional[bool] = ..., pushed: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("block_id", "worker", "round", "timeout_s")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    worker: int
+    round: int
+    timeout_s: float
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("block_id",)
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    def __init__(self, block_id: _Optional[str] = ...) -> None: ...
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "numel", "round")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    numel: int
+    round: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("meta", "data")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta: TensorMeta
+    data: bytes
+    def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockStats(_message.Message):
+    __slots__ = ("block_id", "numel", "round", "pushed", "num_workers")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    numel: int
+    round: int
+    pushed: int
+    num_workers: int
+    def __init__(self, block_id: _Optional[str] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ..., pushed: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("shard_index", "blocks", "bytes_received", "bytes_sent", "pushes", "duplicate_pushes", "pulls", "rounds_completed", "rejected")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockStats]
+    bytes_received: int
+    bytes_sent: int
+    pushes: int
+    duplicate_pushes: int
+    pulls: int
+    rounds_completed: int
+    rejected: int
+    def __init__(self, shard_index: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
