@@ -10,8 +10,8 @@ from imerge.optim import OptimizerSpec
 
 WORKERS, SHARDS, STEPS, BATCH = 3, 2, 20, 16
 OPTIMIZERS = {
-    "sgd": dict(optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=5e-4),
-    "adam": dict(optimizer="adam", lr=1e-3, weight_decay=5e-4),
+    "sgd": OptimizerSpec("sgd", lr=0.05, momentum=0.9, weight_decay=5e-4),
+    "adam": OptimizerSpec("adam", lr=1e-3, weight_decay=5e-4),
 }
 
 
@@ -22,17 +22,15 @@ def batches(seed: int = 1):
              for _ in range(WORKERS)] for _ in range(STEPS)]
 
 
-def reference_run(options: dict, data) -> dict[str, torch.Tensor]:
+def reference_run(spec: OptimizerSpec, data, device: str = "cpu") -> dict[str, torch.Tensor]:
     """One process: each step, the workers' gradients averaged in rank order, then the optimizer."""
-    model = build_model("digits-cnn", seed=0)
-    spec = OptimizerSpec(name=options["optimizer"], lr=options["lr"], momentum=options.get("momentum", 0.0),
-                         weight_decay=options["weight_decay"])
+    model = build_model("digits-cnn", seed=0).to(device)
     optimizer = spec.build(list(model.parameters()))
     for step in data:
         grads = []
         for x, y in step:
             model.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for i, p in enumerate(model.parameters()):
             total = grads[0][i].clone()
@@ -40,31 +38,44 @@ def reference_run(options: dict, data) -> dict[str, torch.Tensor]:
                 total.add_(g[i])
             p.grad = total.div_(WORKERS)
         optimizer.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def distributed_run(cluster, options: dict, data) -> list[dict[str, torch.Tensor]]:
-    models = [build_model("digits-cnn", seed=0) for _ in range(WORKERS)]  # the global RNG is not thread-safe
+def distributed_run(cluster, spec: OptimizerSpec, data, device: str = "cpu",
+                    **options) -> list[dict[str, torch.Tensor]]:
+    models = [build_model("digits-cnn", seed=0).to(device) for _ in range(WORKERS)]
 
     def body(rank: int):
-        model = imerge.distribute(models[rank], cluster.worker_config(rank, **options))
+        model = imerge.distribute(models[rank], spec, cluster.worker_config(rank, **options))
         for step in data:
             x, y = step[rank]
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+            torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         model.close()
-        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        return {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
 
     return cluster.run_workers(body)
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_equivalence_with_single_process(cluster, name):
+def check_equivalence(cluster, name: str, device: str = "cpu") -> None:
     data = batches()
-    results = distributed_run(cluster(WORKERS, SHARDS), OPTIMIZERS[name], data)
-    expected = reference_run(OPTIMIZERS[name], data)
+    results = distributed_run(cluster(WORKERS, SHARDS), OPTIMIZERS[name], data, device)
+    expected = reference_run(OPTIMIZERS[name], data, device)
     initial = dict(build_model("digits-cnn", seed=0).named_parameters())
     for worker, params in enumerate(results):
         for param_name, value in expected.items():
             assert not torch.equal(value, initial[param_name]), f"{param_name} never trained"
             torch.testing.assert_close(params[param_name], value, atol=1e-5, rtol=0,
                                        msg=lambda m: f"worker {worker}, {param_name}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equivalence_with_single_process(cluster, name):
+    check_equivalence(cluster, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equivalence_on_cuda(cluster, name):
+    """Models on the GPU: gradients staged through pinned host buffers, parameters copied back."""
+    check_equivalence(cluster, name, device="cuda")

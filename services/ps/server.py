@@ -97,15 +97,12 @@ async def _first(stream: AsyncIterator[Any], field: str, what: str) -> Any:
     return getattr(first, field)
 
 
-async def _receive(stream: AsyncIterator[Any], assembler: ChunkAssembler | None, what: str) -> None:
-    """Feed the rest of a stream into ``assembler`` (None: drain a duplicate)."""
+async def _data(stream: AsyncIterator[Any], what: str) -> AsyncIterator[bytes]:
+    """The data chunks of the rest of a stream; a second header is an error."""
     async for chunk in stream:
         if chunk.WhichOneof("part") != "data":
             raise InvalidArgument(f"{what}: only the first message may carry a header")
-        if assembler is not None:
-            assembler.feed(chunk.data)
-    if assembler is not None:
-        assembler.finish()
+        yield chunk.data
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -120,8 +117,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                          spec.num_workers, optimizer_from_proto(spec.optimizer))
         self.shard.check_meta(meta)
         init = torch.empty(meta.numel)
-        await _receive(request_iterator, ChunkAssembler(init, f"InitBlock {meta.block_id}"),
-                       f"InitBlock {meta.block_id}")
+        assembler = ChunkAssembler(init, f"InitBlock {meta.block_id}")
+        async for data in _data(request_iterator, f"InitBlock {meta.block_id}"):
+            assembler.feed(data)
+        assembler.finish()
         created, round_ = self.shard.create_block(meta, init)
         return ps_pb2.InitBlockReply(block_id=meta.block_id, created=created, round=round_)
 
@@ -129,17 +128,10 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def Push(self, request_iterator, context):
         header = await _first(request_iterator, "header", "Push")
         what = f"push of block {header.block_id} by worker {header.worker}"
-        slot = self.shard.begin_push(header.block_id, header.worker, header.round,
-                                     dtype_name(header.dtype, what), header.numel)
-        if slot is None:
-            await _receive(request_iterator, None, what)
-            return ps_pb2.PushReply(duplicate=True, pushed=len(self.shard.block(header.block_id).pushed))
-        try:
-            await _receive(request_iterator, slot.assembler, what)
-            pushed = self.shard.finish_push(slot)
-        finally:
-            self.shard.abort_push(slot)
-        return ps_pb2.PushReply(duplicate=False, pushed=pushed)
+        duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
+                                                  dtype_name(header.dtype, what), header.numel,
+                                                  _data(request_iterator, what))
+        return ps_pb2.PushReply(duplicate=duplicate, pushed=pushed)
 
     def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:
         timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
@@ -224,12 +216,12 @@ class ShardServer:
 
 async def serve(config: PSConfig) -> int:
     """Run a shard until SIGTERM or SIGINT, then stop gracefully."""
-    server = ShardServer(config)
-    await server.start()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    server = ShardServer(config)
+    await server.start()
     await stopping.wait()
     log.info("shard %d stopping", config.shard_index)
     await server.stop()

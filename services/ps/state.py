@@ -13,11 +13,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+from collections.abc import AsyncIterator
 
 import torch
 
 from imerge.codec import ChunkAssembler, digest, tensor_view
-from imerge.errors import (Aborted, AlreadyExists, DeadlineExceeded, FailedPrecondition,
+from imerge.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, NotFound)
 from imerge.optim import OptimizerSpec
 
@@ -54,6 +55,7 @@ class BlockState:
         self.round = 0
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
+        self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
         self.snapshot = tensor_view(self.param).tobytes()
         self.changed = asyncio.Condition()
 
@@ -71,16 +73,6 @@ class BlockState:
         self.optimizer.step()
         self.param.grad = None
         return tensor_view(self.param).tobytes()
-
-
-@dataclasses.dataclass
-class PushSlot:
-    """Where one push's data goes: the worker's row of the block's gradient buffer."""
-
-    block: BlockState
-    worker: int
-    round: int
-    assembler: ChunkAssembler
 
 
 class Shard:
@@ -140,38 +132,45 @@ class Shard:
         return False, existing.round
 
     # -- push -----------------------------------------------------------------
-    def begin_push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int) -> PushSlot | None:
-        """Validate a push header; None means a duplicate to acknowledge and drain."""
+    async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
+                   data: AsyncIterator[bytes]) -> tuple[bool, int]:
+        """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
+
+        Pushes of the same (block, worker) are serialized by a lock, so a malformed
+        push never blocks or spoils a good one; a repeat of a counted push is
+        drained and acknowledged as a duplicate.
+        """
         block = self.block(block_id)
         self._check_worker(block, worker)
         what = f"push of block {block_id} by worker {worker} for round {round_}"
         if dtype != block.meta.dtype or numel != block.meta.numel:
             raise InvalidArgument(f"{what}: got {numel} x {dtype}, the block holds "
                                   f"{block.meta.numel} x {block.meta.dtype}")
-        if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
-            self.counters.duplicate_pushes += 1
-            return None
-        if round_ != block.round:
-            raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-        if worker in block.receiving:
-            raise Aborted(f"{what}: another push of the same round is still in flight")
-        block.receiving.add(worker)
-        return PushSlot(block, worker, round_, ChunkAssembler(block.grads[worker], what))
+        async with block.row_locks[worker]:
+            if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
+                async for _ in data:
+                    pass
+                self.counters.duplicate_pushes += 1
+                return True, len(block.pushed)
+            if round_ != block.round:
+                raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
+            block.receiving.add(worker)
+            try:
+                assembler = ChunkAssembler(block.grads[worker], what)
+                async for chunk in data:
+                    assembler.feed(chunk)
+                assembler.finish()
+                if self.check_finite and not bool(torch.isfinite(block.grads[worker]).all()):
+                    raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
+            finally:
+                block.receiving.discard(worker)
+            return False, self._count_push(block, worker)
 
-    def abort_push(self, slot: PushSlot) -> None:
-        slot.block.receiving.discard(slot.worker)
-
-    def finish_push(self, slot: PushSlot) -> int:
+    def _count_push(self, block: BlockState, worker: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""
-        block = slot.block
-        block.receiving.discard(slot.worker)
-        slot.assembler.finish()
-        if self.check_finite and not bool(torch.isfinite(block.grads[slot.worker]).all()):
-            raise InvalidArgument(f"push of block {block.meta.block_id} by worker {slot.worker} for round "
-                                  f"{slot.round}: gradient holds NaN or infinity")
-        block.pushed.add(slot.worker)
+        block.pushed.add(worker)
         self.counters.pushes += 1
-        self.counters.bytes_received += slot.assembler.expected_bytes
+        self.counters.bytes_received += block.meta.numel * 4
         if len(block.pushed) == block.meta.num_workers:
             task = asyncio.get_running_loop().create_task(self._aggregate(block))
             self._tasks.add(task)

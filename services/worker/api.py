@@ -1,6 +1,6 @@
 """The public API: ``imerge.distribute(model)`` wraps a module for PS training.
 
-    model = imerge.distribute(Net(), lr=0.1, momentum=0.9)   # IMERGE_* / RANK / WORLD_SIZE
+    model = imerge.distribute(Net(), imerge.OptimizerSpec("sgd", lr=0.1, momentum=0.9))
     for x, y in loader:
         loss = F.cross_entropy(model(x), y)
         loss.backward()          # gradients stream to the shards during backward
@@ -22,6 +22,7 @@ import torch
 
 from imerge.coordinator.store import Store
 from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.optim import OptimizerSpec
 from imerge.planning import Layout, ParamInfo, Plan
 
 from .config import WorkerConfig
@@ -73,7 +74,7 @@ class Heartbeat:
 class DistributedModel(torch.nn.Module):
     """A module whose parameters are trained by the PS shards of an IMerge job."""
 
-    def __init__(self, module: torch.nn.Module, config: WorkerConfig):
+    def __init__(self, module: torch.nn.Module, config: WorkerConfig, optimizer: OptimizerSpec):
         super().__init__()
         self.module = module
         self.config = config
@@ -85,7 +86,7 @@ class DistributedModel(torch.nn.Module):
         try:
             self._store.submit_layout(config.rank, layout_of(module).to_json())
             self.plan = wait_plan(self._store, config)
-            self._engine = SyncEngine(module, self.plan, config)
+            self._engine = SyncEngine(module, self.plan, config, optimizer)
             self._engine.initialize(self._store)
         except BaseException:
             self._shutdown()
@@ -134,12 +135,17 @@ class DistributedModel(torch.nn.Module):
             self._shutdown()
 
 
-def distribute(module: torch.nn.Module, config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
-    """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``)."""
+def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
+               config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
+    """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``).
+
+    ``optimizer`` runs on the shards (default: plain SGD, lr 0.01). Rank 0's
+    optimizer and initial parameters are the ones the shards keep.
+    """
     from imerge.config import from_env
 
     if config is None:
         config = from_env(WorkerConfig, **options)
     elif options:
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
-    return DistributedModel(module, config)
+    return DistributedModel(module, config, optimizer or OptimizerSpec())

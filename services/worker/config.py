@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 from imerge.config import CommonConfig, option, require
-from imerge.optim import OPTIMIZERS, OptimizerSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,15 +13,6 @@ class WorkerConfig(CommonConfig):
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
     rpc_timeout_s: float = option(30.0, "deadline of a push, an init or a fetch")
     heartbeat_ttl_s: float = option(10.0, "lifetime of this worker's heartbeat key")
-    optimizer: str = option("sgd", "optimizer run on the shards", choices=OPTIMIZERS)
-    lr: float = option(0.01, "learning rate")
-    momentum: float = option(0.0, "SGD momentum")
-    dampening: float = option(0.0, "SGD dampening")
-    weight_decay: float = option(0.0, "weight decay")
-    nesterov: bool = option(False, "SGD Nesterov momentum")
-    beta1: float = option(0.9, "Adam beta1")
-    beta2: float = option(0.999, "Adam beta2")
-    eps: float = option(1e-8, "Adam epsilon")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -31,8 +21,4 @@ class WorkerConfig(CommonConfig):
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
         require(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
-        require(self.lr > 0, "lr", "must be positive")
 
-    def optimizer_spec(self) -> OptimizerSpec:
-        return OptimizerSpec(self.optimizer, self.lr, self.momentum, self.dampening, self.weight_decay,
-                             self.nesterov, self.beta1, self.beta2, self.eps)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from imerge.errors import IMergeError, WaitTimeout
+from imerge.optim import OptimizerSpec
 from imerge.planning import Block, Group, Plan
 
 from .config import WorkerConfig
@@ -123,9 +124,10 @@ class GroupRuntime:
 
 
 class SyncEngine:
-    def __init__(self, model: torch.nn.Module, plan: Plan, config: WorkerConfig):
+    def __init__(self, model: torch.nn.Module, plan: Plan, config: WorkerConfig, optimizer: OptimizerSpec):
         self.plan = plan
         self.config = config
+        self.optimizer = optimizer.validate()
         self.comm = CommLoop(f"imerge-comm-{config.rank}")
         self.clients: list[ShardClient] = self.comm.run(self._connect(), 30, "the shard channels to open")
         params = dict(model.named_parameters())
@@ -160,16 +162,22 @@ class SyncEngine:
         """Rank 0 creates every block; then every worker fetches the current parameters."""
         cfg = self.config
         timeout = cfg.rpc_timeout_s * max(1, len(self.plan.blocks))
+        event = f"blocks-ready:{self.plan.version}"
         if cfg.rank == 0:
-            self.comm.run(self._init_blocks(), timeout, "the shards to accept the initial parameters")
-            store.set_event(f"blocks-ready:{self.plan.version}", "1")
+            try:
+                self.comm.run(self._init_blocks(), timeout, "the shards to accept the initial parameters")
+            except Exception as exc:
+                store.set_event(event, f"worker 0 could not initialize the blocks: {exc}")
+                raise
+            store.set_event(event, "")
         else:
-            store.wait_event(f"blocks-ready:{self.plan.version}", cfg.wait_timeout_s,
-                             "worker 0 to initialize the blocks on the shards")
+            failure = store.wait_event(event, cfg.wait_timeout_s, "worker 0 to initialize the blocks on the shards")
+            if failure:
+                raise IMergeError(failure)
         self.comm.run(self._fetch_all(), timeout, "the initial parameters from the shards")
 
     async def _init_blocks(self) -> None:
-        spec = self.config.optimizer_spec()
+        spec = self.optimizer
         for group in self.groups:
             group.stage_to_host()
         await asyncio.gather(*(

@@ -6,6 +6,8 @@ downloaded at run time.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -27,11 +29,12 @@ def digits(split: str, seed: int = 0) -> TensorDataset:
     return TensorDataset(images[chosen], labels[chosen])
 
 
-def synthetic(shape: tuple[int, ...], samples: int, seed: int = 0, classes: int = 10) -> TensorDataset:
+def synthetic(shape: tuple[int, ...], samples: int, seed: int = 0, split: str = "train",
+              classes: int = 10) -> TensorDataset:
     """Random inputs whose labels come from a fixed random projection, so the loss can fall."""
-    generator = torch.Generator().manual_seed(seed)
+    projection = torch.randn(math.prod(shape), classes, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed + (1 if split == "train" else 2))
     inputs = torch.randn(samples, *shape, generator=generator)
-    projection = torch.randn(inputs[0].numel(), classes, generator=generator)
     labels = (inputs.flatten(1) @ projection).argmax(1)
     return TensorDataset(inputs, labels)
 
@@ -42,7 +45,7 @@ def make_dataset(name: str, model: str, split: str, seed: int = 0, samples: int 
             raise ValueError(f"--data digits needs --model digits-cnn (8x8 inputs), not {model}")
         return digits(split, seed)
     if name == "synthetic":
-        return synthetic(INPUT_SHAPES[model], samples, seed + (0 if split == "train" else 1))
+        return synthetic(INPUT_SHAPES[model], samples if split == "train" else max(samples // 4, 1), seed, split)
     raise ValueError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
 
 

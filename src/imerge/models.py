@@ -1,6 +1,8 @@
 """Built-in models: ResNet-18 (CIFAR shapes), a communication-bound VGG-style net, a digits CNN."""
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -76,6 +78,7 @@ class VGGStyle(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+_BUILD_LOCK = threading.Lock()
 INPUT_SHAPES = {"resnet18": (3, 32, 32), "vgg": (3, 32, 32), "digits-cnn": (1, 8, 8)}
 
 
@@ -83,5 +86,6 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     """The named model, initialized from ``seed`` so every worker builds the same one."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-    torch.manual_seed(seed)
-    return {"resnet18": ResNet18, "vgg": VGGStyle, "digits-cnn": DigitsCNN}[name]()
+    with _BUILD_LOCK, torch.random.fork_rng():  # seeding the global RNG is not thread-safe
+        torch.manual_seed(seed)
+        return {"resnet18": ResNet18, "vgg": VGGStyle, "digits-cnn": DigitsCNN}[name]()

@@ -33,10 +33,10 @@ class OptimizerSpec:
             problems.append(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
         if not self.lr > 0:
             problems.append(f"lr must be positive, got {self.lr}")
-        if self.momentum < 0 or self.weight_decay < 0 or self.eps <= 0:
-            problems.append("momentum and weight_decay must be >= 0 and eps > 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            problems.append(f"betas must lie in [0, 1), got ({self.beta1}, {self.beta2})")
+        if self.momentum < 0 or self.weight_decay < 0:
+            problems.append("momentum and weight_decay must be >= 0")
+        if self.name != "sgd" and not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
+            problems.append(f"Adam needs betas in [0, 1) and eps > 0, got ({self.beta1}, {self.beta2}), {self.eps}")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             problems.append("nesterov needs momentum > 0 and dampening 0")
         if problems:

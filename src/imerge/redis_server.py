@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 import time
 
+from . import proc
 from .errors import IMergeError, StoreError, WaitTimeout
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ class RedisServer:
         self._dir = tempfile.mkdtemp(prefix="imerge-redis-")
         self.log_path = os.path.join(self._dir, "redis.log")
         binary = find_redis_server()
-        self.process = subprocess.Popen(
+        self.process = proc.spawn(
             [binary, "--port", str(self.port), "--bind", host, "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--logfile", self.log_path, "--daemonize", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            stdout=subprocess.DEVNULL)
         self._wait_ready(start_timeout_s)
         log.info("redis-server %s on %s (pid %d)", binary, self.url, self.process.pid)
 
@@ -76,13 +77,7 @@ class RedisServer:
             store.close()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        proc.stop(self.process, 5.0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "RedisServer":

@@ -1,0 +1,3 @@
+from imerge.cli import main
+
+raise SystemExit(main())

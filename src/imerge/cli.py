@@ -1,0 +1,115 @@
+"""The ``imerge`` command: one subcommand per role, plus the one-host launcher.
+
+Every option is a flag with an ``IMERGE_*`` environment twin (see
+:mod:`imerge.config`); a bad value is a usage error naming the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from .config import add_options, from_namespace, setup_logging, to_env
+from .errors import ConfigError, IMergeError
+
+log = logging.getLogger("imerge.cli")
+
+
+def _run_ps(args: argparse.Namespace) -> int:
+    from imerge.ps.config import PSConfig
+    from imerge.ps.server import serve
+
+    config = from_namespace(PSConfig, args)
+    setup_logging(config.log_level, f"ps{config.shard_index}")
+    return asyncio.run(serve(config))
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from imerge.coordinator.service import Coordinator, CoordinatorConfig
+
+    config = from_namespace(CoordinatorConfig, args)
+    setup_logging(config.log_level, "coordinator")
+    coordinator = Coordinator(config)
+    signal.signal(signal.SIGTERM, lambda *_: coordinator.stop())
+    return coordinator.run()
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from imerge.worker.config import WorkerConfig
+    from imerge.worker.job import JobConfig, run_job
+
+    worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
+    setup_logging(worker.log_level, f"worker{worker.rank}")
+    summary = run_job(worker, job)
+    log.info("done: %s", summary)
+    return 0
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from imerge.launch import LaunchConfig, Launcher
+    from imerge.worker.job import JobConfig
+
+    config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
+    logging.basicConfig(level=logging.WARNING, format="imerge launch: %(message)s")
+    return Launcher(config, to_env(job), args.command).run()
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from imerge.coordinator.service import CoordinatorConfig
+    from imerge.launch import LaunchConfig
+    from imerge.ps.config import PSConfig
+    from imerge.worker.config import WorkerConfig
+    from imerge.worker.job import JobConfig
+
+    parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+    specs: dict[str, tuple[str, tuple[type, ...], Callable]] = {
+        "ps": ("run one PS shard", (PSConfig,), _run_ps),
+        "coordinator": ("run the coordinator", (CoordinatorConfig,), _run_coordinator),
+        "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
+        "launch": ("run a whole job on this host (built-in job, or a script after --)",
+                   (LaunchConfig, JobConfig), _run_launch),
+    }
+    for name, (help_text, configs, runner) in specs.items():
+        sub = roles.add_parser(name, help=help_text, description=help_text)
+        for config in configs:
+            add_options(sub, config)
+        sub.set_defaults(run=runner, command=[])
+        subparsers[name] = sub
+    return parser, subparsers
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1:]
+    try:
+        parser, subparsers = build_parser()
+        args = parser.parse_args(argv)
+    except ConfigError as exc:  # a bad IMERGE_* value while building the defaults
+        print(f"imerge: error: {exc}", file=sys.stderr)
+        return 2
+    if command and args.role != "launch":
+        subparsers[args.role].error("a command after -- is only accepted by 'imerge launch'")
+    args.command = command
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        subparsers[args.role].error(str(exc))
+    except IMergeError as exc:
+        logging.getLogger("imerge").error("%s", exc)
+        print(f"imerge {args.role}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

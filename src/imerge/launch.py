@@ -1,0 +1,259 @@
+"""``imerge launch``: a whole job on one host, with no manual setup.
+
+Starts Redis (unless ``--redis-url`` names one), the coordinator, S shards and
+W workers as child processes on loopback, shows worker 0's progress, and
+stops every child on success, on failure (naming the role that failed) and on
+Ctrl-C or SIGTERM. Each child runs in its own process group and is killed by
+the kernel if the launcher itself dies, so no process is left behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import proc
+from .config import option, require
+from .errors import ChildFailed, IMergeError
+from .progress import PROGRESS_FD_ENV
+from .redis_server import RedisServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    workers: int = option(2, "number of workers")
+    shards: int = option(2, "number of PS shards")
+    job: str = option("", "job id (default: a fresh one per launch)")
+    redis_url: str = option("", "Redis to use (default: start an embedded redis-server)")
+    log_dir: str = option("", "folder for each role's log (default: runs/<job>)")
+    log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    stop_grace_s: float = option(10.0, "seconds a role gets to exit after SIGTERM before SIGKILL")
+    summary_json: str = option("", "also write the run's summary to this JSON file")
+
+    def __post_init__(self) -> None:
+        require(1 <= self.workers <= 256, "workers", "must lie in 1..256")
+        require(1 <= self.shards <= 256, "shards", "must lie in 1..256")
+        require(self.stop_grace_s > 0, "stop_grace_s", "must be positive")
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Child:
+    role: str
+    process: Any
+    log_path: Path
+    is_worker: bool
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
+                 console: Console | None = None):
+        self.config = config
+        self.job_env = job_env
+        self.command = command or []
+        self.console = console or Console(stderr=True)
+        self.job = config.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.log_dir = Path(config.log_dir or Path("runs") / self.job)
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.events: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}
+
+    # -- children -----------------------------------------------------------------
+    def _env(self, redis_url: str, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(IMERGE_JOB=self.job, IMERGE_REDIS_URL=redis_url, IMERGE_LOG_LEVEL=self.config.log_level,
+                   PYTHONUNBUFFERED="1")
+        env.update(extra)
+        return env
+
+    def _start(self, role: str, argv: list[str], env: dict[str, str], is_worker: bool = False,
+               pass_fds: tuple[int, ...] = ()) -> None:
+        log_path = self.log_dir / f"{role}.log"
+        with open(log_path, "wb") as log_file:
+            process = proc.spawn(argv, env=env, stdout=log_file, pass_fds=pass_fds)
+        self.children.append(Child(role, process, log_path, is_worker))
+
+    def _start_roles(self, redis_url: str, progress_fd: int) -> None:
+        cfg, role = self.config, [sys.executable, "-m", "imerge"]
+        self._start("coordinator", role + ["coordinator"],
+                    self._env(redis_url, {"IMERGE_NUM_WORKERS": str(cfg.workers),
+                                          "IMERGE_NUM_SHARDS": str(cfg.shards)}))
+        for index in range(cfg.shards):
+            self._start(f"ps{index}", role + ["ps"],
+                        self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "IMERGE_HOST": "127.0.0.1",
+                                              "IMERGE_PORT": "0", "OMP_NUM_THREADS": "1"}))
+        threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+        for rank in range(cfg.workers):
+            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers)}
+            argv = self.command or role + ["worker"]
+            if not self.command:
+                extra.update(self.job_env)
+                if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
+                    extra["IMERGE_TORCH_THREADS"] = threads
+            fds = ()
+            if rank == 0:
+                extra[PROGRESS_FD_ENV] = str(progress_fd)
+                fds = (progress_fd,)
+            self._start(f"worker{rank}", argv, self._env(redis_url, extra), is_worker=True, pass_fds=fds)
+
+    def _check_children(self) -> bool:
+        """True once every worker exited 0; ChildFailed for any role that failed."""
+        workers_done = True
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                workers_done = workers_done and not child.is_worker
+            elif code != 0:
+                raise ChildFailed(child.role, f"exited with code {code}; last lines of {child.log_path}:\n"
+                                              f"{child.tail()}")
+            elif not child.is_worker and child.role != "coordinator":
+                raise ChildFailed(child.role, "exited before the workers finished")
+        return workers_done
+
+    def _stop_all(self) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                proc.signal_group(child.process, signal.SIGTERM)
+        for child in reversed(self.children):
+            proc.stop(child.process, self.config.stop_grace_s)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    # -- progress -------------------------------------------------------------------
+    def _read_events(self, stream: Any, buffer: list[str], timeout_s: float) -> list[dict[str, Any]]:
+        ready, _, _ = select.select([stream], [], [], timeout_s)
+        if not ready:
+            return []
+        data = os.read(stream.fileno(), 65536).decode(errors="replace")
+        buffer.append(data)
+        *lines, rest = "".join(buffer).split("\n")
+        buffer[:] = [rest]
+        events = []
+        for line in lines:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("ignored a malformed progress line: %r", line[:200])
+        return events
+
+    def _supervise(self, read_fd: int) -> None:
+        columns = [TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[itime]} s/it"),
+                   TimeElapsedColumn()]
+        buffer: list[str] = []
+        with os.fdopen(read_fd, "rb", buffering=0) as stream, \
+                Progress(*columns, console=self.console, disable=not self.console.is_terminal) as bar:
+            task = bar.add_task("train", total=None, loss="-", itime="-")
+            last_note = 0.0
+            while not self._check_children():
+                for event in self._read_events(stream, buffer, 0.2):
+                    self.events.append(event)
+                    if event.get("event") == "iteration":
+                        bar.update(task, completed=event["iteration"], total=event.get("total"),
+                                   loss=f"{event['loss']:.4f}", itime=f"{event['seconds']:.3f}")
+                        if not self.console.is_terminal and time.monotonic() - last_note > 5:
+                            last_note = time.monotonic()
+                            self.console.print(f"iteration {event['iteration']}/{event.get('total')} "
+                                               f"loss {event['loss']:.4f} {event['seconds']:.3f} s/it")
+            for event in self._read_events(stream, buffer, 0.0):
+                self.events.append(event)
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self) -> int:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        read_fd, write_fd = os.pipe()
+        try:
+            redis_url = self.config.redis_url
+            if not redis_url:
+                self.redis = RedisServer()
+                redis_url = self.redis.url
+            self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
+                               f"Redis {redis_url}, logs in {self.log_dir}/")
+            self._start_roles(redis_url, write_fd)
+            os.close(write_fd)
+            write_fd = -1
+            self._supervise(read_fd)
+            self._finish_roles()
+        except Interrupted as exc:
+            self.console.print(f"[yellow]{exc}: stopping every role[/yellow]")
+            return 128 + exc.signum
+        except ChildFailed as exc:
+            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
+            return 1
+        except IMergeError as exc:
+            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
+            return 1
+        finally:
+            if write_fd >= 0:
+                os.close(write_fd)
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self._summarize(time.monotonic() - started)
+        return 0
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        raise Interrupted(signum)
+
+    def _finish_roles(self) -> None:
+        """After the workers: the coordinator exits by itself; shards are stopped gracefully."""
+        coordinator = next(c for c in self.children if c.role == "coordinator")
+        try:
+            coordinator.process.wait(self.config.stop_grace_s)
+        except Exception:  # noqa: BLE001 - stopped below either way
+            log.warning("the coordinator did not exit after the workers finished")
+        for child in self.children:
+            if child.role.startswith("ps"):
+                code = proc.stop(child.process, self.config.stop_grace_s)
+                if code not in (0, -signal.SIGTERM):
+                    raise ChildFailed(child.role, f"exited with code {code} on SIGTERM")
+
+    def _summarize(self, wall_s: float) -> None:
+        times = [e["seconds"] for e in self.events if e.get("event") == "iteration"]
+        steady = times[1:] or times
+        final = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
+        self.summary = {"job": self.job, "workers": self.config.workers, "shards": self.config.shards,
+                        "iterations": len(times), "wall_seconds": round(wall_s, 3),
+                        "median_iteration_seconds": statistics.median(steady) if steady else None,
+                        "mean_iteration_seconds": statistics.fmean(steady) if steady else None,
+                        "final_loss": final.get("loss"), "test_accuracy": final.get("test_accuracy"),
+                        "log_dir": str(self.log_dir)}
+        table = Table(title=f"job {self.job} finished")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in self.summary.items():
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        Console().print(table)
+        if self.config.summary_json:
+            Path(self.config.summary_json).write_text(json.dumps(self.summary, indent=2))
+

@@ -1,0 +1,42 @@
+"""Progress events from a worker to ``imerge launch``.
+
+The launcher hands worker 0 a pipe and names its file descriptor in
+``IMERGE_PROGRESS_FD``; :func:`report` writes one JSON object per line to it.
+Without the variable, events are logged instead. User scripts may call
+``imerge.progress.report(iteration=..., loss=...)`` too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+PROGRESS_FD_ENV = "IMERGE_PROGRESS_FD"
+_stream = None
+
+
+def _channel():
+    global _stream
+    if _stream is None and os.environ.get(PROGRESS_FD_ENV, "").isdigit():
+        try:
+            _stream = os.fdopen(int(os.environ[PROGRESS_FD_ENV]), "w", buffering=1, closefd=False)
+        except OSError as exc:
+            log.warning("cannot open progress channel %s: %s", os.environ[PROGRESS_FD_ENV], exc)
+            os.environ.pop(PROGRESS_FD_ENV, None)
+    return _stream
+
+
+def report(event: str = "iteration", **fields: Any) -> None:
+    """Send one progress event (``iteration``, ``summary``, ...) to the launcher, or log it."""
+    stream = _channel()
+    record = {"event": event, **fields}
+    if stream is None:
+        log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                for k, v in record.items()))
+        return
+    try:
+        stream.write(json.dumps(record) + "\n")
+    except OSError:  # the launcher went away; keep training
+        pass

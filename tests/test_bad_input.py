@@ -1,0 +1,222 @@
+"""Bad input gets a clear gRPC status from a real shard, and never harms a concurrent job."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from imerge.ps.config import PSConfig
+from imerge.ps.server import ThreadedShard
+from imerge.rpc import ps_pb2, ps_pb2_grpc
+
+import test_equivalence as eq
+
+NUMEL = 1000
+SGD = ps_pb2.OptimizerSpec(name="sgd", lr=0.1)
+
+
+@pytest.fixture
+def shard(redis_url):
+    server = ThreadedShard(PSConfig(redis_url=redis_url, job="badinput", register=False, pull_timeout_s=1.0))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def stub(shard):
+    with grpc.insecure_channel(shard.address) as channel:
+        yield ps_pb2_grpc.ParameterServerStub(channel)
+
+
+def floats(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def init(stub, block_id="b", numel=NUMEL, workers=2, data=None, optimizer=SGD, **spec):
+    spec = ps_pb2.BlockSpec(block_id=block_id, dtype=spec.pop("dtype", ps_pb2.FLOAT32), numel=numel,
+                            num_workers=workers, optimizer=optimizer, **spec)
+    payload = floats(np.zeros(numel)) if data is None else data
+    return stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec), ps_pb2.InitBlockChunk(data=payload)]))
+
+
+def push(stub, block_id="b", worker=0, round_=0, data=None, numel=NUMEL, dtype=ps_pb2.FLOAT32, chunks=None):
+    header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=dtype, numel=numel)
+    if chunks is None:
+        chunks = [floats(np.ones(numel)) if data is None else data]
+    messages = [ps_pb2.PushChunk(header=header)] + [ps_pb2.PushChunk(data=c) for c in chunks]
+    return stub.Push(iter(messages), timeout=10)
+
+
+def pull(stub, block_id="b", worker=0, round_=0, timeout_s=0.0):
+    return list(stub.Pull(ps_pb2.PullRequest(block_id=block_id, worker=worker, round=round_, timeout_s=timeout_s),
+                          timeout=30))
+
+
+def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_unknown_block_is_not_found(stub):
+    for call in (lambda: push(stub, "nope"), lambda: pull(stub, "nope"),
+                 lambda: list(stub.Fetch(ps_pb2.FetchRequest(block_id="nope")))):
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
+
+
+def test_wrong_dtype_or_size_is_invalid_argument(stub):
+    init(stub)
+    code, details = status_of(lambda: push(stub, dtype=ps_pb2.DTYPE_UNSPECIFIED))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
+    code, details = status_of(lambda: push(stub, numel=NUMEL + 1, data=floats(np.ones(NUMEL + 1))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1001 x float32" in details
+    code, details = status_of(lambda: init(stub, "c", dtype=7))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_round_that_is_not_current_is_failed_precondition(stub):
+    init(stub)
+    code, details = status_of(lambda: push(stub, round_=3))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "current round is 0" in details
+    code, details = status_of(lambda: pull(stub, round_=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    code, details = status_of(lambda: pull(stub, worker=1))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "has not pushed" in details
+
+
+def test_non_finite_gradient_is_rejected_and_not_counted(stub):
+    init(stub)
+    bad = np.ones(NUMEL)
+    bad[17] = np.nan
+    code, details = status_of(lambda: push(stub, data=floats(bad)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in details
+    bad[17] = np.inf
+    assert status_of(lambda: push(stub, worker=1, data=floats(bad)))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert push(stub).pushed == 1  # the rejected pushes were not counted
+
+
+def test_finite_check_can_be_switched_off(redis_url):
+    server = ThreadedShard(PSConfig(redis_url=redis_url, register=False, check_finite=False))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            init(stub, workers=1)
+            assert push(stub, data=floats(np.full(NUMEL, np.nan))).pushed == 1
+    finally:
+        server.stop()
+
+
+def test_oversized_truncated_and_malformed_streams(stub):
+    init(stub)
+    half = floats(np.ones(NUMEL // 2))
+    code, details = status_of(lambda: push(stub, chunks=[half, half, half]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "more than the declared" in details
+    code, details = status_of(lambda: push(stub, chunks=[half]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "truncated: 500 of 1000" in details
+    code, details = status_of(lambda: push(stub, chunks=[b"\x00" * 7]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "whole number" in details
+    code, details = status_of(lambda: stub.Push(iter([ps_pb2.PushChunk(data=half)])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "first message must carry the header" in details
+    code, details = status_of(lambda: stub.Push(iter([])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty stream" in details
+    code, _ = status_of(lambda: push(stub, chunks=[b"\x00" * (8 << 20)]))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED  # one message above the 2 MiB limit
+    assert push(stub).pushed == 1  # and the block still takes a good push
+
+
+def test_bad_init_requests(stub):
+    assert init(stub).created
+    assert not init(stub).created  # identical: accepted
+    code, details = status_of(lambda: init(stub, data=floats(np.ones(NUMEL))))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "different initial parameters" in details
+    code, details = status_of(lambda: init(stub, workers=3))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "different spec" in details
+    code, details = status_of(lambda: init(stub, "big", numel=1 << 40, data=b""))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "numel" in details
+    code, details = status_of(lambda: init(stub, "opt", optimizer=ps_pb2.OptimizerSpec(name="lbfgs", lr=1)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lbfgs" in details
+    code, details = status_of(lambda: init(stub, "lr", optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=0)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lr must be positive" in details
+    code, details = status_of(lambda: push(stub, worker=9))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "worker 9 outside 0..1" in details
+
+
+def test_duplicate_push_is_acknowledged_and_counted_once(stub):
+    init(stub, workers=2, optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=1.0))
+    assert push(stub, worker=0, data=floats(np.full(NUMEL, 2.0))).pushed == 1
+    reply = push(stub, worker=0, data=floats(np.full(NUMEL, 100.0)))
+    assert reply.duplicate and reply.pushed == 1
+    push(stub, worker=1, data=floats(np.full(NUMEL, 4.0)))
+    chunks = pull(stub, worker=0)
+    assert chunks[0].meta.round == 1
+    params = np.frombuffer(b"".join(c.data for c in chunks[1:]), dtype="<f4")
+    np.testing.assert_array_equal(params, np.full(NUMEL, -3.0, dtype=np.float32))  # 0 - 1.0 * (2 + 4) / 2
+    assert push(stub, worker=1, round_=0).duplicate  # a late repeat of the completed round
+
+
+def test_pull_timeout_names_missing_workers(stub):
+    init(stub, workers=3)
+    push(stub, worker=0)
+    started = time.monotonic()
+    code, details = status_of(lambda: pull(stub, worker=0, timeout_s=0.5))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "workers [1, 2] have not pushed" in details
+    assert time.monotonic() - started < 3
+
+
+def test_stats_report_counters(stub):
+    init(stub, workers=1)
+    push(stub)
+    pull(stub)
+    stats = stub.Stats(ps_pb2.StatsRequest())
+    assert (stats.pushes, stats.pulls, stats.rounds_completed) == (1, 1, 1)
+    assert stats.bytes_received == NUMEL * 4 and stats.bytes_sent == NUMEL * 4
+    assert stats.blocks[0].round == 1
+
+
+def test_bad_requests_do_not_harm_a_concurrent_job(cluster):
+    """A job runs while a client hammers the same shards with malformed requests."""
+    c = cluster(eq.WORKERS, eq.SHARDS)
+    stop = threading.Event()
+    rejected: list[grpc.StatusCode] = []
+
+    def attack() -> None:
+        channels = [grpc.insecure_channel(a) for a in c.addresses]
+        stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
+        nan = floats(np.full(650, np.nan))
+        attacks = [lambda s: push(s, "g0", numel=650, data=nan),  # NaN into a real block
+                   lambda s: push(s, "g0", numel=651, data=floats(np.ones(651))),
+                   lambda s: push(s, "g0", round_=10_000, numel=650, data=floats(np.ones(650))),
+                   lambda s: push(s, "g1", worker=99, numel=32832, chunks=[b""]),
+                   lambda s: pull(s, "g2", worker=1, round_=10_000),
+                   lambda s: init(s, "g0", numel=650, workers=3, data=floats(np.ones(100)))]  # truncated
+        while not stop.is_set():
+            for stub in stubs:
+                for hit in attacks:
+                    try:
+                        hit(stub)
+                    except grpc.RpcError as exc:
+                        rejected.append(exc.code())
+        for ch in channels:
+            ch.close()
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    data = eq.batches()
+    attacker.start()
+    try:
+        results = eq.distributed_run(c, eq.OPTIMIZERS["sgd"], data)
+    finally:
+        stop.set()
+        attacker.join(30)
+    expected = eq.reference_run(eq.OPTIMIZERS["sgd"], data)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
+    assert len(rejected) > 20
+    assert grpc.StatusCode.OK not in rejected
+    assert set(rejected) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS}

@@ -1,0 +1,38 @@
+"""Convergence on real data: the scikit-learn digits, 2 workers and 2 shards."""
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from imerge.data import make_dataset
+from imerge.models import build_model
+from imerge.worker.job import JobConfig, accuracy, run_job
+
+EPOCHS, BATCH, WORKERS = 10, 32, 2
+
+
+def single_process_accuracy(job: JobConfig) -> float:
+    """The same epochs in one process, with the global batch of all workers."""
+    train = make_dataset("digits", "digits-cnn", "train", job.seed)
+    model = build_model("digits-cnn", job.seed)
+    optimizer = job.optimizer_spec().build(list(model.parameters()))
+    for epoch in range(job.epochs):
+        sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=job.seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(train, batch_size=BATCH * WORKERS, sampler=sampler, drop_last=True):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return accuracy(model, make_dataset("digits", "digits-cnn", "test", job.seed))
+
+
+def test_digits_reach_95_percent_within_a_point_of_single_process(cluster):
+    job = JobConfig(model="digits-cnn", data="digits", epochs=EPOCHS, batch_size=BATCH, lr=0.05, momentum=0.9)
+    c = cluster(WORKERS, 2)
+    summaries = c.run_workers(lambda rank: run_job(c.worker_config(rank), job), timeout_s=300)
+    distributed = summaries[0]["test_accuracy"]
+    reference = single_process_accuracy(job)
+    print(f"digits test accuracy: distributed {distributed:.4f}, single process {reference:.4f}")
+    assert summaries[0]["iterations"] == summaries[1]["iterations"] == EPOCHS * (1437 // (BATCH * WORKERS))
+    assert distributed >= 0.95
+    assert abs(distributed - reference) <= 0.01

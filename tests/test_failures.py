@@ -1,0 +1,78 @@
+"""Failures end in a clear error within their timeout, never in a hang."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import imerge
+from imerge.coordinator.store import Store
+from imerge.errors import LayoutMismatchError, RemoteError, StoreError, WaitTimeout
+from imerge.models import build_model
+
+from helpers import new_job
+
+
+def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
+    c = cluster(3, 2)
+    joined = threading.Barrier(3)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    models = [build_model("digits-cnn") for _ in range(3)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], config=c.worker_config(rank, pull_timeout_s=2.0))
+        joined.wait(30)
+        if rank == 2:  # joins, then never pushes
+            time.sleep(4)
+            return None
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            model(x)  # the forward waits for the pulls, which time out
+        return time.monotonic() - started, info.value
+
+    results = c.run_workers(body)
+    for waited, error in results[:2]:
+        assert error.status == "DEADLINE_EXCEEDED"
+        assert "workers [2] have not pushed" in str(error)
+        assert waited < 2.0 + 3.0
+
+
+def test_layout_mismatch_names_the_first_differing_parameter(cluster):
+    c = cluster(2, 1)
+    models = [build_model("digits-cnn"), torch.nn.Sequential(torch.nn.Linear(4, 3))]
+
+    def body(rank: int):
+        with pytest.raises(LayoutMismatchError) as info:
+            imerge.distribute(models[rank], config=c.worker_config(rank))
+        return str(info.value)
+
+    for message in c.run_workers(body):
+        assert "worker 1 disagrees with worker 0 at parameter #0: 0.bias [3] vs fc2.bias [10]" in message
+
+
+def test_missing_coordinator_times_out_naming_the_plan(redis_url):
+    from imerge.worker.config import WorkerConfig
+
+    config = WorkerConfig(job=new_job(), redis_url=redis_url, wait_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(WaitTimeout, match="waiting for the coordinator to publish the plan"):
+        imerge.distribute(build_model("digits-cnn"), config=config)
+    assert time.monotonic() - started < 5
+
+
+def test_coordinator_times_out_naming_missing_shards(redis_url):
+    from imerge.coordinator.service import Coordinator, CoordinatorConfig
+
+    coordinator = Coordinator(CoordinatorConfig(job=new_job(), redis_url=redis_url, num_shards=2,
+                                                wait_timeout_s=1.0))
+    with pytest.raises(WaitTimeout, match=r"PS shards \[0, 1\] to register"):
+        coordinator.publish_plan()
+
+
+def test_unreachable_redis_is_a_store_error():
+    store = Store("redis://127.0.0.1:1/0", "x", socket_timeout_s=1.0)
+    with pytest.raises(StoreError, match="Redis at redis://127.0.0.1:1/0: ping failed"):
+        store.ping()

@@ -1,0 +1,112 @@
+"""`imerge launch`: a whole job on one host, as real processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+IMERGE = [sys.executable, "-m", "imerge"]
+
+
+def launch(tmp_path: Path, *args: str, **kwargs) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
+    return subprocess.Popen(IMERGE + ["launch", "--log-dir", str(tmp_path / "logs"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_launch_two_shards_two_workers_completes(tmp_path):
+    summary = tmp_path / "summary.json"
+    run = launch(tmp_path, "--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
+                 "--iters", "25", "--summary-json", str(summary))
+    output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output
+    result = json.loads(summary.read_text())
+    assert result["iterations"] == 25 and result["shards"] == 2 and result["workers"] == 2
+    assert result["final_loss"] < 2.35 and result["test_accuracy"] is not None
+    assert "finished" in output
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["coordinator.log", "ps0.log", "ps1.log", "worker0.log", "worker1.log"]
+
+
+def test_sigint_mid_run_leaves_no_process(tmp_path):
+    run = launch(tmp_path, "--shards", "2", "--workers", "2", "--model", "digits-cnn", "--iters", "1000000")
+    worker_log = tmp_path / "logs" / "worker1.log"
+    deadline = time.monotonic() + 180
+    while not (worker_log.exists() and "iteration=3 " in worker_log.read_text()):
+        assert run.poll() is None, run.stdout.read()
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.5)
+    children = descendants(run.pid)
+    assert len(children) >= 6  # redis, coordinator, 2 shards, 2 workers
+    run.send_signal(signal.SIGINT)
+    output, _ = run.communicate(timeout=60)
+    assert run.returncode == 128 + signal.SIGINT, output
+    assert "SIGINT: stopping every role" in output
+    time.sleep(0.5)
+    assert [pid for pid in children if alive(pid)] == []
+
+
+def test_failed_role_is_named_and_exit_is_nonzero(tmp_path):
+    script = "import os, sys; sys.exit(3 if os.environ['IMERGE_RANK'] == '1' else 0)"
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--", sys.executable, "-c", script)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1
+    assert "worker1: exited with code 3" in output
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["ps", "--port", "70000"], {}, "--port: must be 0..65535"),
+    (["ps"], {"IMERGE_PORT": "abc"}, "IMERGE_PORT (environment twin of --port): expected int, got 'abc'"),
+    (["launch", "--workers", "0"], {}, "--workers: must lie in 1..256"),
+    (["worker", "--world-size", "2", "--rank", "5"], {}, "--rank: must lie in 0..1"),
+    (["coordinator", "--redis-url", "http://x"], {}, "--redis-url: expected redis://host:port/db"),
+    (["worker", "--model", "alexnet"], {}, "argument --model: invalid choice: 'alexnet'"),
+    (["ps", "--", "python"], {}, "only accepted by 'imerge launch'"),
+])
+def test_cli_rejects_bad_options_naming_them(args, env, message):
+    result = subprocess.run(IMERGE + args, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_shard_stops_gracefully_on_sigterm(redis_url):
+    shard = subprocess.Popen(IMERGE + ["ps", "--redis-url", redis_url, "--job", "sigterm", "--no-register"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    lines = []
+    while not any("serving on" in line for line in lines):
+        assert time.monotonic() < deadline and shard.poll() is None, "".join(lines)
+        lines.append(shard.stdout.readline())
+    shard.send_signal(signal.SIGTERM)
+    assert shard.wait(15) == 0

@@ -1,0 +1,97 @@
+"""Pure policy and codec units: no grpc, no redis."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from imerge.codec import ChunkAssembler, iter_chunks, tensor_view
+from imerge.config import CommonConfig, from_env, to_env
+from imerge.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
+from imerge.planning import Layout, ParamInfo, Plan, groups_per_module, make_plan, place_greedy
+
+
+def layout(*specs) -> Layout:
+    return Layout(tuple(ParamInfo(name, shape, module) for name, shape, module in specs))
+
+
+def test_policy_modules_import_neither_grpc_nor_redis():
+    code = ("import sys, imerge.planning, imerge.codec, imerge.config, imerge.optim; "
+            "print(sorted(m for m in ('grpc', 'redis') if m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_groups_follow_modules_in_backward_order():
+    groups = groups_per_module(layout(("fc.bias", (10,), "fc"), ("fc.weight", (10, 4), "fc"),
+                                      ("conv.weight", (4, 1, 3, 3), "conv")))
+    assert [(g.index, g.params, g.numel) for g in groups] == [(0, ("fc.bias", "fc.weight"), 50),
+                                                              (1, ("conv.weight",), 36)]
+
+
+@pytest.mark.parametrize("sizes, shards", [([5, 3, 3, 2, 2, 1], 2), ([7, 7, 7], 3), ([10, 1, 1, 1], 2), ([4], 3)])
+def test_greedy_placement_is_lpt_and_within_four_thirds_of_optimum(sizes, shards):
+    placement = place_greedy(sizes, shards)
+    load = [sum(s for s, p in zip(sizes, placement) if p == shard) for shard in range(shards)]
+    best = min(max(sum(s for s, p in zip(sizes, assign) if p == shard) for shard in range(shards))
+               for assign in itertools.product(range(shards), repeat=len(sizes)))
+    assert max(load) <= 4 / 3 * best + 1e-9
+    assert sum(load) == sum(sizes)
+
+
+def test_placement_needs_a_shard():
+    with pytest.raises(PlanError):
+        place_greedy([1], 0)
+
+
+def test_plan_round_trips_through_json():
+    plan = make_plan(layout(("a", (3,), "m1"), ("b", (5, 2), "m2")), 2, ["h:1", "h:2"], version=4)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert sorted(plan.shard_load()) == [3, 10]
+
+
+def test_layout_mismatch_messages():
+    base = layout(("a", (3,), "m"), ("b", (2,), "m"))
+    with pytest.raises(LayoutMismatchError, match=r"worker 2 disagrees with worker 0 at parameter #1: b \[3\] vs b \[2\]"):
+        base.check_same(layout(("a", (3,), "m"), ("b", (3,), "m")), 0, 2)
+    with pytest.raises(LayoutMismatchError, match="first extra one \\(worker 1\\): c"):
+        base.check_same(layout(("a", (3,), "m"), ("b", (2,), "m"), ("c", (1,), "m")), 0, 1)
+
+
+def test_chunks_round_trip_and_limits():
+    source = torch.arange(1000, dtype=torch.float32)
+    target = torch.empty(1000)
+    assembler = ChunkAssembler(target, "t")
+    for piece in iter_chunks(tensor_view(source), chunk_bytes=512):
+        assembler.feed(piece)
+    assembler.finish()
+    assert torch.equal(source, target)
+    with pytest.raises(InvalidArgument, match="more than the declared"):
+        ChunkAssembler(torch.empty(2), "t").feed(np.zeros(3, "<f4").tobytes())
+    with pytest.raises(InvalidArgument, match="truncated"):
+        ChunkAssembler(torch.empty(2), "t").finish()
+
+
+def test_config_from_env_and_back():
+    config = from_env(CommonConfig, {"IMERGE_JOB": "j1", "IMERGE_WAIT_TIMEOUT_S": "3.5"})
+    assert (config.job, config.wait_timeout_s) == ("j1", 3.5)
+    assert from_env(CommonConfig, to_env(config)) == config
+    with pytest.raises(ConfigError, match="IMERGE_WAIT_TIMEOUT_S"):
+        from_env(CommonConfig, {"IMERGE_WAIT_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match="--job"):
+        CommonConfig(job="a:b")
+    with pytest.raises(ConfigError, match="--log-level"):
+        CommonConfig(log_level="LOUD")
+
+
+def test_worker_identity_from_torchrun_variables():
+    from imerge.worker.config import WorkerConfig
+
+    config = from_env(WorkerConfig, {"RANK": "2", "WORLD_SIZE": "3"})
+    assert (config.rank, config.world_size) == (2, 3)
+    assert from_env(WorkerConfig, {"RANK": "2", "WORLD_SIZE": "3", "IMERGE_RANK": "1"}).rank == 1
+    with pytest.raises(ConfigError, match="--rank"):
+        from_env(WorkerConfig, {"RANK": "3", "WORLD_SIZE": "3"})
