@@ -220,3 +220,15 @@ def test_bad_requests_do_not_harm_a_concurrent_job(cluster):
     assert grpc.StatusCode.OK not in rejected
     assert set(rejected) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                              grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS}
+
+
+def test_health_service_reports_serving(shard):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(shard.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "imerge.v1.ParameterServer"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5))
+        assert code == grpc.StatusCode.NOT_FOUND
