@@ -88,6 +88,18 @@ class Store:
             if item is not None:
                 return item[1]
 
+    def _collect(self, queue: str, count: int, timeout_s: float, what: str) -> None:
+        """Pop indexes from ``queue`` until each of 0..count-1 was seen; others are logged and skipped."""
+        deadline = time.monotonic() + timeout_s
+        seen: set[int] = set()
+        while len(seen) < count:
+            missing = sorted(set(range(count)) - seen)
+            index = int(self._pop(self.key(queue, "queue"), deadline, what.format(missing=missing), timeout_s))
+            if 0 <= index < count:
+                seen.add(index)
+            else:
+                log.warning("%s %d registered but the job has only %d; ignored", queue, index, count)
+
     @_translated
     def set_event(self, name: str, value: str) -> None:
         pipe = self._redis.pipeline()
@@ -113,16 +125,7 @@ class Store:
     @_translated
     def wait_shards(self, count: int, timeout_s: float) -> list[str]:
         """Addresses of shards 0..count-1, once all of them registered."""
-        deadline = time.monotonic() + timeout_s
-        seen: set[int] = set()
-        while len(seen) < count:
-            missing = sorted(set(range(count)) - seen)
-            index = int(self._pop(self.key("shards", "queue"), deadline,
-                                  f"PS shards {missing} to register", timeout_s))
-            if 0 <= index < count:
-                seen.add(index)
-            else:
-                log.warning("shard %d registered but the job has only %d shards; ignored", index, count)
+        self._collect("shards", count, timeout_s, "PS shards {missing} to register")
         addresses = self._redis.hgetall(self.key("shards"))
         return [addresses[str(i)] for i in range(count)]
 
@@ -154,14 +157,7 @@ class Store:
 
     @_translated
     def wait_layouts(self, world_size: int, timeout_s: float) -> dict[int, str]:
-        deadline = time.monotonic() + timeout_s
-        seen: set[int] = set()
-        while len(seen) < world_size:
-            missing = sorted(set(range(world_size)) - seen)
-            rank = int(self._pop(self.key("layouts", "queue"), deadline,
-                                 f"workers {missing} to submit their model layout", timeout_s))
-            if 0 <= rank < world_size:
-                seen.add(rank)
+        self._collect("layouts", world_size, timeout_s, "workers {missing} to submit their model layout")
         pipe = self._redis.pipeline()
         for rank in range(world_size):
             pipe.get(self.key("layout", rank))

@@ -51,6 +51,11 @@ class LaunchConfig:
         require(self.stop_grace_s > 0, "stop_grace_s", "must be positive")
 
 
+def _figure(event: dict[str, Any], key: str, digits: int) -> str:
+    value = event.get(key)
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
 class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -177,12 +182,13 @@ class Launcher:
                 for event in self._read_events(stream, buffer, 0.2):
                     self.events.append(event)
                     if event.get("event") == "iteration":
-                        bar.update(task, completed=event["iteration"], total=event.get("total"),
-                                   loss=f"{event['loss']:.4f}", itime=f"{event['seconds']:.3f}")
+                        loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
+                        bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),
+                                   loss=loss, itime=itime)
                         if not self.console.is_terminal and time.monotonic() - last_note > 5:
                             last_note = time.monotonic()
-                            self.console.print(f"iteration {event['iteration']}/{event.get('total')} "
-                                               f"loss {event['loss']:.4f} {event['seconds']:.3f} s/it")
+                            self.console.print(f"iteration {event.get('iteration')}/{event.get('total', '?')} "
+                                               f"loss {loss} {itime} s/it")
             for event in self._read_events(stream, buffer, 0.0):
                 self.events.append(event)
 
@@ -239,14 +245,15 @@ class Launcher:
                     raise ChildFailed(child.role, f"exited with code {code} on SIGTERM")
 
     def _summarize(self, wall_s: float) -> None:
-        times = [e["seconds"] for e in self.events if e.get("event") == "iteration"]
+        iterations = [e for e in self.events if e.get("event") == "iteration"]
+        times = [e["seconds"] for e in iterations if "seconds" in e]
         steady = times[1:] or times
         final = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
         self.summary = {"job": self.job, "workers": self.config.workers, "shards": self.config.shards,
-                        "iterations": len(times), "wall_seconds": round(wall_s, 3),
+                        "iterations": len(iterations), "wall_seconds": round(wall_s, 3),
                         "median_iteration_seconds": statistics.median(steady) if steady else None,
                         "mean_iteration_seconds": statistics.fmean(steady) if steady else None,
-                        "final_loss": final.get("loss"), "test_accuracy": final.get("test_accuracy"),
+                        "final_loss": final.get("loss", iterations[-1].get("loss") if iterations else None), "test_accuracy": final.get("test_accuracy"),
                         "log_dir": str(self.log_dir)}
         table = Table(title=f"job {self.job} finished")
         table.add_column("figure")
