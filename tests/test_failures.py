@@ -24,14 +24,17 @@ def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
     def body(rank: int):
         model = imerge.distribute(models[rank], config=c.worker_config(rank, pull_timeout_s=2.0))
         joined.wait(30)
-        if rank == 2:  # joins, then never pushes
-            time.sleep(4)
-            return None
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        started = time.monotonic()
-        with pytest.raises(RemoteError) as info:
-            model(x)  # the forward waits for the pulls, which time out
-        return time.monotonic() - started, info.value
+        try:
+            if rank == 2:  # joins, then never pushes
+                time.sleep(4)
+                return None
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            started = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                model(x)  # the forward waits for the pulls, which time out
+            return time.monotonic() - started, info.value
+        finally:
+            model.abort()
 
     results = c.run_workers(body)
     for waited, error in results[:2]:

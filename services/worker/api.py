@@ -89,7 +89,7 @@ class DistributedModel(torch.nn.Module):
             self._engine = SyncEngine(module, self.plan, config, optimizer)
             self._engine.initialize(self._store)
         except BaseException:
-            self._shutdown()
+            self.abort()
             raise
         log.info("worker %d/%d joined job %s: %d groups on %d shards", config.rank, config.world_size,
                  config.job, len(self.plan.groups), len(self.plan.shard_addresses))
@@ -108,7 +108,8 @@ class DistributedModel(torch.nn.Module):
         """Wait for every in-flight sync, so the parameters are the shards' latest."""
         self.engine.synchronize()
 
-    def _shutdown(self) -> None:
+    def abort(self) -> None:
+        """Leave at once: no final sync, no done mark (the others will time out naming this worker)."""
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -123,7 +124,7 @@ class DistributedModel(torch.nn.Module):
             self._engine.synchronize()
             self._store.mark_done(self.config.rank)
         finally:
-            self._shutdown()
+            self.abort()
 
     def __enter__(self) -> "DistributedModel":
         return self
@@ -132,7 +133,7 @@ class DistributedModel(torch.nn.Module):
         if exc[0] is None:
             self.close()
         else:
-            self._shutdown()
+            self.abort()
 
 
 def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
