@@ -48,12 +48,14 @@ def push(stub, block_id="b", worker=0, round_=0, data=None, numel=NUMEL, dtype=p
     if chunks is None:
         chunks = [floats(np.ones(numel)) if data is None else data]
     messages = [ps_pb2.PushChunk(header=header)] + [ps_pb2.PushChunk(data=c) for c in chunks]
-    return stub.Push(iter(messages), timeout=10)
+    reply = stub.Push(iter(messages), timeout=10)
+    assert len(reply.results) == 1 and reply.results[0].block_id == block_id
+    return reply.results[0]
 
 
 def pull(stub, block_id="b", worker=0, round_=0, timeout_s=0.0):
-    return list(stub.Pull(ps_pb2.PullRequest(block_id=block_id, worker=worker, round=round_, timeout_s=timeout_s),
-                          timeout=30))
+    return list(stub.Pull(ps_pb2.PullRequest(block_ids=[block_id], worker=worker, round=round_,
+                                             timeout_s=timeout_s), timeout=30))
 
 
 def status_of(call) -> tuple[grpc.StatusCode, str]:
@@ -64,7 +66,7 @@ def status_of(call) -> tuple[grpc.StatusCode, str]:
 
 def test_unknown_block_is_not_found(stub):
     for call in (lambda: push(stub, "nope"), lambda: pull(stub, "nope"),
-                 lambda: list(stub.Fetch(ps_pb2.FetchRequest(block_id="nope")))):
+                 lambda: list(stub.Fetch(ps_pb2.FetchRequest(block_ids=["nope"])))):
         code, details = status_of(call)
         assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
 
@@ -121,7 +123,7 @@ def test_oversized_truncated_and_malformed_streams(stub):
     code, details = status_of(lambda: push(stub, chunks=[b"\x00" * 7]))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "whole number" in details
     code, details = status_of(lambda: stub.Push(iter([ps_pb2.PushChunk(data=half)])))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "first message must carry the header" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "every segment must start with a header" in details
     code, details = status_of(lambda: stub.Push(iter([])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty stream" in details
     code, _ = status_of(lambda: push(stub, chunks=[b"\x00" * (8 << 20)]))
@@ -168,6 +170,21 @@ def test_pull_timeout_names_missing_workers(stub):
     assert time.monotonic() - started < 3
 
 
+def test_one_stream_carries_several_blocks(stub):
+    """A fused group pushes all its blocks on a shard in one stream and pulls them in one call."""
+    init(stub, "x", numel=3, workers=1, data=floats([1, 2, 3]))
+    init(stub, "y", numel=2, workers=1, data=floats([5, 6]))
+    header = lambda block_id, numel: ps_pb2.PushChunk(header=ps_pb2.PushHeader(  # noqa: E731
+        block_id=block_id, worker=0, round=0, dtype=ps_pb2.FLOAT32, numel=numel))
+    reply = stub.Push(iter([header("x", 3), ps_pb2.PushChunk(data=floats([10, 10, 10])),
+                            header("y", 2), ps_pb2.PushChunk(data=floats([10])), ps_pb2.PushChunk(data=floats([10]))]))
+    assert [(r.block_id, r.duplicate, r.pushed) for r in reply.results] == [("x", False, 1), ("y", False, 1)]
+    chunks = list(stub.Pull(ps_pb2.PullRequest(block_ids=["y", "x"], worker=0, round=0), timeout=10))
+    assert [c.meta.block_id for c in chunks if c.WhichOneof("part") == "meta"] == ["y", "x"]
+    values = np.frombuffer(b"".join(c.data for c in chunks if c.WhichOneof("part") == "data"), dtype="<f4")
+    np.testing.assert_allclose(values, [4, 5, 0, 1, 2], atol=1e-6)  # lr 0.1 * 10 subtracted
+
+
 def test_stats_report_counters(stub):
     init(stub, workers=1)
     push(stub)
@@ -188,12 +205,12 @@ def test_bad_requests_do_not_harm_a_concurrent_job(cluster):
         channels = [grpc.insecure_channel(a) for a in c.addresses]
         stubs = [ps_pb2_grpc.ParameterServerStub(ch) for ch in channels]
         nan = floats(np.full(650, np.nan))
-        attacks = [lambda s: push(s, "g0", numel=650, data=nan),  # NaN into a real block
-                   lambda s: push(s, "g0", numel=651, data=floats(np.ones(651))),
-                   lambda s: push(s, "g0", round_=10_000, numel=650, data=floats(np.ones(650))),
-                   lambda s: push(s, "g1", worker=99, numel=32832, chunks=[b""]),
-                   lambda s: pull(s, "g2", worker=1, round_=10_000),
-                   lambda s: init(s, "g0", numel=650, workers=3, data=floats(np.ones(100)))]  # truncated
+        attacks = [lambda s: push(s, "b0", numel=650, data=nan),  # NaN into a real block
+                   lambda s: push(s, "b0", numel=651, data=floats(np.ones(651))),
+                   lambda s: push(s, "b0", round_=10_000, numel=650, data=floats(np.ones(650))),
+                   lambda s: push(s, "b1", worker=99, numel=32832, chunks=[b""]),
+                   lambda s: pull(s, "b2", worker=1, round_=10_000),
+                   lambda s: init(s, "b0", numel=650, workers=3, data=floats(np.ones(100)))]  # truncated
         while not stop.is_set():
             for stub in stubs:
                 for hit in attacks:

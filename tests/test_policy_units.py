@@ -12,7 +12,7 @@ import torch
 from imerge.codec import ChunkAssembler, iter_chunks, tensor_view
 from imerge.config import CommonConfig, from_env, to_env
 from imerge.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
-from imerge.planning import Layout, ParamInfo, Plan, groups_per_module, make_plan, place_greedy
+from imerge.planning import Layout, ParamInfo, Plan, PlanOptions, make_plan, make_units, place
 
 
 def layout(*specs) -> Layout:
@@ -25,16 +25,15 @@ def test_policy_modules_import_neither_grpc_nor_redis():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
-def test_groups_follow_modules_in_backward_order():
-    groups = groups_per_module(layout(("fc.bias", (10,), "fc"), ("fc.weight", (10, 4), "fc"),
-                                      ("conv.weight", (4, 1, 3, 3), "conv")))
-    assert [(g.index, g.params, g.numel) for g in groups] == [(0, ("fc.bias", "fc.weight"), 50),
-                                                              (1, ("conv.weight",), 36)]
+def test_units_follow_modules_in_backward_order():
+    units = make_units(layout(("fc.bias", (10,), "fc"), ("fc.weight", (10, 4), "fc"),
+                              ("conv.weight", (4, 1, 3, 3), "conv")))
+    assert [(u.index, u.module, u.offset, u.numel) for u in units] == [(0, "fc", 0, 50), (1, "conv", 50, 36)]
 
 
 @pytest.mark.parametrize("sizes, shards", [([5, 3, 3, 2, 2, 1], 2), ([7, 7, 7], 3), ([10, 1, 1, 1], 2), ([4], 3)])
 def test_greedy_placement_is_lpt_and_within_four_thirds_of_optimum(sizes, shards):
-    placement = place_greedy(sizes, shards)
+    placement = place(sizes, [0] * len(sizes), shards, 1)
     load = [sum(s for s, p in zip(sizes, placement) if p == shard) for shard in range(shards)]
     best = min(max(sum(s for s, p in zip(sizes, assign) if p == shard) for shard in range(shards))
                for assign in itertools.product(range(shards), repeat=len(sizes)))
@@ -44,13 +43,13 @@ def test_greedy_placement_is_lpt_and_within_four_thirds_of_optimum(sizes, shards
 
 def test_placement_needs_a_shard():
     with pytest.raises(PlanError):
-        place_greedy([1], 0)
+        place([1], [0], 0, 1)
 
 
 def test_plan_round_trips_through_json():
     plan = make_plan(layout(("a", (3,), "m1"), ("b", (5, 2), "m2")), 2, ["h:1", "h:2"], version=4)
     assert Plan.from_json(plan.to_json()) == plan
-    assert sorted(plan.shard_load()) == [3, 10]
+    assert sorted(plan.shard_load()) == [[12], [40]]
 
 
 def test_layout_mismatch_messages():

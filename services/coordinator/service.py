@@ -8,13 +8,12 @@ import threading
 import time
 
 from imerge.config import CommonConfig, option, require
-from imerge.errors import IMergeError, LayoutMismatchError
-from imerge.planning import Layout, Plan, make_plan
+from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 
 from .store import Store
 
 log = logging.getLogger(__name__)
-PLAN_EVENT = "plan"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +29,18 @@ class CoordinatorConfig(CommonConfig):
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
 
 
-def check_layouts(layouts: dict[int, str]) -> Layout:
-    """The agreed layout, or LayoutMismatchError naming the first difference."""
-    reference = Layout.from_json(layouts[0])
-    for rank in sorted(layouts)[1:]:
-        reference.check_same(Layout.from_json(layouts[rank]), 0, rank)
-    return reference
+def check_layouts(payloads: dict[int, str]) -> tuple[Layout, PlanOptions]:
+    """The agreed layout and scheduling options, or LayoutMismatchError naming the first difference."""
+    decoded = {rank: json.loads(text) for rank, text in payloads.items()}
+    reference = Layout.from_json(json.dumps(decoded[0]["layout"]))
+    options = decoded[0]["options"]
+    for rank in sorted(decoded)[1:]:
+        reference.check_same(Layout.from_json(json.dumps(decoded[rank]["layout"])), 0, rank)
+        for name, value in options.items():
+            if decoded[rank]["options"].get(name) != value:
+                raise LayoutMismatchError(f"worker {rank} disagrees with worker 0 on option {name}: "
+                                          f"{decoded[rank]['options'].get(name)!r} vs {value!r}")
+    return reference, PlanOptions(**options)
 
 
 class Coordinator:
@@ -53,14 +58,32 @@ class Coordinator:
         log.info("all %d shards registered: %s", cfg.num_shards, ", ".join(addresses))
         layouts = self.store.wait_layouts(cfg.num_workers, cfg.wait_timeout_s)
         try:
-            layout = check_layouts(layouts)
-        except LayoutMismatchError as exc:
-            self.store.set_event(PLAN_EVENT, json.dumps({"error": str(exc), "kind": "layout-mismatch"}))
+            layout, options = check_layouts(layouts)
+            plan = make_plan(layout, cfg.num_workers, addresses, version=1, options=options)
+        except (LayoutMismatchError, PlanError) as exc:
+            kind = "layout-mismatch" if isinstance(exc, LayoutMismatchError) else "plan"
+            self.store.set_event("plan:1", json.dumps({"error": str(exc), "kind": kind}))
             raise
-        plan = make_plan(layout, cfg.num_workers, addresses, version=1)
-        self.store.set_event(PLAN_EVENT, plan.to_json())
-        log.info("published plan v%d: %d groups, %d blocks, elements per shard %s",
+        self._publish(plan)
+        if options.fusion == "cost":
+            plan = self.publish_cost_plan(layout, options, plan)
+        return plan
+
+    def _publish(self, plan: Plan) -> None:
+        self.store.set_event(f"plan:{plan.version}", plan.to_json())
+        log.info("published plan v%d: %d groups, %d blocks, bytes per shard and phase %s",
                  plan.version, len(plan.groups), len(plan.blocks), plan.shard_load())
+
+    def publish_cost_plan(self, layout: Layout, options: PlanOptions, first: Plan) -> Plan:
+        """Regroup the blocks of ``first`` from worker 0's profile (fusion cost)."""
+        profile = json.loads(self.store.wait_profile(self.config.wait_timeout_s))
+        groups = fuse_cost(profile["ready_s"], profile["unit_bytes"], profile["alpha_s"],
+                           profile["beta_s_per_byte"])
+        plan = make_plan(layout, first.num_workers, first.shard_addresses, first.version + 1, options,
+                         groups=groups, placement_of=[b.shard for b in first.blocks])
+        log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile["alpha_s"],
+                 profile["beta_s_per_byte"], len(profile["unit_bytes"]), len(groups))
+        self._publish(plan)
         return plan
 
     def watch(self) -> None:

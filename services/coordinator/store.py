@@ -20,10 +20,22 @@ key                         type     meaning
 ``event:{name}``            list     a latch: holds one token once the event is set
 ``event:{name}:value``      string   the event's payload
 ``done:queue``              list     ranks, pushed when a worker finished its job
+``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
+``profile:queue``           list     a token, pushed when the profile is submitted
+``flag:{v}:{g}``            string   holder token of group g's slot flag (plan v), with
+                                     the lease as its expiry; absent = free
+``flag:{v}:{g}:wake``       list     one token pushed by each release, to wake a waiter
 ==========================  =======  ==============================================
 
-Events in use: ``plan`` (payload: the plan JSON, or ``{"error": ...}``) and
-``blocks-ready:{version}`` (rank 0 initialized every block of that plan).
+Events in use: ``plan:{version}`` (payload: the plan JSON, or ``{"error": ...}``)
+and ``blocks-ready:{version}`` (rank 0 initialized every block of that plan).
+
+Slot flags are leases: taking one is one Lua call (set the holder with an
+expiry if absent); a worker that finds it taken blocks on the wake list with
+BLPOP for at most the holder's remaining lease, then tries again, so a dead
+holder frees the flag when its lease expires and nobody polls. Releasing is a
+Lua compare-and-delete on the holder token, so a late release by an old
+holder never frees a newer holder's flag.
 A latch is waited on with BLPOP and the token is pushed back at once, so any
 number of waiters see it, now or later.
 """
@@ -43,6 +55,22 @@ from imerge.errors import StoreError, WaitTimeout
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 _BLOCK_SLICE_S = 5.0
+_ACQUIRE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('DEL', KEYS[2])
+  return -1
+end
+return redis.call('PTTL', KEYS[1])
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('RPUSH', KEYS[2], '1')
+  return 1
+end
+return 0
+"""
 
 
 def _translated(method: F) -> F:
@@ -66,6 +94,8 @@ class Store:
         self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s + _BLOCK_SLICE_S,
                                            socket_connect_timeout=socket_timeout_s,
                                            decode_responses=True)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._release = self._redis.register_script(_RELEASE)
 
     def key(self, *parts: object) -> str:
         return self._prefix + ":".join(str(p) for p in parts)
@@ -172,3 +202,44 @@ class Store:
         """One rank that finished, or None if none did within ``timeout_s``."""
         item = self._redis.blpop([self.key("done", "queue")], timeout=min(timeout_s, _BLOCK_SLICE_S))
         return None if item is None else int(item[1])
+
+    # -- profile (fusion cost) ------------------------------------------------
+    @_translated
+    def submit_profile(self, payload: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self.key("profile"), payload)
+        pipe.rpush(self.key("profile", "queue"), "1")
+        pipe.execute()
+
+    @_translated
+    def wait_profile(self, timeout_s: float) -> str:
+        self._pop(self.key("profile", "queue"), time.monotonic() + timeout_s,
+                  "worker 0's profile of its first iterations", timeout_s)
+        return self._redis.get(self.key("profile")) or ""
+
+    # -- slot flags -------------------------------------------------------------
+    @_translated
+    def acquire_flag(self, name: str, token: str, lease_s: float, timeout_s: float) -> bool:
+        """Take flag ``name`` for ``token``; block (no polling) while another holds it.
+
+        Returns whether the flag was contended; WaitTimeout names the holder.
+        """
+        holder, wake = self.key("flag", name), self.key("flag", name, "wake")
+        deadline = time.monotonic() + timeout_s
+        contended = False
+        while True:
+            remaining_lease_ms = self._acquire(keys=[holder, wake], args=[token, int(lease_s * 1000)])
+            if remaining_lease_ms == -1:
+                return contended
+            contended = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for slot flag {name} "
+                                  f"(held by {self._redis.get(holder)})")
+            wait = min(remaining, max(remaining_lease_ms, 10) / 1000, _BLOCK_SLICE_S)
+            self._redis.blpop([wake], timeout=wait)
+
+    @_translated
+    def release_flag(self, name: str, token: str) -> bool:
+        """Free flag ``name`` if ``token`` still holds it; False if its lease had passed to another."""
+        return bool(self._release(keys=[self.key("flag", name), self.key("flag", name, "wake")], args=[token]))

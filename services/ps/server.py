@@ -105,6 +105,33 @@ async def _data(stream: AsyncIterator[Any], what: str) -> AsyncIterator[bytes]:
         yield chunk.data
 
 
+class Segments:
+    """A push stream as segments: a header, then that block's data chunks."""
+
+    def __init__(self, stream: AsyncIterator[Any]):
+        self._messages = aiter(stream)
+        self._pending: Any = None
+        self._started = False
+
+    async def next_header(self) -> Any:
+        message, self._pending = self._pending or await anext(self._messages, None), None
+        if message is None:
+            if not self._started:
+                raise InvalidArgument("Push: empty stream")
+            return None
+        if message.WhichOneof("part") != "header":
+            raise InvalidArgument("Push: every segment must start with a header")
+        self._started = True
+        return message.header
+
+    async def data(self) -> AsyncIterator[bytes]:
+        async for message in self._messages:
+            if message.WhichOneof("part") == "header":
+                self._pending = message
+                return
+            yield message.data
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard, config: PSConfig):
         self.shard = shard
@@ -126,12 +153,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary
     async def Push(self, request_iterator, context):
-        header = await _first(request_iterator, "header", "Push")
-        what = f"push of block {header.block_id} by worker {header.worker}"
-        duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
-                                                  dtype_name(header.dtype, what), header.numel,
-                                                  _data(request_iterator, what))
-        return ps_pb2.PushReply(duplicate=duplicate, pushed=pushed)
+        segments, results = Segments(request_iterator), []
+        while (header := await segments.next_header()) is not None:
+            what = f"push of block {header.block_id} by worker {header.worker}"
+            duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
+                                                      dtype_name(header.dtype, what), header.numel,
+                                                      segments.data())
+            results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate, pushed=pushed))
+        return ps_pb2.PushReply(results=results)
 
     def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:
         timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
@@ -140,24 +169,30 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout = min(timeout, max(remaining - 0.2, 0.01))
         return timeout
 
-    async def _send(self, round_: int, snapshot: bytes) -> AsyncIterator[ps_pb2.TensorChunk]:
-        yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(dtype=ps_pb2.FLOAT32, numel=len(snapshot) // 4,
-                                                        round=round_))
-        for data in iter_chunks(snapshot):
-            yield ps_pb2.TensorChunk(data=data)
-        self.shard.counters.bytes_sent += len(snapshot)
+    async def _send(self, blocks: list[tuple[str, int, bytes]]) -> AsyncIterator[ps_pb2.TensorChunk]:
+        for block_id, round_, snapshot in blocks:
+            yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
+                                                            numel=len(snapshot) // 4, round=round_))
+            for data in iter_chunks(snapshot):
+                yield ps_pb2.TensorChunk(data=data)
+            self.shard.counters.bytes_sent += len(snapshot)
 
     @_streaming
     async def Pull(self, request, context):
-        round_, snapshot = await self.shard.pull(request.block_id, request.worker, request.round,
-                                                 self._pull_timeout(request, context))
-        async for chunk in self._send(round_, snapshot):
+        if not request.block_ids:
+            raise InvalidArgument("Pull: no block_ids")
+        timeout = self._pull_timeout(request, context)
+        replies = await asyncio.gather(*(self.shard.pull(block_id, request.worker, request.round, timeout)
+                                         for block_id in request.block_ids))
+        async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
     @_streaming
     async def Fetch(self, request, context):
-        round_, snapshot = self.shard.fetch(request.block_id)
-        async for chunk in self._send(round_, snapshot):
+        if not request.block_ids:
+            raise InvalidArgument("Fetch: no block_ids")
+        replies = [self.shard.fetch(block_id) for block_id in request.block_ids]
+        async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
     @_unary

@@ -11,6 +11,7 @@ next forward waits, module by module, for the parameters it needs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -42,8 +43,14 @@ def layout_of(model: torch.nn.Module) -> Layout:
     return Layout(tuple(reversed(params)))
 
 
+def layout_payload(layout: Layout, config: WorkerConfig) -> str:
+    """What a worker submits: its layout and the scheduling options the plan depends on."""
+    return json.dumps({"layout": json.loads(layout.to_json()),
+                       "options": dataclasses.asdict(config.plan_options())})
+
+
 def wait_plan(store: Store, config: WorkerConfig) -> Plan:
-    payload = store.wait_event("plan", config.wait_timeout_s, "the coordinator to publish the plan")
+    payload = store.wait_event("plan:1", config.wait_timeout_s, "the coordinator to publish the plan")
     raw = json.loads(payload)
     if "error" in raw:
         raise (LayoutMismatchError if raw.get("kind") == "layout-mismatch" else PlanError)(raw["error"])
@@ -84,10 +91,12 @@ class DistributedModel(torch.nn.Module):
         self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
         self._engine: SyncEngine | None = None
         try:
-            self._store.submit_layout(config.rank, layout_of(module).to_json())
+            layout = layout_of(module)
+            self._store.submit_layout(config.rank, layout_payload(layout, config))
             self.plan = wait_plan(self._store, config)
-            self._engine = SyncEngine(module, self.plan, config, optimizer)
-            self._engine.initialize(self._store)
+            self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, optimizer,
+                                      self._store)
+            self._engine.initialize()
         except BaseException:
             self.abort()
             raise

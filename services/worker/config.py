@@ -4,6 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 from imerge.config import CommonConfig, option, require
+from imerge.planning import FUSIONS, PLACEMENTS, PlanOptions
+
+SLOTS = ("off", "fixed", "ack")
+MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,6 +17,23 @@ class WorkerConfig(CommonConfig):
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
     rpc_timeout_s: float = option(30.0, "deadline of a push, an init or a fetch")
     heartbeat_ttl_s: float = option(10.0, "lifetime of this worker's heartbeat key")
+    # the scheduler: every mechanism can be switched off to measure what it buys
+    fusion: str = option("none", "fusion planner: none (one group per module), size (byte cap), "
+                                 "cost (profiled cost model)", choices=FUSIONS)
+    size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
+    first_cap_mib: float = option(1.0, "byte cap of the first group with --fusion size, MiB")
+    partition_mib: float = option(4.0, "blocks larger than this are split into partitions, MiB")
+    placement: str = option("lpt", "block placement: lpt (balanced per interleave phase) or round-robin",
+                            choices=PLACEMENTS)
+    interleave_period: int = option(1, "T: each group syncs every T iterations (local SGD in between)")
+    priority: bool = option(True, "send first the groups the next forward needs first")
+    slots: str = option("off", "intra-iteration interleave: off, fixed (hold a group's flag for its slot "
+                               "time) or ack (until the shard acknowledged the push)", choices=SLOTS)
+    slot_bandwidth_mbps: float = option(0.0, "shard ingress bandwidth for fixed slots, Mbit/s "
+                                             "(0: measured online from the pushes)")
+    flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")
+    profile_iters: int = option(5, "iterations profiled before --fusion cost plans the groups")
+    trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -21,4 +42,15 @@ class WorkerConfig(CommonConfig):
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
         require(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
+        for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
+            require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
+        require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
+        require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
+        require(self.flag_lease_s > 0, "flag_lease_s", "must be positive")
+        require(self.profile_iters >= 2, "profile_iters", "must be at least 2")
 
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),
+                           first_cap_bytes=int(self.first_cap_mib * MIB),
+                           partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
+                           period=self.interleave_period)

@@ -1,23 +1,27 @@
-"""The worker's sync engine: fusion buffers, gradient hooks, the comm loop, forward waits.
+"""The worker's sync engine: gradient hooks, the comm loop, forward waits, the schedule.
 
-* Each group of the plan owns a flat parameter buffer (module parameters are
-  views into it, so a pull writes them without per-tensor copies) and a flat
-  gradient buffer, both allocated once.
-* A parameter's post-accumulate-grad hook copies its gradient into its slot
-  and bumps the group's counter; the group that completes goes on the comm
-  queue at once and backward continues.
-* The comm loop (an asyncio loop in its own thread) pushes each group, then
-  starts its pull without waiting for it; the pull writes the parameters and
-  resolves the group's Future, shared by all its members.
+* A parameter's post-accumulate-grad hook adds its gradient to its slot of the
+  flat accumulator and counts it for its group; a complete group that syncs in
+  this iteration goes on the comm queue at once and backward continues. A
+  group that does not sync (interleave period T > 1) takes a local SGD step.
+* The comm loop (an asyncio loop in its own thread) takes groups off the
+  queue (highest priority first), takes the group's slot flag if slots are on,
+  pushes the group's blocks (one stream per shard), releases the flag, and
+  starts the pull without waiting for it; the pull writes the parameters in
+  place and resolves the group's Future, shared by all its members.
 * A module's forward pre-hook waits on the Futures of its parameters' groups.
+* With ``--fusion cost`` the first iterations are profiled; then the
+  coordinator's cost plan regroups the (unchanged) blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Coroutine
 from typing import Any
 
@@ -25,9 +29,14 @@ import torch
 
 from imerge.errors import IMergeError, WaitTimeout
 from imerge.optim import OptimizerSpec
-from imerge.planning import Block, Group, Plan
+from imerge.planning import BYTES_PER_ELEMENT, Plan
+from imerge.schedule import syncs
+from imerge.scheduler import CommQueue
+from imerge.timeline import Timeline
 
+from .buffers import FlatParams, GroupRuntime
 from .config import WorkerConfig
+from .profiler import Profiler
 from .transport import ShardClient
 
 log = logging.getLogger(__name__)
@@ -58,144 +67,120 @@ class CommLoop:
             self._thread.join(10)
 
 
-class GroupRuntime:
-    """One fusion group's buffers and its sync state on this worker."""
-
-    def __init__(self, group: Group, blocks: list[Block], params: list[torch.nn.Parameter]):
-        self.group = group
-        self.blocks = blocks
-        self.params = params
-        self.slices: dict[int, slice] = {}
-        device = params[0].device
-        pinned = device.type == "cuda"
-        self.param_buf = torch.empty(group.numel, device=device)
-        self.host_params = torch.empty(group.numel, pin_memory=pinned) if pinned else self.param_buf
-        self.grad_buf = torch.zeros(group.numel, pin_memory=pinned)
-        offset = 0
-        with torch.no_grad():
-            for param in params:
-                view = self.param_buf[offset:offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view_as(param)
-                self.slices[id(param)] = slice(offset, offset + param.numel())
-                offset += param.numel()
-        self.filled = [False] * len(params)
-        self.position = {id(p): i for i, p in enumerate(params)}
-        self.ready = 0
-        self.round = 0
-        self.future: concurrent.futures.Future | None = None
-        self.push_done = threading.Event()
-        self.push_done.set()
-        self.pull_task: asyncio.Task | None = None
-
-    @property
-    def name(self) -> str:
-        return f"group {self.group.index} ({', '.join(self.group.params[:3])}{', ...' if len(self.params) > 3 else ''})"
-
-    def write_grad(self, param: torch.nn.Parameter) -> bool:
-        """Copy ``param``'s gradient into its slot; True when the group is complete."""
-        self.grad_buf[self.slices[id(param)]].copy_(param.grad.detach().reshape(-1))
-        index = self.position[id(param)]
-        if not self.filled[index]:
-            self.filled[index] = True
-            self.ready += 1
-        return self.ready == len(self.params)
-
-    def zero_missing(self) -> None:
-        """Zero the slots of parameters that got no gradient in this backward."""
-        for param, filled in zip(self.params, self.filled):
-            if not filled:
-                self.grad_buf[self.slices[id(param)]].zero_()
-
-    def reset(self) -> None:
-        self.filled = [False] * len(self.params)
-        self.ready = 0
-
-    def host_slice(self, block: Block) -> torch.Tensor:
-        return self.host_params[block.offset:block.offset + block.numel]
-
-    def stage_to_host(self) -> None:
-        if self.host_params is not self.param_buf:
-            self.host_params.copy_(self.param_buf)
-
-    def load_host_params(self) -> None:
-        if self.host_params is not self.param_buf:
-            self.param_buf.copy_(self.host_params)
-
-
 class SyncEngine:
-    def __init__(self, model: torch.nn.Module, plan: Plan, config: WorkerConfig, optimizer: OptimizerSpec):
-        self.plan = plan
+    def __init__(self, model: torch.nn.Module, names: list[str], plan: Plan, config: WorkerConfig,
+                 optimizer: OptimizerSpec, store: Any):
         self.config = config
         self.optimizer = optimizer.validate()
+        self.store = store
+        self.timeline = Timeline(config.rank)
+        by_name = dict(model.named_parameters())
+        self.params = [by_name[n] for n in names]
+        self.flat = FlatParams(self.params)
         self.comm = CommLoop(f"imerge-comm-{config.rank}")
-        self.clients: list[ShardClient] = self.comm.run(self._connect(), 30, "the shard channels to open")
-        params = dict(model.named_parameters())
-        self.groups = [GroupRuntime(g, plan.blocks_of_group(g.index), [params[n] for n in g.params])
-                       for g in plan.groups]
-        self._group_of = {id(p): g for g in self.groups for p in g.params}
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.clients: list[ShardClient] = self.comm.run(self._connect(plan), 30, "the shard channels to open")
+        self.block_rounds = {b.block_id: 0 for b in plan.blocks}
+        self._apply_plan(plan)
+        self.queue = CommQueue(config.priority)
+        self._queued = asyncio.Event()
         self._consumer = self.comm.submit(self._comm_main())
-        self._enqueued: set[int] = set()
         self._callback_queued = False
-        self.iterations = 0
+        self.iteration = 0          # backwards completed
+        self.schedule_start = 0     # the iteration the current plan's schedule counts from
         self.bytes_pushed = 0
+        self._bandwidth_bps = config.slot_bandwidth_mbps * 1e6 / 8
+        self._forward_started = 0.0
+        self._backward_started = 0.0
+        self.profiler = Profiler(len(plan.units)) if config.fusion == "cost" else None
         self._handles = self._install_hooks(model)
 
-    # -- setup ------------------------------------------------------------------
-    async def _connect(self) -> list[ShardClient]:
-        return [ShardClient(address) for address in self.plan.shard_addresses]
+    # -- setup ---------------------------------------------------------------------
+    async def _connect(self, plan: Plan) -> list[ShardClient]:
+        return [ShardClient(address) for address in plan.shard_addresses]
+
+    def _apply_plan(self, plan: Plan) -> None:
+        """Build the group runtimes and lookup tables of ``plan`` (blocks never change)."""
+        self.plan = plan
+        self.groups: list[GroupRuntime] = []
+        self._group_of: dict[int, GroupRuntime] = {}
+        self._unit_of: dict[int, int] = {}
+        for group in plan.groups:
+            members = {id(p) for p in self.params
+                       if group.offset <= self.flat.range[id(p)][0] < group.offset + group.numel}
+            blocks = plan.group_blocks(group)
+            rounds = {self.block_rounds[b.block_id] for b in blocks}
+            if len(rounds) != 1:
+                raise IMergeError(f"group {group.index}: its blocks are at different rounds {sorted(rounds)}")
+            runtime = GroupRuntime(group, blocks, members, rounds.pop())
+            self.groups.append(runtime)
+            self._group_of.update({pid: runtime for pid in members})
+        for unit in plan.units:
+            for p in self.params:
+                if unit.offset <= self.flat.range[id(p)][0] < unit.offset + unit.numel:
+                    self._unit_of[id(p)] = unit.index
 
     def _install_hooks(self, model: torch.nn.Module) -> list[Any]:
-        handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                   for g in self.groups for p in g.params]
+        handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        handles.append(model.register_forward_pre_hook(lambda *_: self._forward_started_now(), prepend=True))
+        handles.append(model.register_forward_hook(lambda *_: self._forward_ended_now()))
         for module in model.modules():
-            groups = {id(self._group_of[id(p)]): self._group_of[id(p)]
-                      for p in module.parameters(recurse=False) if id(p) in self._group_of}
-            if groups:
-                waits = sorted(groups.values(), key=lambda g: g.group.index)
+            owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self._group_of]
+            if owned:
                 handles.append(module.register_forward_pre_hook(
-                    lambda _module, _args, waits=waits: self._wait_groups(waits)))
+                    lambda _module, _args, owned=owned: self._wait_params(owned)))
         return handles
 
-    def initialize(self, store: Any) -> None:
+    def initialize(self) -> None:
         """Rank 0 creates every block; then every worker fetches the current parameters."""
         cfg = self.config
-        timeout = cfg.rpc_timeout_s * max(1, len(self.plan.blocks))
+        timeout = cfg.rpc_timeout_s * 4
         event = f"blocks-ready:{self.plan.version}"
         if cfg.rank == 0:
             try:
                 self.comm.run(self._init_blocks(), timeout, "the shards to accept the initial parameters")
             except Exception as exc:
-                store.set_event(event, f"worker 0 could not initialize the blocks: {exc}")
+                self.store.set_event(event, f"worker 0 could not initialize the blocks: {exc}")
                 raise
-            store.set_event(event, "")
+            self.store.set_event(event, "")
         else:
-            failure = store.wait_event(event, cfg.wait_timeout_s, "worker 0 to initialize the blocks on the shards")
+            failure = self.store.wait_event(event, cfg.wait_timeout_s,
+                                            "worker 0 to initialize the blocks on the shards")
             if failure:
                 raise IMergeError(failure)
         self.comm.run(self._fetch_all(), timeout, "the initial parameters from the shards")
 
     async def _init_blocks(self) -> None:
-        spec = self.optimizer
-        for group in self.groups:
-            group.stage_to_host()
+        self.flat.stage_to_host()
         await asyncio.gather(*(
-            self.clients[b.shard].init_block(b.block_id, self.plan.num_workers, spec, g.host_slice(b),
-                                             self.config.rpc_timeout_s)
-            for g in self.groups for b in g.blocks))
+            self.clients[b.shard].init_block(b.block_id, self.plan.num_workers, self.optimizer,
+                                             self.flat.host_slice(b), self.config.rpc_timeout_s)
+            for b in self.plan.blocks))
 
     async def _fetch_all(self) -> None:
-        for group in self.groups:
-            rounds = await asyncio.gather(*(
-                self.clients[b.shard].fetch_into(b.block_id, group.host_slice(b),
-                                                 self.config.rpc_timeout_s) for b in group.blocks))
-            if len(set(rounds)) != 1:
-                raise IMergeError(f"{group.name}: its blocks are at different rounds {rounds}")
-            group.round = rounds[0]
-            group.load_host_params()
+        by_shard: dict[int, list] = {}
+        for block in self.plan.blocks:
+            by_shard.setdefault(block.shard, []).append(block)
+        replies = await asyncio.gather(*(
+            self.clients[shard].fetch_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
+                                           self.config.rpc_timeout_s) for shard, blocks in by_shard.items()))
+        for blocks, rounds in zip(by_shard.values(), replies):
+            self.block_rounds.update({b.block_id: r for b, r in zip(blocks, rounds)})
+        self.flat.load_from_host(0, self.flat.values.numel())
+        self._apply_plan(self.plan)
 
-    # -- backward: hooks ----------------------------------------------------------
+    # -- iteration boundaries -------------------------------------------------------------
+    def _forward_started_now(self) -> None:
+        self._forward_started = time.time()
+
+    def _forward_ended_now(self) -> None:
+        self._backward_started = time.time()
+        if self.profiler is not None:
+            self.profiler.backward_started(time.monotonic())
+
+    def _syncs_now(self, group: GroupRuntime) -> bool:
+        return syncs(group.index, self.iteration - self.schedule_start, self.plan.period)
+
+    # -- backward: hooks --------------------------------------------------------------------
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         group = self._group_of[id(param)]
         if not group.push_done.is_set():  # two backwards without a forward: let the push finish
@@ -203,38 +188,83 @@ class SyncEngine:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        complete = group.write_grad(param)
+        grad = param.grad.detach()
+        self.flat.add_grad(param, grad)
+        if not self._syncs_now(group):  # local SGD step between syncs
+            with torch.no_grad():
+                param.add_(grad, alpha=-self.optimizer.lr)
         param.grad = None
-        if complete:
+        if self.profiler is not None:
+            self.profiler.unit_progress(self._unit_of[id(param)], time.monotonic())
+        group.seen.add(id(param))
+        if len(group.seen) == len(group.param_ids):
+            self._group_complete(group)
+
+    def _group_complete(self, group: GroupRuntime) -> None:
+        group.seen.clear()
+        group.done_this_backward = True
+        if self._syncs_now(group):
             self._enqueue(group)
 
     def _end_of_backward(self) -> None:
-        """Groups some of whose parameters got no gradient are sent with zeros there."""
+        """Groups some of whose parameters got no gradient count them as zero."""
         for group in self.groups:
-            if group.group.index not in self._enqueued:
-                group.zero_missing()
-                self._enqueue(group)
-        self._enqueued.clear()
+            if not group.done_this_backward:
+                self._group_complete(group)
+            group.done_this_backward = False
         self._callback_queued = False
-        self.iterations += 1
+        self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, time.time(),
+                             iteration=self.iteration)
+        self.iteration += 1
+        if self.profiler is not None:
+            self.profiler.backward_ended()
+            if self.iteration == self.config.profile_iters:
+                self._switch_to_cost_plan()
 
     def _enqueue(self, group: GroupRuntime) -> None:
-        group.reset()
         group.push_done.clear()
         group.future = concurrent.futures.Future()
-        self._enqueued.add(group.group.index)
-        self.comm.loop.call_soon_threadsafe(self._queue.put_nowait, (group, group.future))
+        item = (group, group.future, self.iteration - self.schedule_start)
+        self.comm.loop.call_soon_threadsafe(self._put, group.index, item)
 
-    # -- comm loop ----------------------------------------------------------------
+    def _put(self, index: int, item: Any) -> None:
+        self.queue.put(index, item)
+        self._queued.set()
+
+    # -- the cost plan -------------------------------------------------------------------------
+    def _switch_to_cost_plan(self) -> None:
+        """After the profiled iterations: submit the profile (worker 0), adopt the cost plan."""
+        self.synchronize()
+        if self.config.rank == 0:
+            summary = self.profiler.summary([u.numel * BYTES_PER_ELEMENT for u in self.plan.units])
+            log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", summary["alpha_s"],
+                     summary["beta_s_per_byte"], summary["ready_s"][-1])
+            self.store.submit_profile(json.dumps(summary))
+        version = self.plan.version + 1
+        payload = self.store.wait_event(f"plan:{version}", self.config.wait_timeout_s,
+                                        f"the coordinator's cost plan (v{version})")
+        plan = Plan.from_json(payload)
+        if plan.blocks != self.plan.blocks:
+            raise IMergeError("the cost plan changed the blocks; only the groups may change")
+        self._apply_plan(plan)
+        self.schedule_start = self.iteration
+        self.profiler = None
+        log.info("worker %d: cost plan v%d with %d groups from iteration %d", self.config.rank, plan.version,
+                 len(plan.groups), self.iteration)
+
+    # -- comm loop ---------------------------------------------------------------------------------
     async def _comm_main(self) -> None:
         while True:
-            group, future = await self._queue.get()
+            while not len(self.queue):
+                await self._queued.wait()
+                self._queued.clear()
+            group, future, iteration = self.queue.pop()
             if group is None:
                 return
             try:
                 if group.pull_task is not None:
                     await asyncio.wait([group.pull_task])
-                await self._push_group(group)
+                await self._push_group(group, iteration)
             except Exception as exc:  # routed to whoever waits on the group
                 future.set_exception(exc)
                 continue
@@ -242,33 +272,60 @@ class SyncEngine:
                 group.push_done.set()
             group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(group, future))
 
-    async def _push_group(self, group: GroupRuntime) -> None:
-        for block in group.blocks:
-            grad = group.grad_buf[block.offset:block.offset + block.numel]
-            await self.clients[block.shard].push(block.block_id, self.config.rank, group.round, grad,
-                                                 self.config.rpc_timeout_s)
-            self.bytes_pushed += grad.numel() * 4
+    async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
+        cfg = self.config
+        flag, token = f"{self.plan.version}:{group.index}", f"w{cfg.rank}:{uuid.uuid4().hex[:8]}"
+        if cfg.slots != "off":
+            with self.timeline.span(f"flag {group.index}", "flag-wait", group=group.index) as args:
+                args["contended"] = await asyncio.to_thread(self.store.acquire_flag, flag, token, cfg.flag_lease_s,
+                                                            cfg.pull_timeout_s)
+        acquired = time.monotonic()
+        try:
+            with self.timeline.span(f"push {group.index}", "push", group=group.index, iteration=iteration,
+                                    round=group.round, bytes=group.nbytes):
+                await asyncio.gather(*(self._push_shard(group, shard, blocks)
+                                       for shard, blocks in group.by_shard.items()))
+            if cfg.slots == "fixed" and self._bandwidth_bps > 0:
+                await asyncio.sleep(max(0.0, acquired + group.nbytes / self._bandwidth_bps - time.monotonic()))
+        finally:
+            if cfg.slots != "off" and not await asyncio.to_thread(self.store.release_flag, flag, token):
+                log.warning("worker %d: slot flag %s had passed to another holder (lease %.1fs)",
+                            cfg.rank, flag, cfg.flag_lease_s)
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+
+    async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list) -> None:
+        started = time.monotonic()
+        await self.clients[shard].push([(b.block_id, self.flat.grad_slice(b)) for b in blocks],
+                                       self.config.rank, group.round, self.config.rpc_timeout_s)
+        seconds = time.monotonic() - started
+        nbytes = sum(b.numel for b in blocks) * BYTES_PER_ELEMENT
+        self.bytes_pushed += nbytes
+        if self.profiler is not None:
+            self.profiler.push(nbytes, seconds)
+        if self.config.slot_bandwidth_mbps == 0 and seconds > 0:  # moving average of observed pushes
+            observed = nbytes / seconds
+            self._bandwidth_bps = observed if self._bandwidth_bps == 0 else 0.8 * self._bandwidth_bps + 0.2 * observed
 
     async def _pull_group(self, group: GroupRuntime, future: concurrent.futures.Future) -> None:
         try:
-            rounds = await asyncio.gather(*(
-                self.clients[b.shard].pull_into(b.block_id, self.config.rank, group.round,
-                                                group.host_slice(b),
-                                                self.config.pull_timeout_s) for b in group.blocks))
-            if any(r != group.round + 1 for r in rounds):
-                raise IMergeError(f"{group.name}: expected round {group.round + 1}, shards answered {rounds}")
-            group.load_host_params()
+            with self.timeline.span(f"pull {group.index}", "pull", group=group.index, round=group.round):
+                replies = await asyncio.gather(*(
+                    self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
+                                                  self.config.rank, group.round, self.config.pull_timeout_s)
+                    for shard, blocks in group.by_shard.items()))
+            rounds = {r for reply in replies for r in reply}
+            if rounds != {group.round + 1}:
+                raise IMergeError(f"{group}: expected round {group.round + 1}, shards answered {sorted(rounds)}")
+            self.flat.load_from_host(group.group.offset, group.group.numel)
             group.round += 1
+            self.block_rounds.update({b.block_id: group.round for b in group.blocks})
             future.set_result(group.round)
         except Exception as exc:
             future.set_exception(exc)
 
-    # -- forward: waits -------------------------------------------------------------
-    def _wait_timeout(self) -> float:
-        return self.config.pull_timeout_s + self.config.rpc_timeout_s + 10.0
-
+    # -- forward: waits ----------------------------------------------------------------------------
     def _wait(self, wait: Any, group: GroupRuntime, what: str) -> Any:
-        timeout = self._wait_timeout()
+        timeout = self.config.pull_timeout_s + self.config.rpc_timeout_s + self.config.flag_lease_s + 10.0
         started = time.monotonic()
         try:
             result = wait(timeout)
@@ -276,16 +333,22 @@ class SyncEngine:
             result = False
         if result is False:
             raise WaitTimeout(f"worker {self.config.rank}: timed out after {time.monotonic() - started:.1f}s "
-                              f"waiting for {group.name} {what}")
+                              f"waiting for {group} {what}")
         return result
 
     def _wait_groups(self, groups: list[GroupRuntime]) -> None:
         for group in groups:
             future = group.future
-            if future is not None and not future.done():
-                self._wait(future.result, group, f"round {group.round + 1} to be pulled")
-            elif future is not None:
-                future.result()  # re-raise a failed sync
+            if future is None:
+                continue
+            if not future.done():
+                with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
+                    self._wait(future.result, group, f"round {group.round + 1} to be pulled")
+            future.result()  # re-raise a failed sync
+
+    def _wait_params(self, param_ids: list[int]) -> None:
+        groups = {id(self._group_of[p]): self._group_of[p] for p in param_ids}
+        self._wait_groups(sorted(groups.values(), key=lambda g: g.index))
 
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""
@@ -295,8 +358,10 @@ class SyncEngine:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self.config.trace_dir:
+            log.info("timeline written to %s", self.timeline.write(self.config.trace_dir))
         if self.comm.loop.is_running():
-            self.comm.loop.call_soon_threadsafe(self._queue.put_nowait, (None, None))
+            self.comm.loop.call_soon_threadsafe(self._put, 1 << 30, (None, None, 0))
             try:
                 self._consumer.result(10)
             except Exception:  # noqa: BLE001 - closing anyway
@@ -305,7 +370,7 @@ class SyncEngine:
         self.comm.close()
 
     async def _close_clients(self) -> None:
-        tasks = [g.pull_task for g in self.groups if g.pull_task is not None and not g.pull_task.done()]
-        for task in tasks:
-            task.cancel()
+        for group in self.groups:
+            if group.pull_task is not None and not group.pull_task.done():
+                group.pull_task.cancel()
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)

@@ -38,12 +38,6 @@ def _translated(method: Callable) -> Callable:
     return wrapper
 
 
-async def _stream(first: Any, data: memoryview, make_chunk: Callable[[bytes], Any]) -> AsyncIterator[Any]:
-    yield first
-    for piece in iter_chunks(data):
-        yield make_chunk(piece)
-
-
 class ShardClient:
     def __init__(self, address: str):
         self.address = address
@@ -59,43 +53,67 @@ class ShardClient:
         spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=init.numel(),
                                 num_workers=num_workers,
                                 optimizer=ps_pb2.OptimizerSpec(**dataclasses.asdict(optimizer)))
-        chunks = _stream(ps_pb2.InitBlockChunk(spec=spec), tensor_view(init),
-                         lambda piece: ps_pb2.InitBlockChunk(data=piece))
-        return await self._stub.InitBlock(chunks, timeout=timeout_s)
+
+        async def chunks() -> AsyncIterator[ps_pb2.InitBlockChunk]:
+            yield ps_pb2.InitBlockChunk(spec=spec)
+            for piece in iter_chunks(tensor_view(init)):
+                yield ps_pb2.InitBlockChunk(data=piece)
+
+        return await self._stub.InitBlock(chunks(), timeout=timeout_s)
 
     @_translated
-    async def push(self, block_id: str, worker: int, round_: int, grad: torch.Tensor,
+    async def push(self, blocks: list[tuple[str, torch.Tensor]], worker: int, round_: int,
                    timeout_s: float) -> ps_pb2.PushReply:
-        header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=ps_pb2.FLOAT32,
-                                   numel=grad.numel())
-        chunks = _stream(ps_pb2.PushChunk(header=header), tensor_view(grad),
-                         lambda piece: ps_pb2.PushChunk(data=piece))
-        return await self._stub.Push(chunks, timeout=timeout_s)
+        """Push several blocks' gradients in one stream: a header, then the data, per block."""
 
-    async def _receive_into(self, call: Any, target: torch.Tensor, what: str) -> int:
-        first = await anext(aiter(call), None)
-        if first is None or first.WhichOneof("part") != "meta":
-            raise InvalidArgument(f"{what}: the shard's reply did not start with the tensor's meta")
-        if first.meta.numel != target.numel():
-            raise InvalidArgument(f"{what}: the shard sent {first.meta.numel} elements, expected {target.numel()}")
-        assembler = ChunkAssembler(target, what)
+        async def segments() -> AsyncIterator[ps_pb2.PushChunk]:
+            for block_id, grad in blocks:
+                yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
+                                                                 dtype=ps_pb2.FLOAT32, numel=grad.numel()))
+                for piece in iter_chunks(tensor_view(grad)):
+                    yield ps_pb2.PushChunk(data=piece)
+
+        return await self._stub.Push(segments(), timeout=timeout_s)
+
+    async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str) -> list[int]:
+        """Read (meta, data...) per block into its target, in order; return each block's round."""
+        rounds: list[int] = []
+        assembler: ChunkAssembler | None = None
         async for chunk in call:
-            assembler.feed(chunk.data)
-        assembler.finish()
-        return first.meta.round
+            if chunk.WhichOneof("part") == "meta":
+                if assembler is not None:
+                    assembler.finish()
+                if len(rounds) == len(targets) or chunk.meta.block_id != targets[len(rounds)][0]:
+                    raise InvalidArgument(f"{what}: the shard sent block {chunk.meta.block_id!r} out of order")
+                block_id, target = targets[len(rounds)]
+                if chunk.meta.numel != target.numel():
+                    raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
+                                          f"expected {target.numel()}")
+                assembler = ChunkAssembler(target, f"{what}: block {block_id}")
+                rounds.append(chunk.meta.round)
+            elif assembler is None:
+                raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta")
+            else:
+                assembler.feed(chunk.data)
+        if assembler is not None:
+            assembler.finish()
+        if len(rounds) != len(targets):
+            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks")
+        return rounds
 
     @_translated
-    async def pull_into(self, block_id: str, worker: int, round_: int, target: torch.Tensor,
-                        timeout_s: float) -> int:
-        """Wait for ``round_`` to complete, write the parameters into ``target``; return the new round."""
-        request = ps_pb2.PullRequest(block_id=block_id, worker=worker, round=round_, timeout_s=timeout_s)
+    async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int,
+                        timeout_s: float) -> list[int]:
+        """Wait for ``round_`` of every block, write the parameters into the targets; return new rounds."""
+        request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
+                                     timeout_s=timeout_s)
         call = self._stub.Pull(request, timeout=timeout_s + 5.0)
-        return await self._receive_into(call, target, f"pull of block {block_id}")
+        return await self._receive_into(call, targets, "pull")
 
     @_translated
-    async def fetch_into(self, block_id: str, target: torch.Tensor, timeout_s: float) -> int:
-        call = self._stub.Fetch(ps_pb2.FetchRequest(block_id=block_id), timeout=timeout_s)
-        return await self._receive_into(call, target, f"fetch of block {block_id}")
+    async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float) -> list[int]:
+        call = self._stub.Fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets]), timeout=timeout_s)
+        return await self._receive_into(call, targets, "fetch")
 
     @_translated
     async def stats(self, timeout_s: float) -> ps_pb2.StatsReply:

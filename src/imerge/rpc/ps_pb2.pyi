@@ -90,41 +90,51 @@ class PushChunk(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
-class PushReply(_message.Message):
-    __slots__ = ("duplicate", "pushed")
+class BlockPushResult(_message.Message):
+    __slots__ = ("block_id", "duplicate", "pushed")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
     duplicate: bool
     pushed: int
-    def __init__(self, duplicate: _Optional[bool] = ..., pushed: _Optional[int] = ...) -> None: ...
+    def __init__(self, block_id: _Optional[str] = ..., duplicate: _Optional[bool] = ..., pushed: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[BlockPushResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[BlockPushResult, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "timeout_s")
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("block_ids", "worker", "round", "timeout_s")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    block_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[str]
     worker: int
     round: int
     timeout_s: float
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("block_id",)
-    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
-    block_id: str
-    def __init__(self, block_id: _Optional[str] = ...) -> None: ...
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("dtype", "numel", "round")
+    __slots__ = ("block_id", "dtype", "numel", "round")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
     dtype: DType
     numel: int
     round: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("meta", "data")

@@ -1,0 +1,85 @@
+"""The worker's flat buffers: every trainable parameter is a view into one flat tensor.
+
+Parameters are laid out in the plan's (backward) order, so every unit, block
+and group is a contiguous range: a pull writes the parameters in place, with
+no per-tensor copy, and a group's gradients are one slice of the gradient
+accumulator. On a GPU the parameters stay on the device; pushes and pulls go
+through pinned host buffers.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import torch
+
+from imerge.planning import Block, Group
+
+
+class FlatParams:
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.device = params[0].device
+        total = sum(p.numel() for p in params)
+        pinned = self.device.type == "cuda"
+        self.values = torch.empty(total, device=self.device)
+        self.host = torch.empty(total, pin_memory=True) if pinned else self.values
+        self.grads = torch.zeros(total, pin_memory=pinned)  # the sum of gradients since the last sync
+        self.range: dict[int, tuple[int, int]] = {}
+        offset = 0
+        with torch.no_grad():
+            for param in params:
+                if param.device != self.device:
+                    raise ValueError(f"all parameters must live on one device; {param.device} != {self.device}")
+                view = self.values[offset:offset + param.numel()]
+                view.copy_(param.detach().reshape(-1))
+                param.data = view.view_as(param)
+                self.range[id(param)] = (offset, param.numel())
+                offset += param.numel()
+
+    def host_slice(self, block: Block) -> torch.Tensor:
+        return self.host[block.offset:block.offset + block.numel]
+
+    def grad_slice(self, block: Block) -> torch.Tensor:
+        return self.grads[block.offset:block.offset + block.numel]
+
+    def stage_to_host(self) -> None:
+        if self.host is not self.values:
+            self.host.copy_(self.values)
+
+    def load_from_host(self, offset: int, numel: int) -> None:
+        if self.host is not self.values:
+            self.values[offset:offset + numel].copy_(self.host[offset:offset + numel])
+
+    def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        offset, numel = self.range[id(param)]
+        self.grads[offset:offset + numel].add_(grad.reshape(-1).to(self.grads.device, non_blocking=False))
+
+
+class GroupRuntime:
+    """One fusion group's sync state on this worker."""
+
+    def __init__(self, group: Group, blocks: list[Block], param_ids: set[int], round_: int):
+        self.group = group
+        self.blocks = blocks
+        self.param_ids = param_ids
+        self.round = round_
+        self.by_shard: dict[int, list[Block]] = {}
+        for block in blocks:
+            self.by_shard.setdefault(block.shard, []).append(block)
+        self.seen: set[int] = set()  # parameters whose gradient arrived in this backward
+        self.done_this_backward = False
+        self.future: concurrent.futures.Future | None = None
+        self.push_done = threading.Event()
+        self.push_done.set()
+        self.pull_task = None
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def nbytes(self) -> int:
+        return self.group.numel * 4
+
+    def __repr__(self) -> str:
+        return f"group {self.group.index} ({len(self.blocks)} blocks, {self.nbytes} B)"
