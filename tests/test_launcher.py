@@ -47,7 +47,8 @@ def alive(pid: int) -> bool:
 def test_launch_two_shards_two_workers_completes(tmp_path):
     summary = tmp_path / "summary.json"
     run = launch(tmp_path, "--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
-                 "--iters", "25", "--summary-json", str(summary))
+                 "--iters", "25", "--summary-json", str(summary), "--trace", str(tmp_path / "trace"),
+                 "--fusion", "size", "--slots", "ack", "--interleave-period", "2")
     output, _ = run.communicate(timeout=240)
     assert run.returncode == 0, output
     result = json.loads(summary.read_text())
@@ -56,6 +57,11 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert "finished" in output
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["coordinator.log", "ps0.log", "ps1.log", "worker0.log", "worker1.log"]
+    for rank in (0, 1):  # Chrome trace JSON that Perfetto opens
+        trace = json.loads((tmp_path / "trace" / f"worker{rank}.json").read_text())
+        categories = {e.get("cat") for e in trace["traceEvents"]}
+        assert {"compute", "push", "pull", "flag-wait"} <= categories
+        assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
 
 
 def test_sigint_mid_run_leaves_no_process(tmp_path):

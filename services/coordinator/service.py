@@ -48,6 +48,7 @@ class Coordinator:
         self.config = config
         self.store = store or Store(config.redis_url, config.job)
         self._stop = threading.Event()
+        self.plan: Plan | None = None  # the latest published plan
 
     def stop(self) -> None:
         self._stop.set()
@@ -71,6 +72,7 @@ class Coordinator:
 
     def _publish(self, plan: Plan) -> None:
         self.store.set_event(f"plan:{plan.version}", plan.to_json())
+        self.plan = plan
         log.info("published plan v%d: %d groups, %d blocks, bytes per shard and phase %s",
                  plan.version, len(plan.groups), len(plan.blocks), plan.shard_load())
 

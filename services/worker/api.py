@@ -24,23 +24,12 @@ import torch
 from imerge.coordinator.store import Store
 from imerge.errors import IMergeError, LayoutMismatchError, PlanError
 from imerge.optim import OptimizerSpec
-from imerge.planning import Layout, ParamInfo, Plan
+from imerge.planning import Layout, Plan, layout_of
 
 from .config import WorkerConfig
 from .engine import SyncEngine
 
 log = logging.getLogger(__name__)
-
-
-def layout_of(model: torch.nn.Module) -> Layout:
-    """Trainable parameters in backward order (the reverse of registration order, as DDP assumes)."""
-    owner: dict[int, str] = {}
-    for module_name, module in model.named_modules():
-        for param in module.parameters(recurse=False):
-            owner.setdefault(id(param), module_name)
-    params = [ParamInfo(name, tuple(p.shape), owner[id(p)])
-              for name, p in model.named_parameters() if p.requires_grad]
-    return Layout(tuple(reversed(params)))
 
 
 def layout_payload(layout: Layout, config: WorkerConfig) -> str:

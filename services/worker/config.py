@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.config import CommonConfig, option, require
+from imerge.config import CommonConfig, check_choices, option, require
 from imerge.planning import FUSIONS, PLACEMENTS, PlanOptions
 
 SLOTS = ("off", "fixed", "ack")
@@ -11,13 +11,9 @@ MIB = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig(CommonConfig):
-    rank: int = option(0, "this worker's rank, 0-based", aliases=("RANK",))
-    world_size: int = option(1, "number of workers in the job", aliases=("WORLD_SIZE",))
-    pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
-    rpc_timeout_s: float = option(30.0, "deadline of a push, an init or a fetch")
-    heartbeat_ttl_s: float = option(10.0, "lifetime of this worker's heartbeat key")
-    # the scheduler: every mechanism can be switched off to measure what it buys
+class ScheduleConfig:
+    """The scheduler's options: every mechanism can be switched off to measure what it buys."""
+
     fusion: str = option("none", "fusion planner: none (one group per module), size (byte cap), "
                                  "cost (profiled cost model)", choices=FUSIONS)
     size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
@@ -36,12 +32,7 @@ class WorkerConfig(CommonConfig):
     trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.world_size >= 1, "world_size", "must be at least 1")
-        require(0 <= self.rank < self.world_size, "rank", f"must lie in 0..{self.world_size - 1}")
-        require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
-        require(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
-        require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
+        check_choices(self)
         for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
             require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
@@ -54,3 +45,21 @@ class WorkerConfig(CommonConfig):
                            first_cap_bytes=int(self.first_cap_mib * MIB),
                            partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
                            period=self.interleave_period)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(ScheduleConfig, CommonConfig):
+    rank: int = option(0, "this worker's rank, 0-based", aliases=("RANK",))
+    world_size: int = option(1, "number of workers in the job", aliases=("WORLD_SIZE",))
+    pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
+    rpc_timeout_s: float = option(30.0, "deadline of a push, an init or a fetch")
+    heartbeat_ttl_s: float = option(10.0, "lifetime of this worker's heartbeat key")
+
+    def __post_init__(self) -> None:
+        CommonConfig.__post_init__(self)
+        ScheduleConfig.__post_init__(self)
+        require(self.world_size >= 1, "world_size", "must be at least 1")
+        require(0 <= self.rank < self.world_size, "rank", f"must lie in 0..{self.world_size - 1}")
+        require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
+        require(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
+        require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")

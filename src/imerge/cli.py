@@ -50,18 +50,20 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _run_launch(args: argparse.Namespace) -> int:
     from imerge.launch import LaunchConfig, Launcher
+    from imerge.worker.config import ScheduleConfig
     from imerge.worker.job import JobConfig
 
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
+    schedule = from_namespace(ScheduleConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge launch: %(message)s")
-    return Launcher(config, to_env(job), args.command).run()
+    return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule)).run()
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from imerge.coordinator.service import CoordinatorConfig
     from imerge.launch import LaunchConfig
     from imerge.ps.config import PSConfig
-    from imerge.worker.config import WorkerConfig
+    from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import JobConfig
 
     parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
@@ -72,7 +74,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "coordinator": ("run the coordinator", (CoordinatorConfig,), _run_coordinator),
         "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
         "launch": ("run a whole job on this host (built-in job, or a script after --)",
-                   (LaunchConfig, JobConfig), _run_launch),
+                   (LaunchConfig, JobConfig, ScheduleConfig), _run_launch),
     }
     for name, (help_text, configs, runner) in specs.items():
         sub = roles.add_parser(name, help=help_text, description=help_text)

@@ -78,9 +78,10 @@ class Child:
 
 class Launcher:
     def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
-                 console: Console | None = None):
+                 console: Console | None = None, schedule_env: dict[str, str] | None = None):
         self.config = config
         self.job_env = job_env
+        self.schedule_env = schedule_env or {}
         self.command = command or []
         self.console = console or Console(stderr=True)
         self.job = config.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -116,7 +117,7 @@ class Launcher:
                                               "IMERGE_PORT": "0", "OMP_NUM_THREADS": "1"}))
         threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
         for rank in range(cfg.workers):
-            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers)}
+            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
             argv = self.command or role + ["worker"]
             if not self.command:
                 extra.update(self.job_env)

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from .errors import LayoutMismatchError, PlanError
 from .schedule import phase
@@ -69,6 +70,18 @@ class Layout:
             raise LayoutMismatchError(
                 f"workers {self_rank} and {other_rank} have {len(self.params)} and "
                 f"{len(other.params)} parameters; first extra one (worker {rank}): {extra.name}")
+
+
+def layout_of(model: Any) -> Layout:
+    """A torch module's trainable parameters in backward order (the reverse of registration
+    order, as DDP assumes); a shared parameter belongs to the first module that holds it."""
+    owner: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owner.setdefault(id(param), module_name)
+    params = [ParamInfo(name, tuple(p.shape), owner[id(p)])
+              for name, p in model.named_parameters() if p.requires_grad]
+    return Layout(tuple(reversed(params)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""The IMerge scheduler end to end: fusion, priority, slots and interleaving on real servers."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+import torch
+from torch import nn
+
+import imerge
+from imerge.optim import OptimizerSpec
+from imerge.schedule import syncs
+
+import test_equivalence as eq
+
+SMALL_CAPS = dict(size_cap_mib=0.05, first_cap_mib=0.005, partition_mib=0.05, profile_iters=4)
+
+
+@pytest.mark.parametrize("fusion, priority, slots",
+                         list(itertools.product(["none", "size", "cost"], [True, False], ["off", "fixed", "ack"])))
+def test_equivalence_for_every_scheduler_combination(cluster, fusion, priority, slots):
+    data = eq.batches()
+    c = cluster(eq.WORKERS, eq.SHARDS)
+    results = eq.distributed_run(c, eq.OPTIMIZERS["sgd"], data, fusion=fusion, priority=priority, slots=slots,
+                                 **SMALL_CAPS)
+    expected = eq.reference_run(eq.OPTIMIZERS["sgd"], data)
+    plan = c.coordinator.plan
+    assert plan.version == (2 if fusion == "cost" else 1)
+    assert len(plan.blocks) > len(plan.units)  # the large layer was partitioned
+    if fusion == "size":
+        assert len(plan.groups) < len(plan.units)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def run_job(c, make_model, steps: int, batch=lambda step, rank: (torch.randn(4, 32), None), **options):
+    """Train ``steps`` iterations on every worker; return each worker's engine (closed)."""
+    models = [make_model() for _ in range(c.num_workers)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], OptimizerSpec("sgd", lr=0.01), c.worker_config(rank, **options))
+        torch.manual_seed(rank)
+        for step in range(steps):
+            x, _ = batch(step, rank)
+            model(x).square().mean().backward()
+        engine = model.engine
+        model.close()
+        return engine
+
+    return c.run_workers(body)
+
+
+def equal_layers() -> nn.Module:
+    """Eight equal layers, so that every interleave phase carries the same bytes."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+
+
+@pytest.mark.parametrize("period", [2, 4])
+def test_interleave_syncs_each_group_at_its_phase(cluster, period):
+    steps = 3 * period
+    engines = run_job(cluster(2, 2), equal_layers, steps, interleave_period=period)
+    for engine in engines:
+        pushes = engine.timeline.of("push")
+        groups = {i.args["group"] for i in pushes}
+        assert groups == set(range(8))
+        for group in groups:
+            iterations = sorted(i.args["iteration"] for i in pushes if i.args["group"] == group)
+            assert iterations == [k for k in range(steps) if syncs(group, k, period)], f"group {group}"
+        total = sum(g.nbytes for g in engine.groups)
+        for k in range(steps):
+            sent = sum(i.args["bytes"] for i in pushes if i.args["iteration"] == k)
+            assert abs(sent - total / period) <= 0.15 * total / period, f"iteration {k}: {sent} of {total}"
+
+
+def test_interleave_local_steps_between_syncs(cluster):
+    """A group that synced last iteration agrees across workers; one that stepped locally does not."""
+    period, steps = 2, 5
+    engines = run_job(cluster(2, 1), equal_layers, steps, interleave_period=period)
+    for group in engines[0].groups:
+        start, end = group.group.offset, group.group.offset + group.group.numel
+        same = torch.equal(engines[0].flat.values[start:end], engines[1].flat.values[start:end])
+        assert same == syncs(group.index, steps - 1, period), f"group {group.index}"
+
+
+def overlaps(intervals) -> list:
+    ordered = sorted(intervals, key=lambda i: i.start)
+    return [(a, b) for a, b in zip(ordered, ordered[1:]) if b.start < a.end]
+
+
+@pytest.mark.parametrize("slots", ["fixed", "ack"])
+def test_slots_serialize_pushes_of_a_group_with_bounded_redis_commands(cluster, redis_url, slots):
+    client = redis.Redis.from_url(redis_url)
+    before = client.info("commandstats")
+    steps, workers = 6, 3
+    engines = run_job(cluster(workers, 1), equal_layers, steps, slots=slots)
+    after = client.info("commandstats")
+    pushes = [i for e in engines for i in e.timeline.of("push")]
+    for group in range(8):
+        same = [i for i in pushes if i.args["group"] == group]
+        assert len(same) == workers * steps
+        assert overlaps(same) == [], f"group {group}: pushes overlap"
+    waits = [i for e in engines for i in e.timeline.of("flag-wait")]
+    assert any(i.args["contended"] for i in waits), "no flag was ever contended: the test shows nothing"
+    commands = sum(after.get(f"cmdstat_{c}", {}).get("calls", 0) - before.get(f"cmdstat_{c}", {}).get("calls", 0)
+                   for c in ("evalsha", "eval", "blpop"))
+    per_worker_iteration = commands / (workers * steps)
+    print(f"slots {slots}: {per_worker_iteration:.1f} flag commands per worker per iteration (8 groups)")
+    assert per_worker_iteration <= 8 * 6  # acquire + release, plus a bounded number of wake-ups
+
+
+HOLDER = """
+import sys, time
+from imerge.coordinator.store import Store
+store = Store(sys.argv[1], sys.argv[2])
+store.acquire_flag(sys.argv[3], "dead-holder", float(sys.argv[4]), 10)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_flag_holder_releases_after_its_lease(cluster):
+    c = cluster(2, 1)
+    lease = 3.0
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0", str(lease)],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(10)
+    started = time.time()
+    engines = run_job(c, equal_layers, 2, slots="ack", flag_lease_s=lease)
+    waits = [i for e in engines for i in e.timeline.of("flag-wait") if i.args["group"] == 0]
+    longest = max(i.end - i.start for i in waits)
+    assert lease - 1.0 <= longest <= lease + 3.0, f"group 0's flag waited {longest:.2f}s"
+    assert time.time() - started < 60
+
+
+class TiedUnusedFrozen(nn.Module):
+    """A module called twice, a weight tied between two modules, an unused layer, a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 16, bias=False)
+        self.shared = nn.Linear(16, 16)
+        self.unused = nn.Linear(16, 16)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(16, 8, bias=False)
+        self.head.weight = self.embed.weight  # tied (transposed use below)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.shared(self.embed(x)))))
+        h = self.frozen(h)
+        return h @ self.head.weight
+
+
+def test_tied_unused_and_frozen_parameters(cluster):
+    spec = OptimizerSpec("sgd", lr=0.1, momentum=0.9, weight_decay=1e-3)
+    generator = torch.Generator().manual_seed(3)
+    data = [[torch.randn(4, 8, generator=generator) for _ in range(2)] for _ in range(6)]
+    c = cluster(2, 2)
+    models = [TiedUnusedFrozen() for _ in range(2)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], spec, c.worker_config(rank))
+        for step in data:
+            model(step[rank]).square().mean().backward()
+        model.close()
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+    results = c.run_workers(body)
+    reference = TiedUnusedFrozen()
+    optimizer = spec.build([p for p in reference.parameters() if p.requires_grad])
+    for step in data:
+        grads = []
+        for x in step:
+            reference.zero_grad()
+            reference(x).square().mean().backward()
+            grads.append({n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+                          for n, p in reference.named_parameters() if p.requires_grad})
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                p.grad = (grads[0][name] + grads[1][name]) / 2
+        optimizer.step()
+    initial = dict(TiedUnusedFrozen().named_parameters())
+    for params in results:
+        for name, value in reference.named_parameters():
+            torch.testing.assert_close(params[name], value.detach(), atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(params["frozen.weight"], initial["frozen.weight"])
+        assert not torch.equal(params["unused.weight"], initial["unused.weight"])  # weight decay on a zero grad
