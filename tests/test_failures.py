@@ -79,3 +79,41 @@ def test_unreachable_redis_is_a_store_error():
     store = Store("redis://127.0.0.1:1/0", "x", socket_timeout_s=1.0)
     with pytest.raises(StoreError, match="Redis at redis://127.0.0.1:1/0: ping failed"):
         store.ping()
+
+
+def test_shards_only_accept_blocks_the_mapping_table_gives_them(cluster):
+    import grpc
+    import numpy as np
+
+    from imerge.rpc import ps_pb2, ps_pb2_grpc
+
+    c = cluster(1, 2)
+    model = imerge.distribute(build_model("digits-cnn"), config=c.worker_config(0))
+    plan = model.plan
+    model.close()
+    block = plan.blocks[0]
+    wrong = c.addresses[1 - block.shard]
+    spec = ps_pb2.BlockSpec(block_id=block.block_id, dtype=ps_pb2.FLOAT32, numel=block.numel, num_workers=1,
+                            optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=0.1))
+    data = np.zeros(block.numel, dtype="<f4").tobytes()
+    with grpc.insecure_channel(wrong) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for block_id, where in ((block.block_id, f"shard {block.shard}"), ("zz", "no shard")):
+            spec.block_id = block_id
+            with pytest.raises(grpc.RpcError) as info:
+                stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec), ps_pb2.InitBlockChunk(data=data)]))
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"mapped to {where}, not shard {1 - block.shard}" in info.value.details()
+
+
+def test_late_release_by_an_old_holder_cannot_free_a_newer_holders_flag(redis_url):
+    store = Store(redis_url, new_job())
+    assert store.acquire_flag("1:0", "old", lease_s=0.3, timeout_s=5) is False
+    started = time.monotonic()
+    assert store.acquire_flag("1:0", "new", lease_s=30, timeout_s=5) is True  # waited for the lease to expire
+    assert 0.1 < time.monotonic() - started < 2.0
+    assert store.release_flag("1:0", "old") is False  # the old holder wakes up late
+    with pytest.raises(WaitTimeout, match=r"slot flag 1:0 \(held by new\)"):
+        store.acquire_flag("1:0", "third", lease_s=1, timeout_s=0.5)
+    assert store.release_flag("1:0", "new") is True
+    assert store.acquire_flag("1:0", "third", lease_s=1, timeout_s=0.5) is False

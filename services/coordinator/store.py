@@ -144,6 +144,11 @@ class Store:
         self._redis.rpush(self.key("event", name), "1")  # re-arm the latch for other waiters
         return self._redis.get(self.key("event", name, "value")) or ""
 
+    @_translated
+    def read_event(self, name: str) -> str | None:
+        """The payload of event ``name`` if it is set, without waiting."""
+        return self._redis.get(self.key("event", name, "value"))
+
     # -- shards -------------------------------------------------------------
     @_translated
     def register_shard(self, index: int, address: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import signal
 import threading
@@ -20,8 +21,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from imerge.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks
-from imerge.errors import InvalidArgument, RequestError
+from imerge.coordinator.store import Store
+from imerge.errors import FailedPrecondition, InvalidArgument, RequestError
 from imerge.optim import OptimizerSpec
+from imerge.planning import Plan
 from imerge.rpc import ps_pb2, ps_pb2_grpc
 
 from .config import PSConfig
@@ -133,9 +136,28 @@ class Segments:
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, shard: Shard, config: PSConfig):
+    def __init__(self, shard: Shard, config: PSConfig, store: Any = None):
         self.shard = shard
         self.config = config
+        self.store = store
+        self._owned: set[str] | None = None
+        self._mapping: dict[str, int] = {}
+
+    async def _check_owner(self, block_id: str) -> None:
+        """A block may only be created on the shard the job's mapping table assigns it to."""
+        if self.store is None:
+            return
+        if self._owned is None:
+            payload = await asyncio.to_thread(self.store.read_event, "plan:1")
+            if not payload or "error" in json.loads(payload):
+                raise FailedPrecondition(f"job {self.config.job} has no published plan yet")
+            plan = Plan.from_json(payload)
+            self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
+            self._mapping = {b.block_id: b.shard for b in plan.blocks}
+        if block_id not in self._owned:
+            where = self._mapping.get(block_id)
+            raise FailedPrecondition(f"block {block_id} is mapped to "
+                                     f"{'no shard' if where is None else f'shard {where}'}, not shard {self.shard.index}")
 
     @_unary
     async def InitBlock(self, request_iterator, context):
@@ -143,6 +165,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
                          spec.num_workers, optimizer_from_proto(spec.optimizer))
         self.shard.check_meta(meta)
+        await self._check_owner(meta.block_id)
         init = torch.empty(meta.numel)
         assembler = ChunkAssembler(init, f"InitBlock {meta.block_id}")
         async for data in _data(request_iterator, f"InitBlock {meta.block_id}"):
@@ -215,12 +238,15 @@ class ShardServer:
                            max_block_numel=config.max_block_numel, max_workers=config.max_workers)
         self.address = ""
         self._server: grpc.aio.Server | None = None
+        self._store: Store | None = None
         self._health = health.aio.HealthServicer()
 
     async def start(self) -> str:
         cfg = self.config
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard, cfg), self._server)
+        self._store = Store(cfg.redis_url, cfg.job) if cfg.register else None
+        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard, cfg, self._store),
+                                                          self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if port == 0:
@@ -229,11 +255,8 @@ class ShardServer:
         self.address = cfg.advertise or f"{cfg.host}:{port}"
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.register:
-            from imerge.coordinator.store import Store
-            store = Store(cfg.redis_url, cfg.job)
-            await asyncio.to_thread(store.register_shard, cfg.shard_index, self.address)
-            store.close()
+        if self._store is not None:
+            await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
         log.info("shard %d serving on %s", cfg.shard_index, self.address)
         return self.address
 
@@ -242,6 +265,8 @@ class ShardServer:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
             self._server = None
+        if self._store is not None:
+            self._store.close()
         self.shard.close()
 
     async def wait(self) -> None:
