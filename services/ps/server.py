@@ -20,7 +20,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from imerge.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks
+from imerge.codec import CHUNK_BYTES, ChunkAssembler
 from imerge.coordinator.store import Store
 from imerge.errors import FailedPrecondition, InvalidArgument, RequestError
 from imerge.optim import OptimizerSpec
@@ -192,13 +192,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout = min(timeout, max(remaining - 0.2, 0.01))
         return timeout
 
-    async def _send(self, blocks: list[tuple[str, int, bytes]]) -> AsyncIterator[ps_pb2.TensorChunk]:
+    async def _send(self, blocks: list[tuple[str, int, list[bytes]]]) -> AsyncIterator[ps_pb2.TensorChunk]:
         for block_id, round_, snapshot in blocks:
+            nbytes = sum(len(chunk) for chunk in snapshot)
             yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
-                                                            numel=len(snapshot) // 4, round=round_))
-            for data in iter_chunks(snapshot):
+                                                            numel=nbytes // 4, round=round_))
+            for data in snapshot:
                 yield ps_pb2.TensorChunk(data=data)
-            self.shard.counters.bytes_sent += len(snapshot)
+            self.shard.counters.bytes_sent += nbytes
 
     @_streaming
     async def Pull(self, request, context):

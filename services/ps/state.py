@@ -4,8 +4,8 @@ A block holds flat fp32 parameters, their optimizer and a round counter (the
 number of completed aggregations). Gradients of round ``r`` are received into
 one preallocated row per worker; when every worker pushed, the rows are summed
 in worker-id order, divided by the worker count and handed to ``torch.optim``.
-The new parameters are serialized once into a snapshot that every pull of
-that round is answered with.
+The new parameters are serialized once, already cut into the chunks that go
+on the wire, into a snapshot that every pull of that round is answered with.
 """
 from __future__ import annotations
 
@@ -17,12 +17,17 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from imerge.codec import ChunkAssembler, digest, tensor_view
+from imerge.codec import ChunkAssembler, digest, iter_chunks, tensor_view
 from imerge.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, NotFound)
 from imerge.optim import OptimizerSpec
 
 log = logging.getLogger(__name__)
+
+
+def snapshot_of(param: torch.Tensor) -> list[bytes]:
+    """The parameters as the wire chunks every pull sends (one copy, shared by all pulls)."""
+    return list(iter_chunks(tensor_view(param)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +61,13 @@ class BlockState:
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
-        self.snapshot = tensor_view(self.param).tobytes()
+        self.snapshot = snapshot_of(self.param)
         self.changed = asyncio.Condition()
 
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
 
-    def aggregate(self) -> bytes:
+    def aggregate(self) -> list[bytes]:
         """Average the pushed gradients in worker-id order and step (runs off the event loop)."""
         with torch.no_grad():
             mean = self.grads[0].clone()
@@ -72,7 +77,7 @@ class BlockState:
         self.param.grad = mean
         self.optimizer.step()
         self.param.grad = None
-        return tensor_view(self.param).tobytes()
+        return snapshot_of(self.param)
 
 
 class Shard:
@@ -187,7 +192,7 @@ class Shard:
             block.changed.notify_all()
 
     # -- pull -----------------------------------------------------------------
-    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float) -> tuple[int, bytes]:
+    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float) -> tuple[int, list[bytes]]:
         """Wait until every worker pushed ``round_``; return (new round, parameters)."""
         block = self.block(block_id)
         self._check_worker(block, worker)
@@ -208,6 +213,6 @@ class Shard:
             raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
         return block.round, block.snapshot
 
-    def fetch(self, block_id: str) -> tuple[int, bytes]:
+    def fetch(self, block_id: str) -> tuple[int, list[bytes]]:
         block = self.block(block_id)
         return block.round, block.snapshot
