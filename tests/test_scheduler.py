@@ -132,14 +132,15 @@ def test_a_killed_flag_holder_releases_after_its_lease(cluster):
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0", str(lease)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
+    held_at = time.time()
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(10)
-    started = time.time()
     engines = run_job(c, equal_layers, 2, slots="ack", flag_lease_s=lease)
+    first_push = min(i.start for e in engines for i in e.timeline.of("push") if i.args["group"] == 0)
+    assert first_push >= held_at + lease - 0.5, "group 0 was pushed while the dead holder's lease ran"
     waits = [i for e in engines for i in e.timeline.of("flag-wait") if i.args["group"] == 0]
-    longest = max(i.end - i.start for i in waits)
-    assert lease - 1.0 <= longest <= lease + 3.0, f"group 0's flag waited {longest:.2f}s"
-    assert time.time() - started < 60
+    assert any(i.args["contended"] for i in waits)
+    assert time.time() - held_at < 60
 
 
 class TiedUnusedFrozen(nn.Module):
