@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -59,10 +60,32 @@ def _run_launch(args: argparse.Namespace) -> int:
     return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule)).run()
 
 
+def _run_testbed(args: argparse.Namespace) -> int:
+    from imerge.launch import LaunchConfig, Launcher, TestbedHosts
+    from imerge.testbed import Testbed, TestbedConfig, job_roles, reap_stale, start_redis
+    from imerge.worker.config import ScheduleConfig
+    from imerge.worker.job import JobConfig
+
+    testbed = from_namespace(TestbedConfig, args)
+    logging.basicConfig(level=logging.WARNING, format="imerge testbed: %(message)s")
+    if testbed.cleanup:
+        removed = reap_stale()
+        print(f"removed {len(removed)} namespaces left by dead testbed runs: {' '.join(removed) or '-'}")
+        return 0
+    config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
+    schedule = from_namespace(ScheduleConfig, args)
+    with Testbed(testbed.links(job_roles(config.shards, config.workers)), testbed.subnet) as bed:
+        redis_url = start_redis(bed)
+        config = dataclasses.replace(config, redis_url=redis_url)
+        return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule),
+                        hosts=TestbedHosts(bed)).run()
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from imerge.coordinator.service import CoordinatorConfig
     from imerge.launch import LaunchConfig
     from imerge.ps.config import PSConfig
+    from imerge.testbed import TestbedConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import JobConfig
 
@@ -75,6 +98,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
         "launch": ("run a whole job on this host (built-in job, or a script after --)",
                    (LaunchConfig, JobConfig, ScheduleConfig), _run_launch),
+        "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped "
+                    "with tc tbf (root)", (TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig), _run_testbed),
     }
     for name, (help_text, configs, runner) in specs.items():
         sub = roles.add_parser(name, help=help_text, description=help_text)
@@ -97,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a bad IMERGE_* value while building the defaults
         print(f"imerge: error: {exc}", file=sys.stderr)
         return 2
-    if command and args.role != "launch":
-        subparsers[args.role].error("a command after -- is only accepted by 'imerge launch'")
+    if command and args.role not in ("launch", "testbed"):
+        subparsers[args.role].error("a command after -- is only accepted by 'imerge launch' and 'imerge testbed'")
     args.command = command
     try:
         return args.run(args)

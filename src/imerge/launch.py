@@ -56,6 +56,32 @@ def _figure(event: dict[str, Any], key: str, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
 
 
+class LocalHosts:
+    """Every role on this host, on loopback."""
+
+    def prefix(self, role: str) -> list[str]:
+        return []
+
+    def shard_env(self, index: int) -> dict[str, str]:
+        return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": "0"}
+
+
+class TestbedHosts:
+    """Every role in its own network namespace of a testbed, reached by its role name."""
+
+    SHARD_PORT = 50051
+
+    def __init__(self, testbed: Any):
+        self.testbed = testbed
+
+    def prefix(self, role: str) -> list[str]:
+        return self.testbed.exec_prefix(role)
+
+    def shard_env(self, index: int) -> dict[str, str]:
+        return {"IMERGE_HOST": "0.0.0.0", "IMERGE_PORT": str(self.SHARD_PORT),
+                "IMERGE_ADVERTISE": f"ps{index}:{self.SHARD_PORT}"}
+
+
 class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -78,8 +104,10 @@ class Child:
 
 class Launcher:
     def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
-                 console: Console | None = None, schedule_env: dict[str, str] | None = None):
+                 console: Console | None = None, schedule_env: dict[str, str] | None = None,
+                 hosts: LocalHosts | TestbedHosts | None = None):
         self.config = config
+        self.hosts = hosts or LocalHosts()
         self.job_env = job_env
         self.schedule_env = schedule_env or {}
         self.command = command or []
@@ -103,7 +131,7 @@ class Launcher:
                pass_fds: tuple[int, ...] = ()) -> None:
         log_path = self.log_dir / f"{role}.log"
         with open(log_path, "wb") as log_file:
-            process = proc.spawn(argv, env=env, stdout=log_file, pass_fds=pass_fds)
+            process = proc.spawn(self.hosts.prefix(role) + argv, env=env, stdout=log_file, pass_fds=pass_fds)
         self.children.append(Child(role, process, log_path, is_worker))
 
     def _start_roles(self, redis_url: str, progress_fd: int) -> None:
@@ -113,8 +141,8 @@ class Launcher:
                                           "IMERGE_NUM_SHARDS": str(cfg.shards)}))
         for index in range(cfg.shards):
             self._start(f"ps{index}", role + ["ps"],
-                        self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "IMERGE_HOST": "127.0.0.1",
-                                              "IMERGE_PORT": "0", "OMP_NUM_THREADS": "1"}))
+                        self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "OMP_NUM_THREADS": "1",
+                                              **self.hosts.shard_env(index)}))
         threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
         for rank in range(cfg.workers):
             extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
