@@ -40,6 +40,8 @@ MTU = 1500
 class TestbedError(IMergeError):
     """The testbed cannot be set up here; nothing was left behind."""
 
+    __test__ = False  # not a pytest test class
+
 
 @dataclasses.dataclass(frozen=True)
 class LinkSpec:
@@ -131,6 +133,8 @@ def reap_stale() -> list[str]:
 
 class Testbed:
     """Hosts in namespaces behind one switch. Use as a context manager."""
+
+    __test__ = False
 
     def __init__(self, links: dict[str, LinkSpec], subnet: str = "10.213.0.0/24",
                  log_sink: Callable[[str], None] | None = None):
@@ -256,6 +260,7 @@ class Testbed:
 
 @dataclasses.dataclass(frozen=True)
 class TestbedConfig:
+    __test__ = False
     rate_mbit: float = dataclasses.field(default=1000.0, metadata={"help": "link rate of every host, Mbit/s",
                                                                     "choices": None, "aliases": ()})
     burst_kb: float = dataclasses.field(default=64.0, metadata={"help": "tbf burst of every link, kB",
