@@ -22,6 +22,8 @@ class ScheduleConfig:
     placement: str = option("lpt", "block placement: lpt (balanced per interleave phase) or round-robin",
                             choices=PLACEMENTS)
     interleave_period: int = option(1, "T: each group syncs every T iterations (local SGD in between)")
+    overlap: bool = option(True, "push each group during backward and wait in the next forward; off: push "
+                                 "and pull everything after backward, then wait (a naive PS, for comparison)")
     priority: bool = option(True, "send first the groups the next forward needs first")
     slots: str = option("off", "intra-iteration interleave: off, fixed (hold a group's flag for its slot "
                                "time) or ack (until the shard acknowledged the push)", choices=SLOTS)

@@ -178,7 +178,9 @@ class SyncEngine:
             self.profiler.backward_started(time.monotonic())
 
     def _syncs_now(self, group: GroupRuntime) -> bool:
-        return syncs(group.index, self.iteration - self.schedule_start, self.plan.period)
+        """Whether ``group`` syncs in this iteration; the profiled iterations of fusion cost sync every one."""
+        period = 1 if self.profiler is not None else self.plan.period
+        return syncs(group.index, self.iteration - self.schedule_start, period)
 
     # -- backward: hooks --------------------------------------------------------------------
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -203,7 +205,7 @@ class SyncEngine:
     def _group_complete(self, group: GroupRuntime) -> None:
         group.seen.clear()
         group.done_this_backward = True
-        if self._syncs_now(group):
+        if self._syncs_now(group) and self.config.overlap:
             self._enqueue(group)
 
     def _end_of_backward(self) -> None:
@@ -212,6 +214,10 @@ class SyncEngine:
             if not group.done_this_backward:
                 self._group_complete(group)
             group.done_this_backward = False
+            if not self.config.overlap and self._syncs_now(group):
+                self._enqueue(group)
+        if not self.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
+            self.synchronize()
         self._callback_queued = False
         self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, time.time(),
                              iteration=self.iteration)

@@ -81,10 +81,25 @@ def _run_testbed(args: argparse.Namespace) -> int:
                         hosts=TestbedHosts(bed)).run()
 
 
+def _run_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from imerge.bench import BenchConfig, run_bench
+
+    config = from_namespace(BenchConfig, args)
+    logging.basicConfig(level=logging.WARNING, format="imerge bench: %(message)s")
+    report = run_bench(args.scenario, config, Console(stderr=True))
+    from imerge.bench_report import markdown
+
+    print(markdown(report))
+    return 0
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from imerge.coordinator.service import CoordinatorConfig
     from imerge.launch import LaunchConfig
     from imerge.ps.config import PSConfig
+    from imerge.bench import BenchConfig
     from imerge.testbed import TestbedConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import JobConfig
@@ -98,6 +113,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
         "launch": ("run a whole job on this host (built-in job, or a script after --)",
                    (LaunchConfig, JobConfig, ScheduleConfig), _run_launch),
+        "bench": ("run every strategy on one scenario in the testbed and report it (root)", (BenchConfig,),
+                  _run_bench),
         "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped "
                     "with tc tbf (root)", (TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig), _run_testbed),
     }
@@ -106,6 +123,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         for config in configs:
             add_options(sub, config)
         sub.set_defaults(run=runner, command=[])
+        if name == "bench":
+            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling, with --workers) or tiny")
         subparsers[name] = sub
     return parser, subparsers
 

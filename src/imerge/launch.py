@@ -105,8 +105,10 @@ class Child:
 class Launcher:
     def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
                  console: Console | None = None, schedule_env: dict[str, str] | None = None,
-                 hosts: LocalHosts | TestbedHosts | None = None):
+                 hosts: LocalHosts | TestbedHosts | None = None, workers_only: bool = False, quiet: bool = False):
         self.config = config
+        self.workers_only = workers_only
+        self.quiet = quiet
         self.hosts = hosts or LocalHosts()
         self.job_env = job_env
         self.schedule_env = schedule_env or {}
@@ -136,6 +138,9 @@ class Launcher:
 
     def _start_roles(self, redis_url: str, progress_fd: int) -> None:
         cfg, role = self.config, [sys.executable, "-m", "imerge"]
+        if self.workers_only:
+            self._start_workers(redis_url, progress_fd, role)
+            return
         self._start("coordinator", role + ["coordinator"],
                     self._env(redis_url, {"IMERGE_NUM_WORKERS": str(cfg.workers),
                                           "IMERGE_NUM_SHARDS": str(cfg.shards)}))
@@ -143,12 +148,16 @@ class Launcher:
             self._start(f"ps{index}", role + ["ps"],
                         self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "OMP_NUM_THREADS": "1",
                                               **self.hosts.shard_env(index)}))
+        self._start_workers(redis_url, progress_fd, role)
+
+    def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
+        cfg = self.config
         threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
         for rank in range(cfg.workers):
             extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
             argv = self.command or role + ["worker"]
-            if not self.command:
-                extra.update(self.job_env)
+            extra.update(self.job_env)
+            if not self.command or self.workers_only:
                 if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
                     extra["IMERGE_TORCH_THREADS"] = threads
             fds = ()
@@ -204,17 +213,18 @@ class Launcher:
                    TimeElapsedColumn()]
         buffer: list[str] = []
         with os.fdopen(read_fd, "rb", buffering=0) as stream, \
-                Progress(*columns, console=self.console, disable=not self.console.is_terminal) as bar:
+                Progress(*columns, console=self.console, disable=self.quiet or not self.console.is_terminal) as bar:
             task = bar.add_task("train", total=None, loss="-", itime="-")
             last_note = 0.0
             while not self._check_children():
                 for event in self._read_events(stream, buffer, 0.2):
+                    event["received"] = time.time()
                     self.events.append(event)
                     if event.get("event") == "iteration":
                         loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
                         bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),
                                    loss=loss, itime=itime)
-                        if not self.console.is_terminal and time.monotonic() - last_note > 5:
+                        if not (self.quiet or self.console.is_terminal) and time.monotonic() - last_note > 5:
                             last_note = time.monotonic()
                             self.console.print(f"iteration {event.get('iteration')}/{event.get('total', '?')} "
                                                f"loss {loss} {itime} s/it")
@@ -232,8 +242,9 @@ class Launcher:
             if not redis_url:
                 self.redis = RedisServer()
                 redis_url = self.redis.url
-            self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
-                               f"Redis {redis_url}, logs in {self.log_dir}/")
+            if not self.quiet:
+                self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
+                                   f"Redis {redis_url}, logs in {self.log_dir}/")
             self._start_roles(redis_url, write_fd)
             os.close(write_fd)
             write_fd = -1
@@ -262,7 +273,9 @@ class Launcher:
 
     def _finish_roles(self) -> None:
         """After the workers: the coordinator exits by itself; shards are stopped gracefully."""
-        coordinator = next(c for c in self.children if c.role == "coordinator")
+        coordinator = next((c for c in self.children if c.role == "coordinator"), None)
+        if coordinator is None:
+            return
         try:
             coordinator.process.wait(self.config.stop_grace_s)
         except Exception:  # noqa: BLE001 - stopped below either way
@@ -284,12 +297,14 @@ class Launcher:
                         "mean_iteration_seconds": statistics.fmean(steady) if steady else None,
                         "final_loss": final.get("loss", iterations[-1].get("loss") if iterations else None), "test_accuracy": final.get("test_accuracy"),
                         "log_dir": str(self.log_dir)}
+        if self.config.summary_json:
+            Path(self.config.summary_json).write_text(json.dumps(self.summary, indent=2))
+        if self.quiet:
+            return
         table = Table(title=f"job {self.job} finished")
         table.add_column("figure")
         table.add_column("value", justify="right")
         for key, value in self.summary.items():
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
         Console().print(table)
-        if self.config.summary_json:
-            Path(self.config.summary_json).write_text(json.dumps(self.summary, indent=2))
 

@@ -1,0 +1,112 @@
+"""The benchmark's markdown table and PNG plots (matplotlib, headless)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+COLUMNS = [("median_iteration_s", "median s/it", "{:.3f}"), ("p90_iteration_s", "p90 s/it", "{:.3f}"),
+           ("compute_s", "compute s", "{:.3f}"), ("exposed_comm_s", "exposed comm s", "{:.3f}"),
+           ("bytes_per_iteration", "MB/it/worker", "{:.2f}"), ("link_utilization", "link util", "{:.0%}"),
+           ("ratio_to_bound", "x bound", "{:.2f}"), ("ratio_to_ddp", "x ddp", "{:.2f}"),
+           ("push_p50_ms", "push p50 ms", "{:.1f}"), ("push_p99_ms", "push p99 ms", "{:.1f}"),
+           ("tcp_retransmissions", "TCP retrans", "{:d}")]
+
+
+def _cell(value: Any, fmt: str, key: str) -> str:
+    if value is None or value != value:  # None or NaN
+        return "-"
+    return fmt.format(value / 1e6 if key == "bytes_per_iteration" else value)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    scenario = report["scenario"]
+    lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, {scenario['workers']} workers, "
+             f"{scenario['shards']} shards, {scenario['rate_mbit']:g} Mbit/s links"
+             + (f", shard port queue {scenario['shard_queue_kb']:g} kB" if scenario["shard_queue_kb"] else "")
+             + f"; compute {report['compute_s']:.3f} s per iteration.", "",
+             "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+             "|---|" + "---|" * len(COLUMNS)]
+    for name, result in report["strategies"].items():
+        lines.append(f"| {name} | " + " | ".join(_cell(result.get(key), fmt, key) for key, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
+    names = list(report["strategies"])
+    medians = [report["strategies"][n]["median_iteration_s"] for n in names]
+    p90 = [report["strategies"][n]["p90_iteration_s"] - m for n, m in zip(names, medians)]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.bar(names, medians, yerr=[[0] * len(p90), p90], capsize=4, color="tab:blue")
+    axis.axhline(report["compute_s"], color="tab:red", linestyle="--", label="compute")
+    axis.set_ylabel("seconds per iteration (median, whisker p90)")
+    axis.legend()
+    plt.setp(axis.get_xticklabels(), rotation=30, ha="right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
+    chosen = next((n for n in ("imerge", "slots-ack", "wfbp") if n in report["strategies"]), None)
+    if chosen is None:
+        return
+    trace_dir = Path(report["strategies"][chosen]["trace_dir"])
+    figure, axis = plt.subplots(figsize=(10, 1 + 0.8 * report["scenario"]["workers"]))
+    colors = {"compute": "tab:green", "push": "tab:blue", "pull": "tab:orange", "forward-wait": "tab:red",
+              "flag-wait": "tab:purple"}
+    for rank, trace in enumerate(sorted(trace_dir.glob("worker*.json"))):
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+        iterations = sorted((e for e in events if e["cat"] == "compute"), key=lambda e: e["ts"])
+        if len(iterations) < 2:
+            continue
+        window = iterations[-2]
+        start, end = window["ts"], iterations[-1]["ts"]
+        for lane, categories in enumerate((("compute", "forward-wait"), ("push", "flag-wait"), ("pull",))):
+            for e in events:
+                if e["cat"] in categories and e["ts"] < end and e["ts"] + e["dur"] > start:
+                    axis.broken_barh([((e["ts"] - start) / 1e3, e["dur"] / 1e3)],
+                                     (rank * 4 + lane, 0.8), color=colors[e["cat"]])
+    axis.set_xlabel(f"ms into one iteration ({chosen})")
+    axis.set_yticks([r * 4 + 1 for r in range(report["scenario"]["workers"])],
+                    [f"worker {r}" for r in range(report["scenario"]["workers"])])
+    axis.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
+                loc="upper right", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_utilization(report: dict[str, Any], path: Path, plt: Any) -> None:
+    rate_bps = report["scenario"]["rate_mbit"] * 1e6 / 8
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for name in ("imerge", "wfbp", "slots-ack", "ddp"):
+        result = report["strategies"].get(name)
+        if not result or len(result["utilization_series"]) < 2:
+            continue
+        series = result["utilization_series"]
+        for host in series[0][1]:
+            times = [(t - series[0][0]) for t, _ in series[1:]]
+            rates = [(b[host] - a[host]) / (tb - ta) / rate_bps
+                     for (ta, a), (tb, b) in zip(series, series[1:])]
+            axis.plot(times, rates, label=f"{name} {host}")
+        break
+    axis.set_xlabel("seconds")
+    axis.set_ylabel("link utilization")
+    axis.set_ylim(0, 1.1)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.md").write_text(markdown(report))
+    _plot_iteration_times(report, out / "iteration_time.png", plt)
+    _plot_timeline(report, out / "timeline.png", plt)
+    _plot_utilization(report, out / "link_utilization.png", plt)
