@@ -1,0 +1,39 @@
+"""A tiny benchmark scenario runs end to end on the testbed and reports every field."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from imerge.bench import STRATEGIES
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                reason="the testbed needs root and iproute2")
+FIELDS = {"median_iteration_s", "p90_iteration_s", "compute_s", "exposed_comm_s", "bytes_per_iteration",
+          "link_utilization", "bound_s", "ratio_to_bound", "ratio_to_ddp", "push_p50_ms", "push_p99_ms",
+          "tcp_retransmissions"}
+
+
+def test_tiny_scenario_reports_every_strategy_and_field(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "tiny", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert list(report["strategies"]) == list(STRATEGIES)
+    for name, strategy in report["strategies"].items():
+        missing = FIELDS - set(strategy)
+        assert not missing, f"{name} lacks {missing}"
+        assert strategy["median_iteration_s"] > 0 and strategy["bytes_per_iteration"] > 0, name
+        assert strategy["ratio_to_ddp"] > 0 and strategy["ratio_to_bound"] > 0, name
+        if name != "ddp":
+            assert strategy["compute_s"] > 0 and strategy["exposed_comm_s"] is not None, name
+    assert report["strategies"]["ddp"]["ratio_to_ddp"] == 1.0
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {name} |" in table for name in STRATEGIES)
+    for plot in ("iteration_time.png", "timeline.png", "link_utilization.png"):
+        assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG", plot
+    assert "| imerge |" in result.stdout
