@@ -68,12 +68,14 @@ class BenchConfig:
     iters: int = option(0, "iterations per run (0: the scenario's default)")
     strategies: str = option("", "comma-separated subset of the scenario's strategies (default: all)")
     workers: int = option(0, "override the scenario's worker count (B4 scaling runs 1..6)")
+    rate_mbit: float = option(0.0, "override the scenario's link rate, Mbit/s")
     out: str = option("", "output folder (default: runs/bench-<scenario>-<time>)")
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "rounds", "must be at least 1")
         require(self.iters >= 0, "iters", "must be >= 0")
         require(self.workers >= 0, "workers", "must be >= 0")
+        require(self.rate_mbit >= 0, "rate_mbit", "must be >= 0")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -234,6 +236,8 @@ def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any
     if config.workers:
         scenario = dataclasses.replace(scenario, workers=config.workers,
                                        shards=config.workers if name == "B4" else scenario.shards)
+    if config.rate_mbit:
+        scenario = dataclasses.replace(scenario, rate_mbit=config.rate_mbit)
     chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or list(scenario.strategies)
     unknown = [s for s in chosen if s not in scenario.strategies]
     if unknown:
