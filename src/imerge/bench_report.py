@@ -63,7 +63,7 @@ def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
         window = iterations[-2]
         start, end = window["ts"], iterations[-1]["ts"]
         for lane, categories in enumerate((("compute", "forward-wait"), ("push", "flag-wait"), ("pull",))):
-            for e in events:
+            for e in sorted(events, key=lambda e: categories.index(e["cat"]) if e["cat"] in categories else 0):
                 if e["cat"] in categories and e["ts"] < end and e["ts"] + e["dur"] > start:
                     axis.broken_barh([((e["ts"] - start) / 1e3, e["dur"] / 1e3)],
                                      (rank * 4 + lane, 0.8), color=colors[e["cat"]])
