@@ -68,7 +68,6 @@ def test_hosts_reach_each_other_by_name():
                                        "import socket; print(socket.gethostbyname('ps0'), "
                                        "socket.gethostbyname('redis'))"]).split()
         assert resolved == [bed.address["ps0"], bed.address["redis"]]
-        assert bed.run("ps0", ["ping", "-c", "1", "-W", "2", "worker0"]) if shutil.which("ping") else True
     assert leftovers() == []
 
 

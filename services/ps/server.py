@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "imerge.v1.ParameterServer"
 MAX_MESSAGE_BYTES = 2 * CHUNK_BYTES + 4096
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32"}
-DTYPE_VALUES = {name: value for value, name in DTYPE_NAMES.items()}
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -269,10 +268,6 @@ class ShardServer:
         if self._store is not None:
             self._store.close()
         self.shard.close()
-
-    async def wait(self) -> None:
-        assert self._server is not None
-        await self._server.wait_for_termination()
 
 
 async def serve(config: PSConfig) -> int:

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from imerge.planning import Block, Group
+from imerge.planning import BYTES_PER_ELEMENT, Block, Group
 
 
 class FlatParams:
@@ -79,7 +79,7 @@ class GroupRuntime:
 
     @property
     def nbytes(self) -> int:
-        return self.group.numel * 4
+        return self.group.numel * BYTES_PER_ELEMENT
 
     def __repr__(self) -> str:
         return f"group {self.group.index} ({len(self.blocks)} blocks, {self.nbytes} B)"

@@ -87,7 +87,6 @@ class SyncEngine:
         self._callback_queued = False
         self.iteration = 0          # backwards completed
         self.schedule_start = 0     # the iteration the current plan's schedule counts from
-        self.bytes_pushed = 0
         self._bandwidth_bps = config.slot_bandwidth_mbps * 1e6 / 8
         self._forward_started = 0.0
         self._backward_started = 0.0
@@ -305,7 +304,6 @@ class SyncEngine:
                                        self.config.rank, group.round, self.config.rpc_timeout_s)
         seconds = time.monotonic() - started
         nbytes = sum(b.numel for b in blocks) * BYTES_PER_ELEMENT
-        self.bytes_pushed += nbytes
         if self.profiler is not None:
             self.profiler.push(nbytes, seconds)
         if self.config.slot_bandwidth_mbps == 0 and seconds > 0:  # moving average of observed pushes

@@ -78,6 +78,11 @@ class BenchConfig:
         require(self.rate_mbit >= 0, "rate_mbit", "must be >= 0")
 
 
+def warmup_iterations(iters: int) -> int:
+    """Iterations not timed: warm-up, and the profile of fusion cost (which runs that long)."""
+    return min(5, max(2, iters // 4))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
@@ -152,7 +157,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
     job = {"IMERGE_MODEL": scenario.model, "IMERGE_DATA": "synthetic", "IMERGE_ITERS": str(iters),
            "IMERGE_BATCH_SIZE": str(scenario.batch_size), "IMERGE_EVALUATE": "0",
            "IMERGE_SAMPLES": str(max(512, scenario.batch_size * scenario.workers * 4)),
-           "IMERGE_PROFILE_ITERS": str(min(5, max(2, iters // 4))), "GLOO_SOCKET_IFNAME": "eth0",
+           "IMERGE_PROFILE_ITERS": str(warmup_iterations(iters)), "GLOO_SOCKET_IFNAME": "eth0",
            "IMERGE_DDP_MASTER": "worker0:29500"}
     config = LaunchConfig(workers=scenario.workers, shards=scenario.shards, log_dir=str(run_dir),
                           log_level="WARNING")
@@ -172,7 +177,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
 
 def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler: CounterSampler,
             run_dir: Path, iters: int) -> dict[str, Any]:
-    skip = min(5, max(2, iters // 4)) if name != "ddp" else 2  # warm-up and the cost profile
+    skip = warmup_iterations(iters) if name != "ddp" else 2
     steps = [e for e in events if e.get("event") == "iteration"]
     timed = [e for e in steps if e["iteration"] > skip] or steps
     window = sampler.window(timed[0]["received"], timed[-1]["received"])

@@ -20,10 +20,6 @@ DTYPES: dict[str, tuple[torch.dtype, str, int]] = {"float32": (torch.float32, "<
 assert sys.byteorder == "little", "IMerge sends tensors as little-endian memory"
 
 
-def element_size(dtype: str) -> int:
-    return DTYPES[dtype][2]
-
-
 def tensor_view(flat: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if flat.device.type != "cpu" or not flat.is_contiguous():

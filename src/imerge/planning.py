@@ -150,10 +150,6 @@ class Plan:
                 load[block.shard][phase(group.index, self.period)] += block.numel * BYTES_PER_ELEMENT
         return load
 
-    def phase_bytes(self) -> list[int]:
-        """Bytes one worker pushes in each phase of the period."""
-        return [sum(col) for col in zip(*self.shard_load())]
-
 
 # -- units and blocks -----------------------------------------------------------------
 def make_units(layout: Layout) -> list[Unit]:
