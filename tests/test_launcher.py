@@ -98,6 +98,8 @@ def test_failed_role_is_named_and_exit_is_nonzero(tmp_path):
     (["coordinator", "--redis-url", "http://x"], {}, "--redis-url: expected redis://host:port/db"),
     (["worker", "--model", "alexnet"], {}, "argument --model: invalid choice: 'alexnet'"),
     (["ps", "--", "python"], {}, "only accepted by 'imerge launch'"),
+    (["bench", "B4", "--sizes", "1,x"], {}, "--sizes: must be comma-separated worker counts"),
+    (["testbed", "--mtu", "100"], {}, "--mtu: must be within 576..65000"),
 ])
 def test_cli_rejects_bad_options_naming_them(args, env, message):
     result = subprocess.run(IMERGE + args, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)

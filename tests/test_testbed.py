@@ -44,10 +44,12 @@ def leftovers() -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("rate", [50, 200])
-def test_a_shaped_link_delivers_its_configured_rate(rate):
+@pytest.mark.parametrize("rate,mtu", [(50, 1500), (200, 9000)])
+def test_a_shaped_link_delivers_its_configured_rate(rate, mtu):
     lines: list[str] = []
-    with Testbed({"a": LinkSpec(rate_mbit=rate), "b": LinkSpec(rate_mbit=rate)}, log_sink=lines.append) as bed:
+    with Testbed({"a": LinkSpec(rate_mbit=rate), "b": LinkSpec(rate_mbit=rate)}, log_sink=lines.append,
+                 mtu=mtu) as bed:
+        assert f"mtu {mtu} " in bed.run("b", ["ip", "link", "show", "eth0"])
         receiver = bed.spawn("a", [sys.executable, "-c", RECEIVER])
         time.sleep(0.5)
         megabytes = max(4, rate // 8)  # about a second of traffic
@@ -60,6 +62,16 @@ def test_a_shaped_link_delivers_its_configured_rate(rate):
         counters = bed.counters("a")
         assert counters.rx_bytes >= megabytes << 20
         assert bed.counters("b").tcp_out_segs > 0
+
+
+def test_bad_mtu_is_refused_before_anything_is_created():
+    with pytest.raises(TestbedError, match="MTU 70000"):
+        Testbed({"a": LinkSpec()}, mtu=70000)
+    from imerge.config import ConfigError
+    from imerge.testbed import TestbedConfig
+
+    with pytest.raises(ConfigError, match="burst"):
+        TestbedConfig(burst_kb=4, mtu=9000)
 
 
 def test_hosts_reach_each_other_by_name():

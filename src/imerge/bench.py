@@ -37,8 +37,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "imerge-T2": dict(fusion="cost", priority=True, slots="ack", interleave_period=2),
     "imerge-T4": dict(fusion="cost", priority=True, slots="ack", interleave_period=4),
 }
-INCAST = {"slots-off": dict(fusion="none", slots="off"), "slots-fixed": dict(fusion="none", slots="fixed"),
-          "slots-ack": dict(fusion="none", slots="ack")}
+INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +47,18 @@ class Scenario:
     workers: int
     shards: int
     rate_mbit: float = 1000.0
-    iters: int = 30
+    iters: int = 12
     shard_queue_kb: float = 0.0
+    mtu: int = 9000
     strategies: tuple[str, ...] = tuple(STRATEGIES)
+    sizes: tuple[int, ...] = ()  # scaling: run at each worker count, shards = workers
 
 
 SCENARIOS = {
     "B1": Scenario("resnet18", 8, 3, 3),
     "B2": Scenario("vgg", 8, 3, 3),
-    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, strategies=tuple(INCAST)),
-    "B4": Scenario("resnet18", 8, 1, 1),
+    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
+    "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
     "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12),
 }
 
@@ -67,15 +68,20 @@ class BenchConfig:
     rounds: int = option(1, "how many times each strategy runs (strategies alternate)")
     iters: int = option(0, "iterations per run (0: the scenario's default)")
     strategies: str = option("", "comma-separated subset of the scenario's strategies (default: all)")
-    workers: int = option(0, "override the scenario's worker count (B4 scaling runs 1..6)")
+    workers: int = option(0, "run at this worker count only (B4: shards = workers)")
+    sizes: str = option("", "B4: comma-separated worker counts to scale over (default: 1,2,3,4,5,6)")
     rate_mbit: float = option(0.0, "override the scenario's link rate, Mbit/s")
+    mtu: int = option(0, "override the scenario's link MTU (default 9000; 1500 for B3)")
     out: str = option("", "output folder (default: runs/bench-<scenario>-<time>)")
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "rounds", "must be at least 1")
         require(self.iters >= 0, "iters", "must be >= 0")
         require(self.workers >= 0, "workers", "must be >= 0")
+        require(all(part.strip().isdigit() and 1 <= int(part) <= 16 for part in self.sizes.split(",") if self.sizes),
+                "sizes", "must be comma-separated worker counts within 1..16, e.g. 1,2,4")
         require(self.rate_mbit >= 0, "rate_mbit", "must be >= 0")
+        require(self.mtu == 0 or 576 <= self.mtu <= 65000, "mtu", "must be 0 or within 576..65000")
 
 
 def warmup_iterations(iters: int) -> int:
@@ -161,7 +167,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
            "IMERGE_DDP_MASTER": "worker0:29500"}
     config = LaunchConfig(workers=scenario.workers, shards=scenario.shards, log_dir=str(run_dir),
                           log_level="WARNING")
-    with Testbed(links, log_sink=lambda line: None) as bed:
+    with Testbed(links, log_sink=lambda line: None, mtu=scenario.mtu) as bed:
         if not ddp:
             config = dataclasses.replace(config, redis_url=start_redis(bed))
         hosts = [f"worker{r}" for r in range(scenario.workers)] + [f"ps{s}" for s in range(scenario.shards)]
@@ -234,36 +240,65 @@ def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict
     return {"scenario": dataclasses.asdict(scenario), "compute_s": compute, "strategies": merged}
 
 
-def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any]:
+def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
+    """The scenario with the command line's overrides, and the strategies to run."""
     if name not in SCENARIOS:
         raise IMergeError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
     scenario = SCENARIOS[name]
     if config.workers:
-        scenario = dataclasses.replace(scenario, workers=config.workers,
-                                       shards=config.workers if name == "B4" else scenario.shards)
+        scenario = dataclasses.replace(scenario, workers=config.workers, sizes=(),
+                                       shards=config.workers if scenario.sizes else scenario.shards)
+    if config.sizes:
+        if not scenario.sizes:
+            raise IMergeError(f"--sizes: scenario {name} does not scale; only B4 does")
+        scenario = dataclasses.replace(scenario, sizes=tuple(int(part) for part in config.sizes.split(",")))
     if config.rate_mbit:
         scenario = dataclasses.replace(scenario, rate_mbit=config.rate_mbit)
+    if config.mtu:
+        scenario = dataclasses.replace(scenario, mtu=config.mtu)
+    if config.iters:
+        scenario = dataclasses.replace(scenario, iters=config.iters)
     chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or list(scenario.strategies)
     unknown = [s for s in chosen if s not in scenario.strategies]
     if unknown:
         raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(scenario.strategies)}")
-    iters = config.iters or scenario.iters
-    out = Path(config.out or f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
-    total = config.rounds * len(chosen)
-    for index, (round_, strategy) in enumerate((r, s) for r in range(config.rounds) for s in chosen):
-        console.print(f"[{index + 1}/{total}] {name} round {round_ + 1}: {strategy}")
-        result = run_strategy(strategy, scenario, iters, out, f"round{round_ + 1}")
-        console.print(f"    median {result['median_iteration_s']:.3f} s/it, "
-                      f"{result['bytes_per_iteration'] / 1e6:.2f} MB/it per worker")
-        runs[strategy].append(result)
-    report = summarize(scenario, runs)
-    report["command"] = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
-    from .bench_report import write_report
+    return scenario, chosen
 
-    write_report(report, out)
+
+def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any]:
+    scenario, chosen = resolve(name, config)
+    out = Path(config.out or f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
+    from .bench_report import write_report, write_scaling_report
+
+    if not scenario.sizes:
+        report = run_scenario(name, scenario, chosen, config.rounds, out, console)
+        report["command"] = command
+        write_report(report, out)
+    else:
+        reports = {}
+        for workers in scenario.sizes:
+            sized = dataclasses.replace(scenario, workers=workers, shards=workers, sizes=())
+            reports[workers] = run_scenario(f"{name} W={workers}", sized, chosen, config.rounds,
+                                            out / f"W{workers}", console)
+            write_report(reports[workers], out / f"W{workers}")
+        report = {"scenario": dataclasses.asdict(scenario), "command": command, "sizes": reports}
+        write_scaling_report(report, out)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
     console.print(f"results in {out}/ (results.json, results.md, *.png)")
     return report
 
+
+def run_scenario(title: str, scenario: Scenario, chosen: list[str], rounds: int, out: Path,
+                 console: Console) -> dict[str, Any]:
+    """Every chosen strategy on ``scenario``, alternating over ``rounds``; the merged report."""
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    total = rounds * len(chosen)
+    for index, (round_, strategy) in enumerate((r, s) for r in range(rounds) for s in chosen):
+        console.print(f"[{index + 1}/{total}] {title} round {round_ + 1}: {strategy}")
+        result = run_strategy(strategy, scenario, scenario.iters, out, f"round{round_ + 1}")
+        console.print(f"    median {result['median_iteration_s']:.3f} s/it, "
+                      f"{result['bytes_per_iteration'] / 1e6:.2f} MB/it per worker")
+        runs[strategy].append(result)
+    out.mkdir(parents=True, exist_ok=True)
+    return summarize(scenario, runs)

@@ -20,9 +20,12 @@ def _cell(value: Any, fmt: str, key: str) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
+    if "sizes" in report:
+        return scaling_markdown(report)
     scenario = report["scenario"]
     lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, {scenario['workers']} workers, "
              f"{scenario['shards']} shards, {scenario['rate_mbit']:g} Mbit/s links"
+             + f", MTU {scenario['mtu']}"
              + (f", shard port queue {scenario['shard_queue_kb']:g} kB" if scenario["shard_queue_kb"] else "")
              + f"; compute {report['compute_s']:.3f} s per iteration.", "",
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
@@ -110,3 +113,46 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     _plot_iteration_times(report, out / "iteration_time.png", plt)
     _plot_timeline(report, out / "timeline.png", plt)
     _plot_utilization(report, out / "link_utilization.png", plt)
+
+
+def scaling_markdown(report: dict[str, Any]) -> str:
+    """One row per strategy, one column per worker count: median s/it, samples/s, x bound, x ddp."""
+    sizes = report["sizes"]
+    scenario = report["scenario"]
+    names = list(next(iter(sizes.values()))["strategies"])
+    lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, shards = workers, "
+             f"{scenario['rate_mbit']:g} Mbit/s links, MTU {scenario['mtu']}. Each cell: median s/it, "
+             "samples/s, x bound, x ddp.", "",
+             "| strategy | " + " | ".join(f"W={w}" for w in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for name in names:
+        cells = []
+        for workers, sized in sizes.items():
+            result = sized["strategies"][name]
+            samples = int(workers) * scenario["batch_size"] / result["median_iteration_s"]
+            cells.append(f"{result['median_iteration_s']:.2f} s, {samples:.1f}/s, "
+                         f"{_cell(result['ratio_to_bound'], '{:.2f}', '')}x, {_cell(result['ratio_to_ddp'], '{:.2f}', '')}x")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_scaling_report(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (out / "results.md").write_text(scaling_markdown(report))
+    sizes = report["sizes"]
+    workers = [int(w) for w in sizes]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    for name in next(iter(sizes.values()))["strategies"]:
+        samples = [w * report["scenario"]["batch_size"] / sizes[key]["strategies"][name]["median_iteration_s"]
+                   for w, key in zip(workers, sizes)]
+        axis.plot(workers, samples, marker="o", label=name)
+    axis.set_xlabel("workers (shards = workers)")
+    axis.set_ylabel("samples per second")
+    axis.set_xticks(workers)
+    axis.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out / "scaling.png", dpi=100)
+    plt.close(figure)

@@ -74,7 +74,8 @@ def _run_testbed(args: argparse.Namespace) -> int:
         return 0
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
     schedule = from_namespace(ScheduleConfig, args)
-    with Testbed(testbed.links(job_roles(config.shards, config.workers)), testbed.subnet) as bed:
+    with Testbed(testbed.links(job_roles(config.shards, config.workers)), testbed.subnet,
+                 mtu=testbed.mtu) as bed:
         redis_url = start_redis(bed)
         config = dataclasses.replace(config, redis_url=redis_url)
         return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule),
@@ -124,7 +125,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             add_options(sub, config)
         sub.set_defaults(run=runner, command=[])
         if name == "bench":
-            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling, with --workers) or tiny")
+            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling over --sizes) or tiny")
         subparsers[name] = sub
     return parser, subparsers
 

@@ -34,7 +34,7 @@ from .errors import IMergeError
 log = logging.getLogger(__name__)
 MARKERS = Path("/run/imerge-testbed")
 NETNS_ETC = Path("/etc/netns")
-MTU = 1500
+MTU = 1500  # Ethernet; 9000 for jumbo frames, as GPU cluster fabrics commonly run
 
 
 class TestbedError(IMergeError):
@@ -137,9 +137,12 @@ class Testbed:
     __test__ = False
 
     def __init__(self, links: dict[str, LinkSpec], subnet: str = "10.213.0.0/24",
-                 log_sink: Callable[[str], None] | None = None):
+                 log_sink: Callable[[str], None] | None = None, mtu: int = MTU):
         if not links:
             raise TestbedError("a testbed needs at least one host")
+        if not 576 <= mtu <= 65000:
+            raise TestbedError(f"MTU {mtu} is outside 576..65000")
+        self.mtu = mtu
         self.subnet = ipaddress.IPv4Network(subnet)
         if len(links) > self.subnet.num_addresses - 2:
             raise TestbedError(f"{len(links)} hosts do not fit in {subnet}")
@@ -179,7 +182,8 @@ class Testbed:
 
     def _create(self) -> None:
         _run(["ip", "netns", "add", self.switch], "creating the switch namespace")
-        _run(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"], "creating the bridge")
+        _run(["ip", "-n", self.switch, "link", "add", "br0", "mtu", str(self.mtu), "type", "bridge"],
+             "creating the bridge")
         _run(["ip", "-n", self.switch, "link", "set", "br0", "up"], "raising the bridge")
         hosts_file = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in self.address.items())
         for index, (host, link) in enumerate(self.links.items()):
@@ -191,7 +195,8 @@ class Testbed:
             _run(["ip", "link", "set", port + "h", "netns", ns, "name", "eth0"], f"moving {host}'s link")
             _run(["ip", "link", "set", port, "netns", self.switch], f"plugging {host} into the switch")
             for target, dev in ((ns, "eth0"), (self.switch, port)):
-                _run(["ip", "-n", target, "link", "set", dev, "gso_max_size", str(MTU + 14), "mtu", str(MTU)],
+                _run(["ip", "-n", target, "link", "set", dev, "gso_max_size", str(self.mtu + 14),
+                      "mtu", str(self.mtu)],
                      f"setting up {host}'s link")
             _run(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"], f"bridging {host}")
             _run(["ip", "-n", ns, "addr", "add", f"{self.address[host]}/{self.subnet.prefixlen}", "dev", "eth0"],
@@ -270,6 +275,9 @@ class TestbedConfig:
     shard_queue_kb: float = dataclasses.field(default=0.0, metadata={
         "help": f"queue of the switch port toward each shard, kB (0: --limit-kb; {SHALLOW:g}: shallow, "
                 "reproduces incast loss)", "choices": None, "aliases": ()})
+    mtu: int = dataclasses.field(default=MTU, metadata={
+        "help": "MTU of every link (9000: jumbo frames, fewer packets for the kernel to move)",
+        "choices": None, "aliases": ()})
     subnet: str = dataclasses.field(default="10.213.0.0/24", metadata={"help": "address range of the hosts",
                                                                         "choices": None, "aliases": ()})
     cleanup: bool = dataclasses.field(default=False, metadata={
@@ -281,6 +289,8 @@ class TestbedConfig:
         require(self.rate_mbit > 0, "rate_mbit", "must be positive")
         require(self.burst_kb > 0 and self.limit_kb > 0, "limit_kb", "burst and limit must be positive")
         require(self.shard_queue_kb >= 0, "shard_queue_kb", "must be >= 0")
+        require(576 <= self.mtu <= 65000, "mtu", "must be within 576..65000")
+        require(self.burst_kb * 1000 >= self.mtu, "burst_kb", "must hold at least one packet of --mtu bytes")
         try:
             ipaddress.IPv4Network(self.subnet)
         except ValueError as exc:
