@@ -9,8 +9,10 @@ import time
 
 from imerge.config import CommonConfig, option, require
 from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.metrics import MetricsServer
 from imerge.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 
+from .metrics import coordinator_registry
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -105,13 +107,23 @@ class Coordinator:
                 lost.add(rank)
             lost -= live
 
+    def serve_metrics(self) -> MetricsServer:
+        registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
+                                        lambda: self.plan.version if self.plan else 0)
+        return MetricsServer(registry, self.config.metrics_port, "coordinator")
+
     def run(self) -> int:
         started = time.monotonic()
+        metrics = None
         try:
+            metrics = self.serve_metrics()
             self.publish_plan()
             self.watch()
         except IMergeError as exc:
             log.error("%s", exc)
             return 1
+        finally:
+            if metrics is not None:
+                metrics.close()
         log.info("job %s finished after %.1fs", self.config.job, time.monotonic() - started)
         return 0

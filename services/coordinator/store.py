@@ -25,6 +25,8 @@ key                         type     meaning
 ``flag:{v}:{g}``            string   holder token of group g's slot flag (plan v), with
                                      the lease as its expiry; absent = free
 ``flag:{v}:{g}:wake``       list     one token pushed by each release, to wake a waiter
+``flags:stats``             hash     granted / contended (granted after a wait) / expired
+                                     (released after the lease had passed) flag counts
 ==========================  =======  ==============================================
 
 Events in use: ``plan:{version}`` (payload: the plan JSON, or ``{"error": ...}``)
@@ -59,6 +61,8 @@ _ACQUIRE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('DEL', KEYS[2])
+  redis.call('HINCRBY', KEYS[3], 'granted', 1)
+  if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'contended', 1) end
   return -1
 end
 return redis.call('PTTL', KEYS[1])
@@ -69,8 +73,10 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('RPUSH', KEYS[2], '1')
   return 1
 end
+redis.call('HINCRBY', KEYS[3], 'expired', 1)
 return 0
 """
+FLAG_STATS = ("granted", "contended", "expired")
 
 
 def _translated(method: F) -> F:
@@ -233,7 +239,8 @@ class Store:
         deadline = time.monotonic() + timeout_s
         contended = False
         while True:
-            remaining_lease_ms = self._acquire(keys=[holder, wake], args=[token, int(lease_s * 1000)])
+            remaining_lease_ms = self._acquire(keys=[holder, wake, self.key("flags", "stats")],
+                                               args=[token, int(lease_s * 1000), int(contended)])
             if remaining_lease_ms == -1:
                 return contended
             contended = True
@@ -247,4 +254,15 @@ class Store:
     @_translated
     def release_flag(self, name: str, token: str) -> bool:
         """Free flag ``name`` if ``token`` still holds it; False if its lease had passed to another."""
-        return bool(self._release(keys=[self.key("flag", name), self.key("flag", name, "wake")], args=[token]))
+        return bool(self._release(keys=[self.key("flag", name), self.key("flag", name, "wake"),
+                                        self.key("flags", "stats")], args=[token]))
+
+    @_translated
+    def flag_stats(self) -> dict[str, int]:
+        """How many flags were granted, granted after a wait, and released after their lease expired."""
+        raw = self._redis.hgetall(self.key("flags", "stats"))
+        return {name: int(raw.get(name, 0)) for name in FLAG_STATS}
+
+    @_translated
+    def registered_shards(self) -> int:
+        return int(self._redis.hlen(self.key("shards")))

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from imerge.codec import CHUNK_BYTES, ChunkAssembler
 from imerge.coordinator.store import Store
 from imerge.errors import FailedPrecondition, InvalidArgument, RequestError
+from imerge.metrics import MetricsServer
 from imerge.optim import OptimizerSpec
 from imerge.planning import Plan
 from imerge.rpc import ps_pb2, ps_pb2_grpc
@@ -153,6 +154,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             plan = Plan.from_json(payload)
             self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
             self._mapping = {b.block_id: b.shard for b in plan.blocks}
+            self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
         if block_id not in self._owned:
             where = self._mapping.get(block_id)
             raise FailedPrecondition(f"block {block_id} is mapped to "
@@ -235,8 +237,10 @@ class ShardServer:
     def __init__(self, config: PSConfig):
         self.config = config
         self.shard = Shard(config.shard_index, check_finite=config.check_finite,
-                           max_block_numel=config.max_block_numel, max_workers=config.max_workers)
+                           max_block_numel=config.max_block_numel, max_workers=config.max_workers,
+                           link_mbps=config.link_mbps)
         self.address = ""
+        self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
         self._store: Store | None = None
         self._health = health.aio.HealthServicer()
@@ -252,6 +256,7 @@ class ShardServer:
         if port == 0:
             raise OSError(f"shard {cfg.shard_index}: cannot listen on {cfg.host}:{cfg.port}")
         await self._server.start()
+        self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}")
         self.address = cfg.advertise or f"{cfg.host}:{port}"
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -265,6 +270,8 @@ class ShardServer:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
             self._server = None
+        if self.metrics is not None:
+            self.metrics.close()
         if self._store is not None:
             self._store.close()
         self.shard.close()

@@ -22,6 +22,8 @@ from imerge.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
                            InvalidArgument, NotFound)
 from imerge.optim import OptimizerSpec
 
+from .metrics import ShardCounters, ShardMetrics
+
 log = logging.getLogger(__name__)
 
 
@@ -37,17 +39,6 @@ class BlockMeta:
     numel: int
     num_workers: int
     optimizer: OptimizerSpec
-
-
-@dataclasses.dataclass
-class ShardCounters:
-    bytes_received: int = 0
-    bytes_sent: int = 0
-    pushes: int = 0
-    duplicate_pushes: int = 0
-    pulls: int = 0
-    rounds_completed: int = 0
-    rejected: int = 0
 
 
 class BlockState:
@@ -67,28 +58,30 @@ class BlockState:
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
 
-    def aggregate(self) -> list[bytes]:
+    def aggregate(self, metrics: ShardMetrics) -> list[bytes]:
         """Average the pushed gradients in worker-id order and step (runs off the event loop)."""
-        with torch.no_grad():
+        with metrics.aggregation.time(), torch.no_grad():
             mean = self.grads[0].clone()
             for row in self.grads[1:]:
                 mean.add_(row)
             mean.div_(self.meta.num_workers)
         self.param.grad = mean
-        self.optimizer.step()
+        with metrics.optimizer_step.time():
+            self.optimizer.step()
         self.param.grad = None
         return snapshot_of(self.param)
 
 
 class Shard:
     def __init__(self, index: int, *, check_finite: bool = True, max_block_numel: int = 1 << 28,
-                 max_workers: int = 4096):
+                 max_workers: int = 4096, link_mbps: float = 10000.0):
         self.index = index
         self.check_finite = check_finite
         self.max_block_numel = max_block_numel
         self.max_workers = max_workers
         self.blocks: dict[str, BlockState] = {}
         self.counters = ShardCounters()
+        self.metrics = ShardMetrics(index, self.counters, link_mbps)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"ps{index}-step")
         self._tasks: set[asyncio.Task] = set()
 
@@ -126,6 +119,7 @@ class Shard:
         existing = self.blocks.get(meta.block_id)
         if existing is None:
             self.blocks[meta.block_id] = BlockState(meta, init, init_digest)
+            self.metrics.blocks.set(len(self.blocks))
             log.info("block %s: %d elements, %d workers, %s", meta.block_id, meta.numel,
                      meta.num_workers, meta.optimizer.name)
             return True, 0
@@ -160,6 +154,7 @@ class Shard:
             if round_ != block.round:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
             block.receiving.add(worker)
+            self.metrics.pushes_in_flight.inc()
             try:
                 assembler = ChunkAssembler(block.grads[worker], what)
                 async for chunk in data:
@@ -169,6 +164,7 @@ class Shard:
                     raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
             finally:
                 block.receiving.discard(worker)
+                self.metrics.pushes_in_flight.dec()
             return False, self._count_push(block, worker)
 
     def _count_push(self, block: BlockState, worker: int) -> int:
@@ -183,7 +179,7 @@ class Shard:
         return len(block.pushed)
 
     async def _aggregate(self, block: BlockState) -> None:
-        snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, block.aggregate)
+        snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, block.aggregate, self.metrics)
         async with block.changed:
             block.snapshot = snapshot
             block.round += 1
@@ -205,8 +201,9 @@ class Shard:
         if worker not in block.pushed and worker not in block.receiving:
             raise FailedPrecondition(f"{what}: worker {worker} has not pushed this round")
         try:
-            async with block.changed:
-                await asyncio.wait_for(block.changed.wait_for(lambda: block.round > round_), timeout_s)
+            with self.metrics.pull_wait.time():
+                async with block.changed:
+                    await asyncio.wait_for(block.changed.wait_for(lambda: block.round > round_), timeout_s)
         except asyncio.TimeoutError:
             missing = block.missing_workers()
             reason = (f"workers {missing} have not pushed" if missing else "the aggregation is still running")

@@ -23,6 +23,7 @@ import torch
 
 from imerge.coordinator.store import Store
 from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.metrics import MetricsServer
 from imerge.optim import OptimizerSpec
 from imerge.planning import Layout, Plan, layout_of
 
@@ -79,18 +80,26 @@ class DistributedModel(torch.nn.Module):
                                     config.heartbeat_ttl_s)
         self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
         self._engine: SyncEngine | None = None
+        self._metrics: MetricsServer | None = None
         try:
             layout = layout_of(module)
             self._store.submit_layout(config.rank, layout_payload(layout, config))
             self.plan = wait_plan(self._store, config)
             self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, optimizer,
                                       self._store)
+            self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
+                                          f"worker {config.rank}")
             self._engine.initialize()
         except BaseException:
             self.abort()
             raise
         log.info("worker %d/%d joined job %s: %d groups on %d shards", config.rank, config.world_size,
                  config.job, len(self.plan.groups), len(self.plan.shard_addresses))
+
+    @property
+    def metrics_port(self) -> int:
+        """The port of this worker's /metrics (-1: off)."""
+        return self._metrics.port if self._metrics is not None else -1
 
     @property
     def engine(self) -> SyncEngine:
@@ -111,6 +120,9 @@ class DistributedModel(torch.nn.Module):
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self._heartbeat.stop()
         self._store.close()
 

@@ -36,6 +36,7 @@ from imerge.timeline import Timeline
 
 from .buffers import FlatParams, GroupRuntime
 from .config import WorkerConfig
+from .metrics import WorkerMetrics
 from .profiler import Profiler
 from .transport import ShardClient
 
@@ -74,6 +75,7 @@ class SyncEngine:
         self.optimizer = optimizer.validate()
         self.store = store
         self.timeline = Timeline(config.rank)
+        self.metrics = WorkerMetrics(config.rank, config.link_mbps)
         by_name = dict(model.named_parameters())
         self.params = [by_name[n] for n in names]
         self.flat = FlatParams(self.params)
@@ -90,6 +92,8 @@ class SyncEngine:
         self._bandwidth_bps = config.slot_bandwidth_mbps * 1e6 / 8
         self._forward_started = 0.0
         self._backward_started = 0.0
+        self._waited_s = 0.0        # this iteration's forward waits
+        self._groups_enqueued = 0   # this iteration's groups sent
         self.profiler = Profiler(len(plan.units)) if config.fusion == "cost" else None
         self._handles = self._install_hooks(model)
 
@@ -120,7 +124,8 @@ class SyncEngine:
 
     def _install_hooks(self, model: torch.nn.Module) -> list[Any]:
         handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        handles.append(model.register_forward_pre_hook(lambda *_: self._forward_started_now(), prepend=True))
+        handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
+                                                       prepend=True))
         handles.append(model.register_forward_hook(lambda *_: self._forward_ended_now()))
         for module in model.modules():
             owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self._group_of]
@@ -168,8 +173,13 @@ class SyncEngine:
         self._apply_plan(self.plan)
 
     # -- iteration boundaries -------------------------------------------------------------
-    def _forward_started_now(self) -> None:
-        self._forward_started = time.time()
+    def _forward_started_now(self, args: tuple) -> None:
+        now = time.time()
+        if self._forward_started:
+            self.metrics.iteration.observe(now - self._forward_started)
+        self._forward_started, self._waited_s = now, 0.0
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            self.metrics.samples.inc(args[0].shape[0])
 
     def _forward_ended_now(self) -> None:
         self._backward_started = time.time()
@@ -218,8 +228,14 @@ class SyncEngine:
         if not self.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
             self.synchronize()
         self._callback_queued = False
-        self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, time.time(),
+        ended = time.time()
+        self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, ended,
                              iteration=self.iteration)
+        self.metrics.compute.observe(max(0.0, ended - self._forward_started - self._waited_s))
+        self.metrics.forward_wait.observe(self._waited_s)
+        self.metrics.iterations.inc()
+        self.metrics.groups_synced.set(self._groups_enqueued)
+        self._groups_enqueued = 0
         self.iteration += 1
         if self.profiler is not None:
             self.profiler.backward_ended()
@@ -227,6 +243,7 @@ class SyncEngine:
                 self._switch_to_cost_plan()
 
     def _enqueue(self, group: GroupRuntime) -> None:
+        self._groups_enqueued += 1
         group.push_done.clear()
         group.future = concurrent.futures.Future()
         item = (group, group.future, self.iteration - self.schedule_start)
@@ -281,7 +298,8 @@ class SyncEngine:
         cfg = self.config
         flag, token = f"{self.plan.version}:{group.index}", f"w{cfg.rank}:{uuid.uuid4().hex[:8]}"
         if cfg.slots != "off":
-            with self.timeline.span(f"flag {group.index}", "flag-wait", group=group.index) as args:
+            with self.timeline.span(f"flag {group.index}", "flag-wait", group=group.index) as args, \
+                    self.metrics.flag_wait.time():
                 args["contended"] = await asyncio.to_thread(self.store.acquire_flag, flag, token, cfg.flag_lease_s,
                                                             cfg.pull_timeout_s)
         acquired = time.monotonic()
@@ -293,6 +311,8 @@ class SyncEngine:
             if cfg.slots == "fixed" and self._bandwidth_bps > 0:
                 await asyncio.sleep(max(0.0, acquired + group.nbytes / self._bandwidth_bps - time.monotonic()))
         finally:
+            if cfg.slots != "off":
+                self.metrics.flag_held(group.index, time.monotonic() - acquired)
             if cfg.slots != "off" and not await asyncio.to_thread(self.store.release_flag, flag, token):
                 log.warning("worker %d: slot flag %s had passed to another holder (lease %.1fs)",
                             cfg.rank, flag, cfg.flag_lease_s)
@@ -304,6 +324,7 @@ class SyncEngine:
                                        self.config.rank, group.round, self.config.rpc_timeout_s)
         seconds = time.monotonic() - started
         nbytes = sum(b.numel for b in blocks) * BYTES_PER_ELEMENT
+        self.metrics.pushed(shard, nbytes)
         if self.profiler is not None:
             self.profiler.push(nbytes, seconds)
         if self.config.slot_bandwidth_mbps == 0 and seconds > 0:  # moving average of observed pushes
@@ -321,6 +342,9 @@ class SyncEngine:
             if rounds != {group.round + 1}:
                 raise IMergeError(f"{group}: expected round {group.round + 1}, shards answered {sorted(rounds)}")
             self.flat.load_from_host(group.group.offset, group.group.numel)
+            for shard, blocks in group.by_shard.items():
+                self.metrics.pulled(shard, sum(b.numel for b in blocks) * BYTES_PER_ELEMENT)
+            self.metrics.group_synced(group.group.index)
             group.round += 1
             self.block_rounds.update({b.block_id: group.round for b in group.blocks})
             future.set_result(group.round)
@@ -346,8 +370,10 @@ class SyncEngine:
             if future is None:
                 continue
             if not future.done():
+                started = time.time()
                 with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
                     self._wait(future.result, group, f"round {group.round + 1} to be pulled")
+                self._waited_s += time.time() - started
             future.result()  # re-raise a failed sync
 
     def _wait_params(self, param_ids: list[int]) -> None:

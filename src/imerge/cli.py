@@ -96,12 +96,21 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_top(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from imerge.top import TopConfig, run_top
+
+    return run_top(from_namespace(TopConfig, args), Console())
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from imerge.coordinator.service import CoordinatorConfig
     from imerge.launch import LaunchConfig
     from imerge.ps.config import PSConfig
     from imerge.bench import BenchConfig
     from imerge.testbed import TestbedConfig
+    from imerge.top import TopConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import JobConfig
 
@@ -118,6 +127,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                   _run_bench),
         "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped "
                     "with tc tbf (root)", (TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig), _run_testbed),
+        "top": ("a live terminal view of a running job, from its /metrics endpoints", (TopConfig,), _run_top),
     }
     for name, (help_text, configs, runner) in specs.items():
         sub = roles.add_parser(name, help=help_text, description=help_text)

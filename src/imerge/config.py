@@ -129,9 +129,15 @@ class CommonConfig:
     log_level: str = option("INFO", "logging level",
                             choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     wait_timeout_s: float = option(120.0, "timeout of every wait for another role (plan, registration)")
+    metrics_port: int = option(0, "port of this process's Prometheus /metrics (0: any free port, printed at "
+                                  "start; -1: off)")
+    link_mbps: float = option(10000.0, "capacity of this host's network link, Mbit/s (the denominator of "
+                                       "link utilization)")
 
     def __post_init__(self) -> None:
         check_choices(self)
+        require(-1 <= self.metrics_port < 65536, "metrics_port", "must be -1 (off), 0 (any free port) or a port")
+        require(self.link_mbps > 0, "link_mbps", "must be positive")
         require(bool(self.job) and ":" not in self.job and " " not in self.job, "job",
                 "must be non-empty without ':' or spaces")
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",

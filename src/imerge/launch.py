@@ -28,10 +28,12 @@ from rich.table import Table
 from . import proc
 from .config import option, require
 from .errors import ChildFailed, IMergeError
+from .metrics import free_port, prometheus_config, rules_file
 from .progress import PROGRESS_FD_ENV
 from .redis_server import RedisServer
 
 log = logging.getLogger(__name__)
+METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,14 @@ class LocalHosts:
     def shard_env(self, index: int) -> dict[str, str]:
         return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": "0"}
 
+    def metrics_target(self, role: str) -> tuple[int, str]:
+        """The metrics port ``role`` serves on, and the address Prometheus scrapes."""
+        port = free_port()
+        return port, f"127.0.0.1:{port}"
+
+    def role_env(self, role: str) -> dict[str, str]:
+        return {}
+
 
 class TestbedHosts:
     """Every role in its own network namespace of a testbed, reached by its role name."""
@@ -80,6 +90,13 @@ class TestbedHosts:
     def shard_env(self, index: int) -> dict[str, str]:
         return {"IMERGE_HOST": "0.0.0.0", "IMERGE_PORT": str(self.SHARD_PORT),
                 "IMERGE_ADVERTISE": f"ps{index}:{self.SHARD_PORT}"}
+
+    def metrics_target(self, role: str) -> tuple[int, str]:
+        return METRICS_PORT, f"{role}:{METRICS_PORT}"
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """The role's link capacity, so its metrics report utilization against the shaped rate."""
+        return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}"}
 
 
 class Interrupted(Exception):
@@ -120,6 +137,7 @@ class Launcher:
         self.redis: RedisServer | None = None
         self.events: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
+        self.metrics_targets: dict[str, str] = {}  # role -> host:port of its /metrics
 
     # -- children -----------------------------------------------------------------
     def _env(self, redis_url: str, extra: dict[str, str]) -> dict[str, str]:
@@ -131,6 +149,10 @@ class Launcher:
 
     def _start(self, role: str, argv: list[str], env: dict[str, str], is_worker: bool = False,
                pass_fds: tuple[int, ...] = ()) -> None:
+        env.update(self.hosts.role_env(role))
+        if not self.workers_only and env.get("IMERGE_METRICS_PORT", "0") == "0":
+            port, self.metrics_targets[role] = self.hosts.metrics_target(role)
+            env["IMERGE_METRICS_PORT"] = str(port)
         log_path = self.log_dir / f"{role}.log"
         with open(log_path, "wb") as log_file:
             process = proc.spawn(self.hosts.prefix(role) + argv, env=env, stdout=log_file, pass_fds=pass_fds)
@@ -246,6 +268,7 @@ class Launcher:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
                                    f"Redis {redis_url}, logs in {self.log_dir}/")
             self._start_roles(redis_url, write_fd)
+            self._write_prometheus_config()
             os.close(write_fd)
             write_fd = -1
             self._supervise(read_fd)
@@ -267,6 +290,16 @@ class Launcher:
                 signal.signal(sig, handler)
         self._summarize(time.monotonic() - started)
         return 0
+
+    def _write_prometheus_config(self) -> None:
+        """``prometheus.yml`` in the log folder: scrapes every role, with IMerge's recording rules."""
+        if not self.metrics_targets:
+            return
+        path = self.log_dir / "prometheus.yml"
+        path.write_text(prometheus_config(self.metrics_targets, self.job, rules_file()))
+        if not self.quiet:
+            self.console.print(f"metrics: {', '.join(f'{r} {a}' for r, a in self.metrics_targets.items())}; "
+                               f"Prometheus configuration in {path}")
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         raise Interrupted(signum)

@@ -142,6 +142,10 @@ class Plan:
     def group_blocks(self, group: Group) -> list[Block]:
         return [self.blocks[i] for i in group.blocks]
 
+    def shard_bytes(self, shard: int) -> int:
+        """Parameter bytes the mapping table assigns to ``shard``."""
+        return sum(b.numel for b in self.blocks if b.shard == shard) * BYTES_PER_ELEMENT
+
     def shard_load(self) -> list[list[int]]:
         """Bytes each shard receives from one worker, per interleave phase: load[shard][phase]."""
         load = [[0] * self.period for _ in self.shard_addresses]

@@ -1,0 +1,46 @@
+"""The coordinator's Prometheus metrics, read from the store at scrape time (one truth: Redis)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from imerge.errors import IMergeError
+from imerge.metrics import role_registry
+
+from .store import FLAG_STATS, Store
+
+log = logging.getLogger(__name__)
+FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted after waiting for another holder",
+             "expired": "Slot flags whose lease expired before the holder released them"}
+
+
+class _CoordinatorCollector(Collector):
+    def __init__(self, store: Store, num_workers: int, plan_version: Callable[[], int]):
+        self.store, self.num_workers, self.plan_version = store, num_workers, plan_version
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        yield GaugeMetricFamily("imerge_coordinator_plan_version", "Version of the latest published plan",
+                                value=self.plan_version())
+        try:
+            stats = self.store.flag_stats()
+            live_workers = len(self.store.live_workers(self.num_workers))
+            shards = self.store.registered_shards()
+        except IMergeError as exc:  # Redis unreachable: export nothing rather than stale figures
+            log.warning("metrics: cannot read the store: %s", exc)
+            return
+        for name in FLAG_STATS:
+            yield CounterMetricFamily(f"imerge_coordinator_flags_{name}", FLAG_HELP[name], value=stats[name])
+        members = GaugeMetricFamily("imerge_coordinator_live_members", "Workers with a live heartbeat and "
+                                    "registered shards", labels=["role"])
+        members.add_metric(["worker"], live_workers)
+        members.add_metric(["shard"], shards)
+        yield members
+
+
+def coordinator_registry(store: Store, num_workers: int, link_mbps: float, plan_version: Callable[[], int]):
+    registry = role_registry(link_mbps)
+    registry.register(_CoordinatorCollector(store, num_workers, plan_version))
+    return registry

@@ -1,0 +1,76 @@
+"""The shard's Prometheus metrics.
+
+The counters are the shard's own :class:`ShardCounters` (also answered by the
+Stats RPC), read at scrape time so there is one truth; latencies are histograms
+observed where they happen.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from prometheus_client import Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from imerge.metrics import SECONDS_BUCKETS, role_registry
+
+
+
+@dataclasses.dataclass
+class ShardCounters:
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    pushes: int = 0
+    duplicate_pushes: int = 0
+    pulls: int = 0
+    rounds_completed: int = 0
+    rejected: int = 0
+
+COUNTERS = (  # (ShardCounters field, metric name without _total, help)
+    ("bytes_received", "imerge_shard_received_bytes", "Gradient bytes received in counted pushes"),
+    ("bytes_sent", "imerge_shard_sent_bytes", "Parameter bytes sent in pulls and fetches"),
+    ("pushes", "imerge_shard_pushes", "Pushes counted (one per block, worker and round)"),
+    ("duplicate_pushes", "imerge_shard_duplicate_pushes", "Pushes of an already counted round, acknowledged "
+                                                          "and not applied"),
+    ("pulls", "imerge_shard_pulls", "Pulls answered or waited on (one per block)"),
+    ("rounds_completed", "imerge_shard_rounds", "Aggregations completed (block rounds)"),
+    ("rejected", "imerge_shard_rejected_requests", "Requests answered with an error status"),
+)
+
+
+class _CountersCollector(Collector):
+    def __init__(self, index: int, counters: ShardCounters):
+        self.index, self.counters = str(index), counters
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for field, name, help_text in COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["shard"])
+            family.add_metric([self.index], getattr(self.counters, field))
+            yield family
+
+
+class ShardMetrics:
+    """Histograms and gauges of one shard, in a registry of their own."""
+
+    def __init__(self, index: int, counters: ShardCounters, link_mbps: float):
+        self.registry = role_registry(link_mbps)
+        self.registry.register(_CountersCollector(index, counters))
+        shard = str(index)
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(name, help_text, ["shard"], buckets=SECONDS_BUCKETS,
+                             registry=self.registry).labels(shard=shard)
+
+        def gauge(name: str, help_text: str) -> Gauge:
+            return Gauge(name, help_text, ["shard"], registry=self.registry).labels(shard=shard)
+
+        self.aggregation = histogram("imerge_shard_aggregation_seconds",
+                                     "Summing a block's pushed gradients in worker-id order")
+        self.optimizer_step = histogram("imerge_shard_optimizer_step_seconds", "The optimizer step of a block")
+        self.pull_wait = histogram("imerge_shard_pull_wait_seconds",
+                                   "Time a pull waited for the round's last push and its aggregation")
+        self.pushes_in_flight = gauge("imerge_shard_pushes_in_flight", "Pushes being received now")
+        self.planned_bytes = gauge("imerge_shard_planned_bytes",
+                                   "Parameter bytes the mapping table assigns to this shard (its planned load)")
+        self.blocks = gauge("imerge_shard_blocks", "Blocks held by this shard")

@@ -1,0 +1,50 @@
+"""The worker's Prometheus metrics: where an iteration's time goes, and what it moves."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from imerge.metrics import SECONDS_BUCKETS, role_registry
+
+
+class WorkerMetrics:
+    def __init__(self, rank: int, link_mbps: float):
+        self.registry = role_registry(link_mbps)
+        self.rank = str(rank)
+        registry, worker = self.registry, self.rank
+
+        def histogram(name: str, help_text: str) -> Histogram:
+            return Histogram(name, help_text, ["worker"], buckets=SECONDS_BUCKETS,
+                             registry=registry).labels(worker=worker)
+
+        self.iteration = histogram("imerge_worker_iteration_seconds", "From one forward's start to the next's")
+        self.compute = histogram("imerge_worker_compute_seconds",
+                                 "Forward and backward of an iteration, without the time the forward waited")
+        self.forward_wait = histogram("imerge_worker_forward_wait_seconds",
+                                      "Time an iteration's forward waited for parameters (exposed communication)")
+        self.flag_wait = histogram("imerge_worker_flag_wait_seconds", "Time spent waiting for a group's slot flag")
+        self.iterations = Counter("imerge_worker_iterations", "Backward passes completed", ["worker"],
+                                  registry=registry).labels(worker=worker)
+        self.samples = Counter("imerge_worker_samples", "Samples in the forwards' input batches", ["worker"],
+                               registry=registry).labels(worker=worker)
+        self._pushed = Counter("imerge_worker_pushed_bytes", "Gradient bytes pushed, per shard",
+                               ["worker", "shard"], registry=registry)
+        self._pulled = Counter("imerge_worker_pulled_bytes", "Parameter bytes pulled, per shard",
+                               ["worker", "shard"], registry=registry)
+        self._group_syncs = Counter("imerge_worker_group_syncs", "Groups pushed and pulled", ["worker", "group"],
+                                    registry=registry)
+        self._flag_held = Counter("imerge_worker_flag_held_seconds", "Time this worker held a group's slot flag",
+                                  ["worker", "group"], registry=registry)
+        self.groups_synced = Gauge("imerge_worker_groups_synced", "Groups the last iteration pushed",
+                                   ["worker"], registry=registry).labels(worker=worker)
+
+    def pushed(self, shard: int, nbytes: int) -> None:
+        self._pushed.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
+
+    def pulled(self, shard: int, nbytes: int) -> None:
+        self._pulled.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
+
+    def group_synced(self, group: int) -> None:
+        self._group_syncs.labels(worker=self.rank, group=str(group)).inc()
+
+    def flag_held(self, group: int, seconds: float) -> None:
+        self._flag_held.labels(worker=self.rank, group=str(group)).inc(seconds)

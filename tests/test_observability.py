@@ -1,0 +1,216 @@
+"""Observability: metrics that agree with the truth, a real Prometheus scraping a real job,
+recording rules and dashboards whose every expression returns data, and ``imerge top``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import imerge
+from imerge.dashboards import DASHBOARDS, render
+from imerge.metrics import free_port
+from imerge.models import build_model
+from imerge.optim import OptimizerSpec
+from imerge.planning import Plan
+from imerge.top import scrape
+
+from helpers import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+DASHBOARD_DIR = ROOT / "deploy" / "grafana" / "dashboards"
+IMERGE = [sys.executable, "-m", "imerge"]
+
+
+@pytest.fixture(scope="module")
+def promtool() -> dict[str, str]:
+    """Debian's prometheus and promtool, installed when missing (root)."""
+    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            pytest.skip("prometheus is not installed and cannot be installed here (needs root and apt-get)")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
+        if subprocess.run(command, env=env, capture_output=True, timeout=600).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, f"apt-get install prometheus failed: {result.stderr[-2000:]}"
+    return {"prometheus": shutil.which("prometheus"), "promtool": shutil.which("promtool")}
+
+
+# -- metrics agree with the truth ------------------------------------------------------------
+def test_metrics_agree_with_the_truth(redis_url):
+    steps, workers, batch = 6, 2, 16
+    cluster = LocalCluster(redis_url, workers, 2)
+    generator = torch.Generator().manual_seed(3)
+    data = [(torch.randn(batch, 1, 8, 8, generator=generator), torch.randint(0, 10, (batch,), generator=generator))
+            for _ in range(steps)]
+    try:
+        def body(rank: int):
+            model = imerge.distribute(build_model("digits-cnn", seed=0), OptimizerSpec("sgd", lr=0.05),
+                                      cluster.worker_config(rank, fusion="size", size_cap_mib=0.02,
+                                                            first_cap_mib=0.005, partition_mib=0.02, slots="ack"))
+            registry = model.engine.metrics.registry
+            over_http = scrape(f"127.0.0.1:{model.metrics_port}", 5)
+            for x, y in data:
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            model.close()
+            return registry, over_http
+
+        results = cluster.run_workers(body)
+        plan = Plan.from_json(cluster.coordinator.store.read_event("plan:1"))
+        assert len(plan.groups) > 1 and {b.shard for b in plan.blocks} == {0, 1}
+        for index, server in enumerate(cluster.shards):
+            shard = server.shard.metrics.registry
+            labels = {"shard": str(index)}
+            mapped = sum(b.numel for b in plan.blocks if b.shard == index) * 4
+            assert shard.get_sample_value("imerge_shard_planned_bytes", labels) == mapped > 0
+            pushed = sum(r.get_sample_value("imerge_worker_pushed_bytes_total", {"worker": str(rank), **labels})
+                         for rank, (r, _) in enumerate(results))
+            received = shard.get_sample_value("imerge_shard_received_bytes_total", labels)
+            assert received == pushed == mapped * workers * steps
+            assert shard.get_sample_value("imerge_shard_pushes_in_flight", labels) == 0
+            assert shard.get_sample_value("imerge_shard_aggregation_seconds_count", labels) == \
+                steps * sum(1 for b in plan.blocks if b.shard == index)
+            over_http = scrape(f"127.0.0.1:{server.server.metrics.port}", 5)
+            assert over_http[("imerge_shard_received_bytes_total", (("shard", str(index)),))] == received
+        for rank, (registry, over_http) in enumerate(results):
+            worker = {"worker": str(rank)}
+            assert registry.get_sample_value("imerge_worker_iterations_total", worker) == steps
+            assert registry.get_sample_value("imerge_worker_samples_total", worker) == steps * batch
+            assert registry.get_sample_value("imerge_worker_iteration_seconds_count", worker) == steps - 1
+            assert registry.get_sample_value("imerge_worker_flag_wait_seconds_count", worker) == \
+                steps * len(plan.groups)
+            assert ("imerge_link_capacity_bytes_per_second", ()) in over_http
+        stats = cluster.coordinator.store.flag_stats()
+        assert stats["granted"] == workers * steps * len(plan.groups)
+        assert 0 <= stats["contended"] <= stats["granted"] and stats["expired"] == 0
+    finally:
+        cluster.close()
+
+
+# -- rules and dashboards, offline -------------------------------------------------------------------
+def test_recording_rules_pass_promtool(promtool):
+    for command in (["check", "rules", str(RULES)], ["test", "rules", str(RULES.with_name("rules_test.yml"))]):
+        result = subprocess.run([promtool["promtool"], *command], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
+    assert sorted(p.name for p in DASHBOARD_DIR.glob("*.json")) == sorted(render())
+    provisioned = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    uids = {source["uid"] for source in provisioned["datasources"]}
+    for name, text in render().items():
+        committed = (DASHBOARD_DIR / name).read_text()
+        assert committed == text, f"{name} is stale: run python -m imerge.dashboards"
+        dashboard = json.loads(committed)
+        ids = [panel["id"] for panel in dashboard["panels"]]
+        assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+        for panel in dashboard["panels"]:
+            sources = [panel["datasource"]] + [t["datasource"] for t in panel["targets"]]
+            assert all(s == {"type": "prometheus", "uid": next(iter(uids))} for s in sources), panel["title"]
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+    provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/imerge.yml").read_text())
+    assert provider["providers"][0]["options"]["path"]
+
+
+# -- a real Prometheus scraping a real job ----------------------------------------------------------
+def expressions() -> list[str]:
+    found = [t["expr"] for _, panels in DASHBOARDS.values() for *_, queries in panels for t in
+             [{"expr": e} for e, _ in queries]]
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            found += [rule["record"], rule["expr"]]
+    return found
+
+
+def query(port: int, expr: str) -> list:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        body = json.loads(reply.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.mark.timeout(300)
+def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_path):
+    launch = subprocess.Popen(IMERGE + ["launch", "--shards", "2", "--workers", "2", "--model", "digits-cnn",
+                                        "--data", "digits", "--iters", "100000", "--fusion", "size",
+                                        "--slots", "ack", "--log-dir", str(tmp_path / "job")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    prometheus = None
+    try:
+        config = tmp_path / "job" / "prometheus.yml"
+        wait_for("the launcher's prometheus.yml", config.exists, 60)
+        targets = [t for c in json.loads(config.read_text())["scrape_configs"][0]["static_configs"]
+                   for t in c["targets"]]
+        assert len(targets) == 5  # coordinator, 2 shards, 2 workers
+
+        def all_up() -> bool:
+            try:
+                return all(scrape(t, 2) for t in targets)
+            except OSError:
+                return False
+
+        wait_for("every role's /metrics", all_up, 120)
+        for target in targets:  # promtool check metrics is clean on each endpoint's output
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as reply:
+                exposition = reply.read()
+            lint = subprocess.run([promtool["promtool"], "check", "metrics"], input=exposition,
+                                  capture_output=True, timeout=30)
+            assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), \
+                f"{target}: {lint.stdout.decode()} {lint.stderr.decode()}"
+        port = free_port()
+        prometheus = subprocess.Popen([promtool["prometheus"], f"--config.file={config}",
+                                       f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                       f"--web.listen-address=127.0.0.1:{port}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        def targets_up() -> bool:
+            try:
+                return len(query(port, "up == 1")) == len(targets)
+            except OSError:  # Prometheus still starting
+                assert prometheus.poll() is None, prometheus.stderr.read().decode()[-2000:]
+                return False
+
+        wait_for("Prometheus to start and see every target up", targets_up, 60)
+        top = subprocess.run(IMERGE + ["top", "--prometheus-config", str(config), "--once", "--interval-s", "1"],
+                             capture_output=True, text=True, timeout=60)
+        assert top.returncode == 0, top.stderr
+        assert "shards" in top.stdout and "workers" in top.stdout and "plan v" in top.stdout
+        rows = [line for line in top.stdout.splitlines() if line.startswith("│")]
+        assert len(rows) >= 4, top.stdout  # 2 shard rows and 2 worker rows
+
+        deadline = time.monotonic() + 90
+        while missing := [e for e in expressions() if not query(port, e)]:
+            assert time.monotonic() < deadline, f"no data after 90s for: {missing}"
+            time.sleep(2)
+        assert launch.poll() is None, "the job ended before the check: " + (launch.stdout.read() or "")
+    finally:
+        if launch.poll() is None:
+            launch.send_signal(signal.SIGINT)
+        launch.wait(60)
+        if prometheus is not None:
+            prometheus.terminate()
+            prometheus.wait(30)
