@@ -1,6 +1,9 @@
 """Bad input gets a clear gRPC status from a real shard, and never harms a concurrent job."""
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+import imerge
+from imerge.metrics import free_port
+from imerge.planning import Plan
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.rpc import ps_pb2, ps_pb2_grpc
@@ -249,3 +255,48 @@ def test_health_service_reports_serving(shard):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5))
         assert code == grpc.StatusCode.NOT_FOUND
+
+
+def vm_peak_mib(pid: int) -> float:
+    status = open(f"/proc/{pid}/status").read()
+    return int(re.search(r"VmPeak:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def test_huge_claims_with_tiny_bodies_allocate_nothing(tmp_path):
+    """Sizes are checked before any allocation: a shard process's memory peak does not move by what a
+    header claims (the largest legal block is 1 GiB of fp32; the body is 4 bytes)."""
+    port = free_port()
+    shard = subprocess.Popen([sys.executable, "-m", "imerge", "ps", "--no-register", "--host", "127.0.0.1",
+                              "--port", str(port), "--metrics-port", "-1"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            init(stub, "warm-up")  # the first request's own allocations are not the claim's
+            before = vm_peak_mib(shard.pid)
+            code, details = status_of(lambda: init(stub, "huge", numel=10**9, data=floats([0.0])))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "numel 1000000000 outside" in details
+            legal = PSConfig().max_block_numel
+            code, details = status_of(lambda: init(stub, "claims", numel=legal, workers=4096, data=floats([0.0])))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and f"truncated: 1 of {legal}" in details
+            grown = vm_peak_mib(shard.pid) - before
+            assert grown < 256, f"the shard's memory peak grew {grown:.0f} MiB for a 4-byte body"
+    finally:
+        shard.terminate()
+        shard.wait(30)
+
+
+def test_a_worker_count_that_is_not_the_jobs_is_refused(cluster):
+    """The rows a block allocates are bounded by the job's worker count, from the mapping table."""
+    c = cluster(2, 1)
+
+    def body(rank):
+        imerge.distribute(eq.build_model("digits-cnn", seed=0), eq.OPTIMIZERS["sgd"], c.worker_config(rank)).close()
+
+    c.run_workers(body)
+    block = Plan.from_json(c.coordinator.store.read_event("plan:1")).blocks[0]
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        code, details = status_of(lambda: init(stub, block.block_id, numel=block.numel, workers=4000))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "num_workers 4000, but job" in details

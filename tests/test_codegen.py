@@ -15,10 +15,19 @@ def test_generated_code_is_fresh(tmp_path):
     assert not stale, f"stale generated code, run `python -m imerge.protogen`: {stale}"
 
 
-def test_no_pickle_on_the_data_path():
+UNSAFE = r"^\s*(import pickle|from pickle|import marshal|import shelve)|pickle\.|(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(" \
+         r"|torch\.load\((?![^)]*weights_only\s*=\s*True)"
+
+
+def test_no_pickle_eval_or_unsafe_torch_load_anywhere():
+    """No pickle, eval/exec, unsafe yaml.load, or torch.load without weights_only=True, in any code of ours."""
     import re
 
-    pattern = re.compile(r"^\s*(import pickle|from pickle)|pickle\.loads|torch\.load\(", re.MULTILINE)
-    roots = [protogen.REPO_ROOT / d for d in ("services", "src", "proto")]
-    offenders = [str(p) for root in roots for p in root.rglob("*.py") if pattern.search(p.read_text())]
+    pattern = re.compile(UNSAFE, re.MULTILINE)
+    files = [p for d in ("services", "src", "tests", "examples", "scripts", "deploy")
+             for p in (protogen.REPO_ROOT / d).rglob("*.py")]
+    offenders = [f"{p}: {m.group(0).strip()}" for p in files if p.name != "test_codegen.py"
+                 for m in [pattern.search(p.read_text())] if m]
     assert offenders == []
+    assert pattern.search("state = torch.load(path)") and pattern.search("x = eval(text)")
+    assert not pattern.search("torch.load(path, weights_only=True)") and not pattern.search("model.eval()")

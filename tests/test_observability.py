@@ -112,7 +112,7 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
     uids = {source["uid"] for source in provisioned["datasources"]}
     for name, text in render().items():
         committed = (DASHBOARD_DIR / name).read_text()
-        assert committed == text, f"{name} is stale: run python -m imerge.dashboards"
+        assert committed == text, f"{name} is stale: run python -m imerge.deploygen"
         dashboard = json.loads(committed)
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"

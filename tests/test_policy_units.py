@@ -12,7 +12,7 @@ import torch
 from imerge.codec import ChunkAssembler, iter_chunks, tensor_view
 from imerge.config import CommonConfig, from_env, to_env
 from imerge.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
-from imerge.planning import Layout, ParamInfo, Plan, PlanOptions, make_plan, make_units, place
+from imerge.planning import Layout, ParamInfo, Plan, make_plan, make_units, place
 
 
 def layout(*specs) -> Layout:

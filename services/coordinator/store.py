@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from imerge.config import redacted
 from imerge.errors import StoreError, WaitTimeout
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,16 @@ redis.call('HINCRBY', KEYS[3], 'expired', 1)
 return 0
 """
 FLAG_STATS = ("granted", "contended", "expired")
+# What each role's Redis ACL user may run (on the job's keys only); everything else is denied, so no
+# role can FLUSHALL, CONFIG, KEYS, DEBUG or touch another job. Lua scripts are checked command by command.
+_CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
+ROLE_COMMANDS = {
+    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
+    "ps": _CONNECTION + ("get", "hset", "rpush", "blpop"),
+    "worker": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "del", "exists", "pttl", "hincrby",
+                             "evalsha", "eval", "script|load"),
+}
+
 
 
 def _translated(method: F) -> F:
@@ -87,7 +98,7 @@ def _translated(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         except redis.RedisError as exc:
-            raise StoreError(f"Redis at {self.url}: {method.__name__} failed: {exc}") from exc
+            raise StoreError(f"Redis at {redacted(self.url)}: {method.__name__} failed: {exc}") from exc
 
     return wrapper  # type: ignore[return-value]
 
@@ -262,6 +273,21 @@ class Store:
         """How many flags were granted, granted after a wait, and released after their lease expired."""
         raw = self._redis.hgetall(self.key("flags", "stats"))
         return {name: int(raw.get(name, 0)) for name in FLAG_STATS}
+
+    @_translated
+    def create_role_users(self, passwords: dict[str, str]) -> list[str]:
+        """Create (or reset) the ACL user ``imerge-{role}`` of each role, allowed only its commands on this
+        job's keys; needs an admin connection. Returns the user names."""
+        users = []
+        for role, password in passwords.items():
+            if role not in ROLE_COMMANDS:
+                raise StoreError(f"no ACL for role {role!r}; roles: {', '.join(ROLE_COMMANDS)}")
+            user = f"imerge-{role}"
+            self._redis.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}",
+                                        f"~{self._prefix}*", "resetchannels", "-@all",
+                                        *(f"+{command}" for command in ROLE_COMMANDS[role]))
+            users.append(user)
+        return users
 
     @_translated
     def registered_shards(self) -> int:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.config import CommonConfig, option, require
+from imerge.config import CommonConfig, TlsConfig, option, require
 
 
 @dataclasses.dataclass(frozen=True)
-class PSConfig(CommonConfig):
+class PSConfig(TlsConfig, CommonConfig):
     shard_index: int = option(0, "index of this shard, 0-based")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "gRPC port to listen on (0: any free port)")
@@ -20,7 +20,8 @@ class PSConfig(CommonConfig):
     register: bool = option(True, "register this shard's address in the coordinator's store")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        CommonConfig.__post_init__(self)
+        TlsConfig.__post_init__(self)
         require(self.shard_index >= 0, "shard_index", "must be >= 0")
         require(0 <= self.port < 65536, "port", "must be 0..65535")
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")

@@ -17,19 +17,20 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from imerge.codec import CHUNK_BYTES, ChunkAssembler
+from imerge.codec import CHUNK_BYTES
 from imerge.coordinator.store import Store
 from imerge.errors import FailedPrecondition, InvalidArgument, RequestError
 from imerge.metrics import MetricsServer
+from imerge.tls import server_credentials
 from imerge.optim import OptimizerSpec
 from imerge.planning import Plan
 from imerge.rpc import ps_pb2, ps_pb2_grpc
 
 from .config import PSConfig
 from .state import BlockMeta, Shard
+from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = "imerge.v1.ParameterServer"
@@ -67,11 +68,27 @@ async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerC
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def method_handlers(servicer: Any) -> grpc.GenericRpcHandler:
+    """The service's handlers, built from its descriptor, with deserializers that never raise."""
+    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    factories = {(False, False): grpc.unary_unary_rpc_method_handler,
+                 (True, False): grpc.stream_unary_rpc_method_handler,
+                 (False, True): grpc.unary_stream_rpc_method_handler,
+                 (True, True): grpc.stream_stream_rpc_method_handler}
+    handlers = {}
+    for method in service.methods:
+        request, reply = (getattr(ps_pb2, t.name) for t in (method.input_type, method.output_type))
+        factory = factories[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=parser(request),
+                                        response_serializer=reply.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
 def _unary(method: Callable) -> Callable:
     @functools.wraps(method)
     async def wrapper(self: "ParameterServerServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await method(self, request, context)
+            return await method(self, decoded(request), context)
         except Exception as exc:  # the one choke point for unary replies
             await _status_from(exc, self.shard, context)
 
@@ -83,56 +100,12 @@ def _streaming(method: Callable) -> Callable:
     async def wrapper(self: "ParameterServerServicer", request: Any,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for reply in method(self, request, context):
+            async for reply in method(self, decoded(request), context):
                 yield reply
         except Exception as exc:  # the one choke point for streamed replies
             await _status_from(exc, self.shard, context)
 
     return wrapper
-
-
-async def _first(stream: AsyncIterator[Any], field: str, what: str) -> Any:
-    first = await anext(aiter(stream), None)
-    if first is None:
-        raise InvalidArgument(f"{what}: empty stream")
-    if first.WhichOneof("part") != field:
-        raise InvalidArgument(f"{what}: the first message must carry the {field}")
-    return getattr(first, field)
-
-
-async def _data(stream: AsyncIterator[Any], what: str) -> AsyncIterator[bytes]:
-    """The data chunks of the rest of a stream; a second header is an error."""
-    async for chunk in stream:
-        if chunk.WhichOneof("part") != "data":
-            raise InvalidArgument(f"{what}: only the first message may carry a header")
-        yield chunk.data
-
-
-class Segments:
-    """A push stream as segments: a header, then that block's data chunks."""
-
-    def __init__(self, stream: AsyncIterator[Any]):
-        self._messages = aiter(stream)
-        self._pending: Any = None
-        self._started = False
-
-    async def next_header(self) -> Any:
-        message, self._pending = self._pending or await anext(self._messages, None), None
-        if message is None:
-            if not self._started:
-                raise InvalidArgument("Push: empty stream")
-            return None
-        if message.WhichOneof("part") != "header":
-            raise InvalidArgument("Push: every segment must start with a header")
-        self._started = True
-        return message.header
-
-    async def data(self) -> AsyncIterator[bytes]:
-        async for message in self._messages:
-            if message.WhichOneof("part") == "header":
-                self._pending = message
-                return
-            yield message.data
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -142,9 +115,11 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.store = store
         self._owned: set[str] | None = None
         self._mapping: dict[str, int] = {}
+        self._num_workers = 0
 
-    async def _check_owner(self, block_id: str) -> None:
-        """A block may only be created on the shard the job's mapping table assigns it to."""
+    async def _check_owner(self, block_id: str, num_workers: int) -> None:
+        """A block may only be created on the shard the job's mapping table assigns it to, for the job's
+        worker count (which bounds the rows the shard allocates)."""
         if self.store is None:
             return
         if self._owned is None:
@@ -155,23 +130,24 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
             self._mapping = {b.block_id: b.shard for b in plan.blocks}
             self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
+            self._num_workers = plan.num_workers
         if block_id not in self._owned:
             where = self._mapping.get(block_id)
             raise FailedPrecondition(f"block {block_id} is mapped to "
                                      f"{'no shard' if where is None else f'shard {where}'}, not shard {self.shard.index}")
+        if num_workers != self._num_workers:
+            raise InvalidArgument(f"block {block_id}: num_workers {num_workers}, but job {self.config.job} has "
+                                  f"{self._num_workers} workers")
 
     @_unary
     async def InitBlock(self, request_iterator, context):
-        spec = await _first(request_iterator, "spec", "InitBlock")
+        spec = await first_part(request_iterator, "spec", "InitBlock")
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
                          spec.num_workers, optimizer_from_proto(spec.optimizer))
         self.shard.check_meta(meta)
-        await self._check_owner(meta.block_id)
-        init = torch.empty(meta.numel)
-        assembler = ChunkAssembler(init, f"InitBlock {meta.block_id}")
-        async for data in _data(request_iterator, f"InitBlock {meta.block_id}"):
-            assembler.feed(data)
-        assembler.finish()
+        await self._check_owner(meta.block_id, meta.num_workers)
+        init = await receive_exact(data_parts(request_iterator, f"InitBlock {meta.block_id}"), meta.numel,
+                                    f"InitBlock {meta.block_id}")
         created, round_ = self.shard.create_block(meta, init)
         return ps_pb2.InitBlockReply(block_id=meta.block_id, created=created, round=round_)
 
@@ -249,10 +225,12 @@ class ShardServer:
         cfg = self.config
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._store = Store(cfg.redis_url, cfg.job) if cfg.register else None
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(ParameterServerServicer(self.shard, cfg, self._store),
-                                                          self._server)
+        self._server.add_generic_rpc_handlers((method_handlers(ParameterServerServicer(self.shard, cfg,
+                                                                                       self._store)),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        listen = f"{cfg.host}:{cfg.port}"
+        port = (self._server.add_secure_port(listen, server_credentials(cfg)) if cfg.tls_server
+                else self._server.add_insecure_port(listen))
         if port == 0:
             raise OSError(f"shard {cfg.shard_index}: cannot listen on {cfg.host}:{cfg.port}")
         await self._server.start()
@@ -262,7 +240,8 @@ class ShardServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self._store is not None:
             await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
-        log.info("shard %d serving on %s", cfg.shard_index, self.address)
+        log.info("shard %d serving on %s (%s)", cfg.shard_index, self.address,
+                 ("mutual TLS" if cfg.tls_ca else "TLS") if cfg.tls_server else "plaintext")
         return self.address
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -284,7 +263,11 @@ async def serve(config: PSConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     server = ShardServer(config)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:  # e.g. Redis refused the registration: close the server before the loop closes
+        await server.stop(0)
+        raise
     await stopping.wait()
     log.info("shard %d stopping", config.shard_index)
     await server.stop()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.config import CommonConfig, check_choices, option, require
+from imerge.config import CommonConfig, TlsConfig, check_choices, option, require
 from imerge.planning import FUSIONS, PLACEMENTS, PlanOptions
 
 SLOTS = ("off", "fixed", "ack")
@@ -50,7 +50,7 @@ class ScheduleConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig(ScheduleConfig, CommonConfig):
+class WorkerConfig(ScheduleConfig, TlsConfig, CommonConfig):
     rank: int = option(0, "this worker's rank, 0-based", aliases=("RANK",))
     world_size: int = option(1, "number of workers in the job", aliases=("WORLD_SIZE",))
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
@@ -59,6 +59,7 @@ class WorkerConfig(ScheduleConfig, CommonConfig):
 
     def __post_init__(self) -> None:
         CommonConfig.__post_init__(self)
+        TlsConfig.__post_init__(self)
         ScheduleConfig.__post_init__(self)
         require(self.world_size >= 1, "world_size", "must be at least 1")
         require(0 <= self.rank < self.world_size, "rank", f"must lie in 0..{self.world_size - 1}")

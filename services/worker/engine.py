@@ -99,7 +99,7 @@ class SyncEngine:
 
     # -- setup ---------------------------------------------------------------------
     async def _connect(self, plan: Plan) -> list[ShardClient]:
-        return [ShardClient(address) for address in plan.shard_addresses]
+        return [ShardClient(address, self.config) for address in plan.shard_addresses]
 
     def _apply_plan(self, plan: Plan) -> None:
         """Build the group runtimes and lookup tables of ``plan`` (blocks never change)."""

@@ -15,9 +15,11 @@ import grpc
 import torch
 
 from imerge.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, tensor_view
+from imerge.config import TlsConfig
 from imerge.errors import InvalidArgument, RemoteError
 from imerge.optim import OptimizerSpec
 from imerge.rpc import ps_pb2, ps_pb2_grpc
+from imerge.tls import channel_credentials
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK_BYTES + 4096),
@@ -39,9 +41,11 @@ def _translated(method: Callable) -> Callable:
 
 
 class ShardClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: TlsConfig | None = None):
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = (grpc.aio.secure_channel(address, channel_credentials(tls), options=CHANNEL_OPTIONS)
+                         if tls is not None and tls.tls_client
+                         else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
 
     async def close(self) -> None:

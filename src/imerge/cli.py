@@ -104,20 +104,34 @@ def _run_top(args: argparse.Namespace) -> int:
     return run_top(from_namespace(TopConfig, args), Console())
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _run_health(args: argparse.Namespace) -> int:
+    from imerge.health import HealthConfig, run_health
+
+    print(run_health(from_namespace(HealthConfig, args)))
+    return 0
+
+
+def _run_redis_acl(args: argparse.Namespace) -> int:
+    from imerge.redis_acl import RedisAclConfig, run_redis_acl
+
+    print(run_redis_acl(from_namespace(RedisAclConfig, args)))
+    return 0
+
+
+def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
+    """Each role (subcommand): its help, the config classes its flags and IMERGE_* variables come from, its runner."""
+    from imerge.bench import BenchConfig
     from imerge.coordinator.service import CoordinatorConfig
+    from imerge.health import HealthConfig
     from imerge.launch import LaunchConfig
     from imerge.ps.config import PSConfig
-    from imerge.bench import BenchConfig
+    from imerge.redis_acl import RedisAclConfig
     from imerge.testbed import TestbedConfig
     from imerge.top import TopConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import JobConfig
 
-    parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
-    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
-    subparsers: dict[str, argparse.ArgumentParser] = {}
-    specs: dict[str, tuple[str, tuple[type, ...], Callable]] = {
+    return {
         "ps": ("run one PS shard", (PSConfig,), _run_ps),
         "coordinator": ("run the coordinator", (CoordinatorConfig,), _run_coordinator),
         "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
@@ -128,7 +142,18 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped "
                     "with tc tbf (root)", (TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig), _run_testbed),
         "top": ("a live terminal view of a running job, from its /metrics endpoints", (TopConfig,), _run_top),
+        "health": ("exit 0 if a shard's gRPC health service says SERVING (or a role's /metrics answers)",
+                   (HealthConfig,), _run_health),
+        "redis-acl": ("create one Redis ACL user per role (passwords from IMERGE_REDIS_PASSWORD_<ROLE>)",
+                      (RedisAclConfig,), _run_redis_acl),
     }
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+    specs = role_specs()
     for name, (help_text, configs, runner) in specs.items():
         sub = roles.add_parser(name, help=help_text, description=help_text)
         for config in configs:
@@ -160,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         subparsers[args.role].error(str(exc))
     except IMergeError as exc:
-        logging.getLogger("imerge").error("%s", exc)
-        print(f"imerge {args.role}: error: {exc}", file=sys.stderr)
+        if logging.getLogger().handlers:  # a role that logs: one line, in its log format
+            logging.getLogger("imerge").error("%s", exc)
+        else:
+            print(f"imerge {args.role}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -12,7 +12,9 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import typing
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -143,6 +145,35 @@ class CommonConfig:
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
                 f"expected redis://host:port/db, got {self.redis_url!r}")
         require(self.wait_timeout_s > 0, "wait_timeout_s", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """TLS of the gRPC channels (shards, workers, the health check); plaintext when empty."""
+
+    tls_cert: str = option("", "this role's TLS certificate chain (PEM); on a shard it turns TLS on")
+    tls_key: str = option("", "the private key of --tls-cert (PEM)")
+    tls_ca: str = option("", "CA certificates (PEM): a shard requires client certificates signed by them "
+                             "(mutual TLS); a client verifies the shards against them")
+
+    def __post_init__(self) -> None:
+        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key", "--tls-cert and --tls-key go together")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            require(not path or Path(path).is_file(), name, f"no such file: {path}")
+
+    @property
+    def tls_server(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def tls_client(self) -> bool:
+        return bool(self.tls_ca)
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def setup_logging(level: str, role: str) -> None:

@@ -1,4 +1,4 @@
-"""The Grafana dashboards, generated: ``python -m imerge.dashboards`` writes deploy/grafana/dashboards/.
+"""The Grafana dashboards, generated: ``python -m imerge.deploygen`` writes them into deploy/.
 
 Each dashboard is a list of panels, each panel a few PromQL expressions over the
 metrics and recording rules (deploy/prometheus/rules.yml). Every panel uses the
@@ -8,12 +8,9 @@ expression against a real Prometheus scraping a real job.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 DATASOURCE = {"type": "prometheus", "uid": "imerge-prometheus"}
-OUT = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards"
 
 
 def p90(metric: str, by: str) -> str:
@@ -108,15 +105,3 @@ def dashboard(uid: str) -> dict[str, Any]:
 def render() -> dict[str, str]:
     """File name -> JSON text of every dashboard."""
     return {f"{uid}.json": json.dumps(dashboard(uid), indent=2) + "\n" for uid in DASHBOARDS}
-
-
-def main(argv: list[str] | None = None) -> int:
-    out = Path((argv or sys.argv[1:] or [str(OUT)])[0])
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in render().items():
-        (out / name).write_text(text)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

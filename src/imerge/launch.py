@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import proc
-from .config import option, require
+from .config import option, redacted, require
 from .errors import ChildFailed, IMergeError
 from .metrics import free_port, prometheus_config, rules_file
 from .progress import PROGRESS_FD_ENV
@@ -266,7 +266,7 @@ class Launcher:
                 redis_url = self.redis.url
             if not self.quiet:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
-                                   f"Redis {redis_url}, logs in {self.log_dir}/")
+                                   f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
             self._start_roles(redis_url, write_fd)
             self._write_prometheus_config()
             os.close(write_fd)

