@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import imerge
-from imerge.metrics import free_port
+from imerge.redis_server import free_port
 from imerge.planning import Plan
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard

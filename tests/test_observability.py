@@ -19,7 +19,7 @@ import yaml
 
 import imerge
 from imerge.dashboards import DASHBOARDS, render
-from imerge.metrics import free_port
+from imerge.redis_server import free_port
 from imerge.models import build_model
 from imerge.optim import OptimizerSpec
 from imerge.planning import Plan

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -133,6 +134,15 @@ def test_a_run_killed_midway_leaves_nothing(tmp_path, sig):
     namespaces = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout.split() if n.startswith("imtb")]
     assert len(namespaces) == 6  # switch, redis, coordinator, ps0, worker0, worker1
+    scrape = json.loads((tmp_path / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    assert sorted(t for c in scrape for t in c["targets"]) == \
+        ["coordinator:9400", "ps0:9400", "worker0:9400", "worker1:9400"]
+    worker0 = next(n for n in namespaces if n.endswith("-3"))  # hosts: redis, coordinator, ps0, worker0, ...
+    exposition = subprocess.run(["ip", "netns", "exec", worker0, sys.executable, "-c",
+                                 "import urllib.request; print(urllib.request.urlopen("
+                                 "'http://worker0:9400/metrics', timeout=10).read().decode())"],
+                                capture_output=True, text=True, timeout=60).stdout
+    assert "imerge_link_capacity_bytes_per_second 1.25e+08" in exposition  # the shaped 1000 Mbit/s
     pids = {pid for ns in namespaces for pid in
             subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()}
     assert len(pids) >= 5

@@ -26,7 +26,8 @@ class HealthConfig(TlsConfig):
     def __post_init__(self) -> None:
         TlsConfig.__post_init__(self)
         require(self.timeout_s > 0, "timeout_s", "must be positive")
-        require(":" in (self.http_address or self.address), "address", "expected host:port")
+        require(":" in self.address, "address", "expected host:port")
+        require(not self.http_address or ":" in self.http_address, "http_address", "expected host:port")
 
 
 def check_grpc(config: HealthConfig) -> str:

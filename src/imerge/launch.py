@@ -28,9 +28,9 @@ from rich.table import Table
 from . import proc
 from .config import option, redacted, require
 from .errors import ChildFailed, IMergeError
-from .metrics import free_port, prometheus_config, rules_file
+from .metrics import prometheus_config, rules_file
 from .progress import PROGRESS_FD_ENV
-from .redis_server import RedisServer
+from .redis_server import RedisServer, free_port
 
 log = logging.getLogger(__name__)
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +25,14 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 REPO_DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-def read_interfaces(path: Path = PROC_NET_DEV) -> dict[str, tuple[int, int]]:
-    """Interface name -> (received bytes, transmitted bytes) of this network namespace."""
+def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
+    """Interface name -> (received bytes, transmitted bytes), from the text of ``/proc/net/dev``
+    (other text around it, such as ``/proc/net/snmp``, is skipped)."""
     found = {}
-    for line in path.read_text().splitlines()[2:]:
+    for line in text.splitlines():
         name, _, fields = line.partition(":")
         values = fields.split()
-        if len(values) >= 9:
+        if len(values) >= 9 and values[0].isdigit() and values[8].isdigit():
             found[name.strip()] = (int(values[0]), int(values[8]))
     return found
 
@@ -46,7 +46,7 @@ class InterfaceCollector(Collector):
         sent = CounterMetricFamily("imerge_network_transmit_bytes", "Bytes transmitted by the interface "
                                    "(kernel counter of this namespace)", labels=["interface"])
         try:
-            interfaces = read_interfaces()
+            interfaces = parse_net_dev(PROC_NET_DEV.read_text())
         except OSError:
             interfaces = {}
         for name, (rx, tx) in sorted(interfaces.items()):
@@ -88,12 +88,6 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def rules_file() -> Path | None:

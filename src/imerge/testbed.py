@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import proc
 from .errors import IMergeError
+from .metrics import parse_net_dev
 
 log = logging.getLogger(__name__)
 MARKERS = Path("/run/imerge-testbed")
@@ -251,12 +252,9 @@ class Testbed:
     # -- kernel counters -----------------------------------------------------------------------
     def counters(self, host: str) -> HostCounters:
         text = self.run(host, ["cat", "/proc/net/dev", "/proc/net/snmp"])
-        rx = tx = out_segs = retrans = 0
+        out_segs = retrans = 0
         tcp_lines = [line.split() for line in text.splitlines() if line.startswith("Tcp:")]
-        for line in text.splitlines():
-            if line.strip().startswith("eth0:"):
-                fields = line.split(":", 1)[1].split()
-                rx, tx = int(fields[0]), int(fields[8])
+        rx, tx = parse_net_dev(text).get("eth0", (0, 0))
         if len(tcp_lines) == 2:
             tcp = dict(zip(tcp_lines[0][1:], tcp_lines[1][1:]))
             out_segs, retrans = int(tcp["OutSegs"]), int(tcp["RetransSegs"])
