@@ -61,3 +61,22 @@ class LocalCluster:
             self._thread.join(15)
         for shard in self.shards:
             shard.stop()
+
+
+def raw_push(address: str, block_id: str, numel: int, worker: int, round_: int, generation: int,
+             fence: int) -> tuple[str, str]:
+    """Push a gradient of ones with plain gRPC; return (status code name, details)."""
+    import grpc
+    import numpy as np
+
+    from imerge.rpc import ps_pb2, ps_pb2_grpc
+
+    header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=ps_pb2.FLOAT32, numel=numel,
+                               generation=generation, fence=fence)
+    chunks = [ps_pb2.PushChunk(header=header), ps_pb2.PushChunk(data=np.ones(numel, "<f4").tobytes())]
+    with grpc.insecure_channel(address) as channel:
+        try:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(iter(chunks), timeout=10)
+            return "OK", ""
+        except grpc.RpcError as exc:
+            return exc.code().name, exc.details()

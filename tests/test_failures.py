@@ -108,12 +108,23 @@ def test_shards_only_accept_blocks_the_mapping_table_gives_them(cluster):
 
 def test_late_release_by_an_old_holder_cannot_free_a_newer_holders_flag(redis_url):
     store = Store(redis_url, new_job())
-    assert store.acquire_flag("1:0", "old", lease_s=0.3, timeout_s=5) is False
+    contended, old_fence = store.acquire_flag("1:0", "old", lease_s=0.3, timeout_s=5)
+    assert contended is False
     started = time.monotonic()
-    assert store.acquire_flag("1:0", "new", lease_s=30, timeout_s=5) is True  # waited for the lease to expire
+    contended, new_fence = store.acquire_flag("1:0", "new", lease_s=30, timeout_s=5)
+    assert contended is True  # waited for the lease to expire
     assert 0.1 < time.monotonic() - started < 2.0
+    assert new_fence > old_fence  # the fencing token grows with every grant
     assert store.release_flag("1:0", "old") is False  # the old holder wakes up late
     with pytest.raises(WaitTimeout, match=r"slot flag 1:0 \(held by new\)"):
         store.acquire_flag("1:0", "third", lease_s=1, timeout_s=0.5)
     assert store.release_flag("1:0", "new") is True
-    assert store.acquire_flag("1:0", "third", lease_s=1, timeout_s=0.5) is False
+    assert store.acquire_flag("1:0", "third", lease_s=1, timeout_s=0.5)[0] is False
+
+
+def test_a_wait_with_a_sub_millisecond_remainder_still_times_out(redis_url):
+    store = Store(redis_url, new_job())
+    started = time.monotonic()
+    with pytest.raises(WaitTimeout, match="waiting for an event that never comes"):
+        store.wait_event("never", 0.0005, "an event that never comes")  # BLPOP 0 would block forever
+    assert time.monotonic() - started < 2.0

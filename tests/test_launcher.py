@@ -56,7 +56,10 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert result["final_loss"] < 2.35 and result["test_accuracy"] is not None
     assert "finished" in output
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
-    assert logs == ["coordinator.log", "prometheus.yml", "ps0.log", "ps1.log", "worker0.log", "worker1.log"]
+    assert logs == ["checkpoints", "coordinator.log", "prometheus.yml", "ps0.log", "ps1.log", "roles.json",
+                    "worker0.log", "worker1.log"]
+    roles = json.loads((tmp_path / "logs" / "roles.json").read_text())
+    assert sorted(roles) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]
     scrape = json.loads((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]
     assert sorted(c["labels"]["role"] for c in scrape["static_configs"]) == \
         ["coordinator", "ps0", "ps1", "worker0", "worker1"]

@@ -94,3 +94,23 @@ def test_worker_identity_from_torchrun_variables():
     assert from_env(WorkerConfig, {"RANK": "2", "WORLD_SIZE": "3", "IMERGE_RANK": "1"}).rank == 1
     with pytest.raises(ConfigError, match="--rank"):
         from_env(WorkerConfig, {"RANK": "3", "WORLD_SIZE": "3"})
+
+
+def test_recovery_picks_the_newest_round_every_shard_holds_and_ignores_old_reports():
+    from imerge.coordinator.recovery import Failure, RecoveryImpossible, RecoveryPolicy, common_round
+
+    assert common_round({0: [8, 12], 1: [4, 8]}, 2) == 8
+    assert common_round({0: [8, 12]}, 2) is None  # shard 1 published nothing
+    assert common_round({0: [12], 1: [8]}, 2) is None
+    policy = RecoveryPolicy(num_shards=2, max_recoveries=2)
+    assert policy.next_generation(Failure(0, "shard 1", "gone"), {0: [8, 12], 1: [4, 8]}) == (1, 8)
+    assert policy.next_generation(Failure(0, "worker 0", "its call failed"), {0: [8], 1: [8]}) is None
+    assert policy.next_generation(Failure(1, "worker 1", "died"), {0: [8], 1: [8]}) == (2, 8)
+    with pytest.raises(RecoveryImpossible, match=r"worker 1: died; the job already recovered 2 times"):
+        policy.next_generation(Failure(2, "worker 1", "died"), {0: [8], 1: [8]})
+    with pytest.raises(RecoveryImpossible, match="no checkpoint round is complete on every shard"):
+        RecoveryPolicy(num_shards=2).next_generation(Failure(0, "shard 0", "gone"), {0: [4], 1: []})
+    with pytest.raises(RecoveryImpossible, match="needs --interleave-period 1"):
+        RecoveryPolicy(num_shards=1, period=2).next_generation(Failure(0, "shard 0", "gone"), {0: [4]})
+    with pytest.raises(RecoveryImpossible, match=r"shard 0: gone \(recovery is off\)"):
+        RecoveryPolicy(num_shards=1, enabled=False).next_generation(Failure(0, "shard 0", "gone"), {0: [4]})

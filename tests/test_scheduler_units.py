@@ -1,4 +1,5 @@
-"""Unit tests of the planner, the placement and the interleave schedule: no grpc, no redis."""
+"""Unit tests of the planner, the placement, the interleave schedule (and the purity of the recovery policy and
+checkpoint modules): no grpc, no redis."""
 from __future__ import annotations
 
 import itertools
@@ -18,7 +19,8 @@ MIB = 1 << 20
 
 
 def test_this_suite_imports_neither_grpc_nor_redis():
-    code = ("import sys, imerge.planning, imerge.schedule, imerge.scheduler, imerge.models; "
+    code = ("import sys, imerge.planning, imerge.schedule, imerge.scheduler, imerge.models, "
+            "imerge.coordinator.recovery, imerge.ps.checkpoint; "
             "print(sorted(m for m in ('grpc', 'redis') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 

@@ -18,12 +18,16 @@ FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted a
 
 
 class _CoordinatorCollector(Collector):
-    def __init__(self, store: Store, num_workers: int, plan_version: Callable[[], int]):
+    def __init__(self, store: Store, num_workers: int, plan_version: Callable[[], int],
+                 generation: Callable[[], int]):
         self.store, self.num_workers, self.plan_version = store, num_workers, plan_version
+        self.generation = generation
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         yield GaugeMetricFamily("imerge_coordinator_plan_version", "Version of the latest published plan",
                                 value=self.plan_version())
+        yield GaugeMetricFamily("imerge_coordinator_generation", "The job generation (recoveries so far)",
+                                value=self.generation())
         try:
             stats = self.store.flag_stats()
             live_workers = len(self.store.live_workers(self.num_workers))
@@ -40,7 +44,8 @@ class _CoordinatorCollector(Collector):
         yield members
 
 
-def coordinator_registry(store: Store, num_workers: int, link_mbps: float, plan_version: Callable[[], int]):
+def coordinator_registry(store: Store, num_workers: int, link_mbps: float, plan_version: Callable[[], int],
+                         generation: Callable[[], int]):
     registry = role_registry(link_mbps)
-    registry.register(_CoordinatorCollector(store, num_workers, plan_version))
+    registry.register(_CoordinatorCollector(store, num_workers, plan_version, generation))
     return registry

@@ -1,4 +1,11 @@
-"""The coordinator role: waits for shards and layouts, publishes the plan, watches membership."""
+"""The coordinator role: waits for shards and layouts, publishes the plan, watches membership.
+
+After the plan it starts generation 0 and watches: workers that finish,
+failures that processes report, heartbeats of workers and shards, and the
+job's keys in Redis. A failure starts the next generation from the newest
+checkpoint every shard holds (see :mod:`recovery`); a failure it cannot
+recover from, or Redis losing the job's state, ends the job with the reason.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +15,12 @@ import threading
 import time
 
 from imerge.config import CommonConfig, option, require
-from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
 from imerge.metrics import MetricsServer
 from imerge.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 
 from .metrics import coordinator_registry
+from .recovery import Failure, RecoveryImpossible, RecoveryPolicy
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -23,12 +31,16 @@ class CoordinatorConfig(CommonConfig):
     num_workers: int = option(1, "number of workers in the job")
     num_shards: int = option(1, "number of PS shards in the job")
     heartbeat_ttl_s: float = option(10.0, "a worker whose heartbeat is older than this is lost")
+    recover: bool = option(True, "recover from a lost worker or shard by restarting the job's generation "
+                                 "from the last checkpoint every shard holds (off: fail with the reason)")
+    max_recoveries: int = option(10, "recoveries after which a further failure ends the job")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.num_workers >= 1, "num_workers", "must be at least 1")
         require(self.num_shards >= 1, "num_shards", "must be at least 1")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
+        require(self.max_recoveries >= 0, "max_recoveries", "must be >= 0")
 
 
 def check_layouts(payloads: dict[int, str]) -> tuple[Layout, PlanOptions]:
@@ -51,6 +63,8 @@ class Coordinator:
         self.store = store or Store(config.redis_url, config.job)
         self._stop = threading.Event()
         self.plan: Plan | None = None  # the latest published plan
+        self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
+        self._alive: set[str] = set()  # members seen alive in the current generation
 
     def stop(self) -> None:
         self._stop.set()
@@ -68,6 +82,8 @@ class Coordinator:
             self.store.set_event("plan:1", json.dumps({"error": str(exc), "kind": kind}))
             raise
         self._publish(plan)
+        self.recovery.period = plan.period
+        self.store.start_generation(0, json.dumps({"generation": 0, "round": 0, "reason": "start"}))
         if options.fusion == "cost":
             plan = self.publish_cost_plan(layout, options, plan)
         return plan
@@ -91,25 +107,71 @@ class Coordinator:
         return plan
 
     def watch(self) -> None:
-        """Until every worker is done: log workers whose heartbeat expired."""
+        """Until every worker is done: take reports, check heartbeats and Redis, recover from failures."""
         cfg = self.config
         done: set[int] = set()
-        lost: set[int] = set()
+        store_failing_since: float | None = None
         while len(done) < cfg.num_workers and not self._stop.is_set():
-            rank = self.store.pop_done(min(cfg.heartbeat_ttl_s / 2, 1.0))
-            if rank is not None:
-                done.add(rank)
-                log.info("worker %d finished (%d/%d)", rank, len(done), cfg.num_workers)
-                continue
-            live = set(self.store.live_workers(cfg.num_workers))
-            for rank in sorted(set(range(cfg.num_workers)) - live - done - lost):
-                log.error("worker %d lost: no heartbeat for %.1fs", rank, cfg.heartbeat_ttl_s)
-                lost.add(rank)
-            lost -= live
+            try:
+                report = self.store.pop_report(0.5)
+                if report is not None and report[0] == "done":
+                    done.add(report[1])
+                    log.info("worker %d finished (%d/%d)", report[1], len(done), cfg.num_workers)
+                elif report is not None:
+                    self.handle_failure(Failure(**report[1]))
+                else:
+                    self._check_members(done)
+                store_failing_since = None
+            except StoreError as exc:  # Redis down or restarting: wait for it, up to the wait timeout
+                store_failing_since = store_failing_since or time.monotonic()
+                if time.monotonic() - store_failing_since > cfg.wait_timeout_s:
+                    raise
+                log.warning("%s; retrying", exc)
+                self._stop.wait(0.5)
+
+    def _check_members(self, done: set[int]) -> None:
+        cfg = self.config
+        if self.store.generation() is None:
+            raise RecoveryImpossible("Redis lost the job's state: the plan and generation keys are gone (was it "
+                                     "restarted without persistence? use appendonly yes); the job cannot continue")
+        current = self.recovery.generation
+        live = {member for member, generation in self.store.member_generations(cfg.num_workers,
+                                                                               cfg.num_shards).items()
+                if generation == current}
+        members = {f"worker {r}" for r in range(cfg.num_workers) if r not in done}
+        members |= {f"shard {i}" for i in range(cfg.num_shards)}
+        # A member lost once it was alive in this generation is a new failure; one not back in this generation
+        # since the last recovery is still restarting (the others wait for it, up to their timeouts).
+        for member in sorted((self._alive & members) - live):
+            self._alive.discard(member)
+            self.handle_failure(Failure(self.recovery.generation, member, "its heartbeat expired (dead, "
+                                                                           "frozen or partitioned)"))
+        if self.recovery.generation == current:
+            self._alive |= live
+
+    def handle_failure(self, failure: Failure) -> None:
+        """Start the next generation for ``failure``, or publish why the job cannot recover and raise."""
+        try:
+            step = self.recovery.next_generation(failure, self.store.checkpoint_rounds())
+        except RecoveryImpossible as exc:
+            generation = self.recovery.generation + 1
+            self.store.start_generation(generation, json.dumps({"generation": generation, "error": str(exc)}))
+            raise
+        if step is None:
+            log.info("report of generation %d ignored (the job is at %d): %s", failure.generation,
+                     self.recovery.generation, failure)
+            return
+        generation, round_ = step
+        self._alive.clear()
+        log.error("%s in generation %d: starting generation %d from the checkpoint of round %d",
+                  failure, failure.generation, generation, round_)
+        self.store.start_generation(generation, json.dumps({"generation": generation, "round": round_,
+                                                            "reason": str(failure)}))
 
     def serve_metrics(self) -> MetricsServer:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
-                                        lambda: self.plan.version if self.plan else 0)
+                                        lambda: self.plan.version if self.plan else 0,
+                                        lambda: self.recovery.generation)
         return MetricsServer(registry, self.config.metrics_port, "coordinator")
 
     def run(self) -> int:

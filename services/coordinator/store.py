@@ -14,7 +14,8 @@ key                         type     meaning
 ``shards``                  hash     shard index -> advertised gRPC address
 ``shards:queue``            list     shard indexes, pushed on each registration
 ``workers``                 hash     worker rank -> JSON {host, pid}
-``worker:{rank}:alive``     string   heartbeat, expires after the heartbeat TTL
+``worker:{rank}:alive``     string   heartbeat: the generation the worker serves (-1 while joining),
+                                     expires after the heartbeat TTL
 ``layout:{rank}``           string   the worker's model layout (JSON, see planning)
 ``layouts:queue``           list     ranks, pushed when a layout is submitted
 ``event:{name}``            list     a latch: holds one token once the event is set
@@ -27,10 +28,20 @@ key                         type     meaning
 ``flag:{v}:{g}:wake``       list     one token pushed by each release, to wake a waiter
 ``flags:stats``             hash     granted / contended (granted after a wait) / expired
                                      (released after the lease had passed) flag counts
+``fence``                   string   the last fencing token handed out with a flag (INCR)
+``generation``              string   the job generation (absent until the plan is published;
+                                     its loss means Redis lost the job's state)
+``shard:{i}:alive``         string   a shard's heartbeat: the generation it serves; expires after its TTL
+``checkpoints``             hash     shard index -> JSON list of its complete checkpoint rounds
+``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
+``worker:{rank}:generation`` string  the generation the worker last joined
+``positions``               hash     worker rank -> JSON {iteration, generation}: data position
 ==========================  =======  ==============================================
 
-Events in use: ``plan:{version}`` (payload: the plan JSON, or ``{"error": ...}``)
-and ``blocks-ready:{version}`` (rank 0 initialized every block of that plan).
+Events in use: ``plan:{version}`` (payload: the plan JSON, or ``{"error": ...}``),
+``blocks-ready:{version}`` (rank 0 initialized every block of that plan),
+``generation:{g}`` (payload: JSON {generation, round, reason}: recover from the
+checkpoint of that round) and ``restored:{g}:{shard}`` (the shard serves g).
 
 Slot flags are leases: taking one is one Lua call (set the holder with an
 expiry if absent); a worker that finds it taken blocks on the wake list with
@@ -53,20 +64,22 @@ from typing import Any, TypeVar
 import redis
 
 from imerge.config import redacted
-from imerge.errors import StoreError, WaitTimeout
+from imerge.errors import GenerationChanged, StoreError, WaitTimeout
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 _BLOCK_SLICE_S = 5.0
 _ACQUIRE = """
+local generation = redis.call('GET', KEYS[5]) or '0'
+if generation ~= ARGV[4] then return {-1, tonumber(generation)} end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('DEL', KEYS[2])
   redis.call('HINCRBY', KEYS[3], 'granted', 1)
   if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'contended', 1) end
-  return -1
+  return {1, redis.call('INCR', KEYS[4])}
 end
-return redis.call('PTTL', KEYS[1])
+return {0, redis.call('PTTL', KEYS[1])}
 """
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -83,11 +96,17 @@ FLAG_STATS = ("granted", "contended", "expired")
 _CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
 ROLE_COMMANDS = {
     "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
-    "ps": _CONNECTION + ("get", "hset", "rpush", "blpop"),
-    "worker": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "del", "exists", "pttl", "hincrby",
+    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop"),
+    "worker": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "del", "exists", "pttl", "hincrby", "incr",
                              "evalsha", "eval", "script|load"),
 }
 
+
+
+def _slice(seconds: float) -> float:
+    """A BLPOP timeout: at most one slice, and never below 10 ms (Redis reads a timeout under 1 ms as 0, which
+    blocks forever)."""
+    return min(max(seconds, 0.01), _BLOCK_SLICE_S)
 
 
 def _translated(method: F) -> F:
@@ -131,7 +150,7 @@ class Store:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
-            item = self._redis.blpop([key], timeout=min(remaining, _BLOCK_SLICE_S))
+            item = self._redis.blpop([key], timeout=_slice(remaining))
             if item is not None:
                 return item[1]
 
@@ -186,12 +205,12 @@ class Store:
     def register_worker(self, rank: int, info: dict[str, Any], ttl_s: float) -> None:
         pipe = self._redis.pipeline()
         pipe.hset(self.key("workers"), str(rank), json.dumps(info))
-        pipe.set(self.key("worker", rank, "alive"), "1", px=int(ttl_s * 1000))
+        pipe.set(self.key("worker", rank, "alive"), "-1", px=int(ttl_s * 1000))
         pipe.execute()
 
     @_translated
-    def heartbeat(self, rank: int, ttl_s: float) -> None:
-        self._redis.set(self.key("worker", rank, "alive"), "1", px=int(ttl_s * 1000))
+    def heartbeat(self, rank: int, ttl_s: float, generation: int = -1) -> None:
+        self._redis.set(self.key("worker", rank, "alive"), str(generation), px=int(ttl_s * 1000))
 
     @_translated
     def live_workers(self, world_size: int) -> list[int]:
@@ -219,12 +238,6 @@ class Store:
     def mark_done(self, rank: int) -> None:
         self._redis.rpush(self.key("done", "queue"), str(rank))
 
-    @_translated
-    def pop_done(self, timeout_s: float) -> int | None:
-        """One rank that finished, or None if none did within ``timeout_s``."""
-        item = self._redis.blpop([self.key("done", "queue")], timeout=min(timeout_s, _BLOCK_SLICE_S))
-        return None if item is None else int(item[1])
-
     # -- profile (fusion cost) ------------------------------------------------
     @_translated
     def submit_profile(self, payload: str) -> None:
@@ -241,26 +254,33 @@ class Store:
 
     # -- slot flags -------------------------------------------------------------
     @_translated
-    def acquire_flag(self, name: str, token: str, lease_s: float, timeout_s: float) -> bool:
-        """Take flag ``name`` for ``token``; block (no polling) while another holds it.
+    def acquire_flag(self, name: str, token: str, lease_s: float, timeout_s: float,
+                     generation: int = 0) -> tuple[bool, int]:
+        """Take flag ``name`` for ``token`` in ``generation``; block (no polling) while another holds it.
 
-        Returns whether the flag was contended; WaitTimeout names the holder.
+        Returns (whether the flag was contended, its fencing token); WaitTimeout names the holder,
+        GenerationChanged says the job moved on.
         """
         holder, wake = self.key("flag", name), self.key("flag", name, "wake")
         deadline = time.monotonic() + timeout_s
         contended = False
         while True:
-            remaining_lease_ms = self._acquire(keys=[holder, wake, self.key("flags", "stats")],
-                                               args=[token, int(lease_s * 1000), int(contended)])
-            if remaining_lease_ms == -1:
-                return contended
+            outcome, value = self._acquire(keys=[holder, wake, self.key("flags", "stats"), self.key("fence"),
+                                                 self.key("generation")],
+                                           args=[token, int(lease_s * 1000), int(contended), generation])
+            if outcome == -1:
+                raise GenerationChanged(f"slot flag {name}: the job is at generation {value}, not {generation}",
+                                        value)
+            if outcome == 1:
+                return contended, value
+            remaining_lease_ms = value
             contended = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for slot flag {name} "
                                   f"(held by {self._redis.get(holder)})")
             wait = min(remaining, max(remaining_lease_ms, 10) / 1000, _BLOCK_SLICE_S)
-            self._redis.blpop([wake], timeout=wait)
+            self._redis.blpop([wake], timeout=_slice(wait))
 
     @_translated
     def release_flag(self, name: str, token: str) -> bool:
@@ -292,3 +312,68 @@ class Store:
     @_translated
     def registered_shards(self) -> int:
         return int(self._redis.hlen(self.key("shards")))
+
+    # -- generations and recovery ------------------------------------------------
+    @_translated
+    def generation(self) -> int | None:
+        """The job generation; None when the key is absent (no plan yet, or Redis lost the job's state)."""
+        value = self._redis.get(self.key("generation"))
+        return None if value is None else int(value)
+
+    @_translated
+    def start_generation(self, generation: int, payload: str) -> None:
+        """Publish ``generation`` (the coordinator alone does): its event first, then the key."""
+        self.set_event(f"generation:{generation}", payload)
+        self._redis.set(self.key("generation"), str(generation))
+
+    @_translated
+    def shard_heartbeat(self, index: int, ttl_s: float, generation: int) -> None:
+        self._redis.set(self.key("shard", index, "alive"), str(generation), px=int(ttl_s * 1000))
+
+    @_translated
+    def member_generations(self, num_workers: int, num_shards: int) -> dict[str, int]:
+        """The generation each live member's heartbeat names ("worker 0", "shard 1", ...)."""
+        members = [f"worker {r}" for r in range(num_workers)] + [f"shard {i}" for i in range(num_shards)]
+        pipe = self._redis.pipeline()
+        for member in members:
+            pipe.get(self.key(*member.split(" "), "alive"))
+        return {member: int(value) for member, value in zip(members, pipe.execute()) if value is not None}
+
+    @_translated
+    def publish_checkpoints(self, index: int, rounds: list[int]) -> None:
+        self._redis.hset(self.key("checkpoints"), str(index), json.dumps(rounds))
+
+    @_translated
+    def checkpoint_rounds(self) -> dict[int, list[int]]:
+        """Each shard's complete checkpoint rounds, as it last published them."""
+        return {int(k): json.loads(v) for k, v in self._redis.hgetall(self.key("checkpoints")).items()}
+
+    @_translated
+    def report_failure(self, generation: int, who: str, reason: str) -> None:
+        self._redis.rpush(self.key("failures", "queue"),
+                          json.dumps({"generation": generation, "who": who, "reason": reason}))
+
+    @_translated
+    def pop_report(self, timeout_s: float) -> tuple[str, Any] | None:
+        """One report, ("done", rank) or ("failure", {generation, who, reason}), or None within ``timeout_s``."""
+        item = self._redis.blpop([self.key("failures", "queue"), self.key("done", "queue")],
+                                 timeout=_slice(timeout_s))
+        if item is None:
+            return None
+        if item[0] == self.key("done", "queue"):
+            return "done", int(item[1])
+        return "failure", json.loads(item[1])
+
+    @_translated
+    def record_worker(self, rank: int, generation: int, iteration: int) -> None:
+        """The generation this worker joined and its data position (iterations done)."""
+        pipe = self._redis.pipeline()
+        pipe.set(self.key("worker", rank, "generation"), str(generation))
+        pipe.hset(self.key("positions"), str(rank), json.dumps({"iteration": iteration,
+                                                                 "generation": generation}))
+        pipe.execute()
+
+    @_translated
+    def worker_generation(self, rank: int) -> int | None:
+        value = self._redis.get(self.key("worker", rank, "generation"))
+        return None if value is None else int(value)

@@ -18,6 +18,12 @@ class PSConfig(TlsConfig, CommonConfig):
     max_workers: int = option(4096, "largest number of workers a block may declare")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     register: bool = option(True, "register this shard's address in the coordinator's store")
+    checkpoint_dir: str = option("", "folder of this job's checkpoints (shard-{i}/ under it); empty: none, "
+                                     "and no recovery")
+    checkpoint_every: int = option(10, "write a checkpoint every this many rounds (when all blocks agree)")
+    checkpoint_keep: int = option(2, "complete checkpoints kept (the newest)")
+    heartbeat_ttl_s: float = option(3.0, "lifetime of this shard's heartbeat key; a frozen or dead shard is "
+                                         "declared lost after it")
 
     def __post_init__(self) -> None:
         CommonConfig.__post_init__(self)
@@ -28,3 +34,7 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.max_block_numel > 0, "max_block_numel", "must be positive")
         require(self.max_workers > 0, "max_workers", "must be positive")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
+        require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "
+                                                              "stays valid while the next is written)")
+        require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")

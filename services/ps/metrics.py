@@ -26,6 +26,10 @@ class ShardCounters:
     pulls: int = 0
     rounds_completed: int = 0
     rejected: int = 0
+    fenced_pushes: int = 0
+    stale_generation: int = 0
+    checkpoints_written: int = 0
+
 
 COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("bytes_received", "imerge_shard_received_bytes", "Gradient bytes received in counted pushes"),
@@ -36,6 +40,11 @@ COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("pulls", "imerge_shard_pulls", "Pulls answered or waited on (one per block)"),
     ("rounds_completed", "imerge_shard_rounds", "Aggregations completed (block rounds)"),
     ("rejected", "imerge_shard_rejected_requests", "Requests answered with an error status"),
+    ("fenced_pushes", "imerge_shard_fenced_pushes", "Pushes rejected because their slot flag's fencing token "
+                                                    "was older than one the block had seen (a late holder)"),
+    ("stale_generation", "imerge_shard_stale_generation_requests", "Requests of an older job generation, "
+                                                                    "rejected and never applied"),
+    ("checkpoints_written", "imerge_shard_checkpoints", "Checkpoints written completely"),
 )
 
 
@@ -74,3 +83,7 @@ class ShardMetrics:
         self.planned_bytes = gauge("imerge_shard_planned_bytes",
                                    "Parameter bytes the mapping table assigns to this shard (its planned load)")
         self.blocks = gauge("imerge_shard_blocks", "Blocks held by this shard")
+        self.generation = gauge("imerge_shard_generation", "The job generation this shard serves")
+        self.checkpoint_round = gauge("imerge_shard_checkpoint_round", "Round of the newest complete checkpoint")
+        self.checkpoint_write = histogram("imerge_shard_checkpoint_write_seconds",
+                                          "Writing one checkpoint (tensors, manifest, fsync, rename)")

@@ -28,7 +28,9 @@ from imerge.optim import OptimizerSpec
 from imerge.planning import Plan
 from imerge.rpc import ps_pb2, ps_pb2_grpc
 
+from .checkpoint import CheckpointStore
 from .config import PSConfig
+from .membership import ShardMembership
 from .state import BlockMeta, Shard
 from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
 
@@ -41,7 +43,9 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # the workers ping every second (they detect a frozen shard by it): allow that
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
@@ -117,20 +121,26 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._mapping: dict[str, int] = {}
         self._num_workers = 0
 
+    async def load_plan(self) -> None:
+        """Read the mapping table once: the blocks this shard owns and the job's worker count."""
+        if self._owned is not None or self.store is None:
+            return
+        payload = await asyncio.to_thread(self.store.read_event, "plan:1")
+        if not payload or "error" in json.loads(payload):
+            raise FailedPrecondition(f"job {self.config.job} has no published plan yet")
+        plan = Plan.from_json(payload)
+        self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
+        self._mapping = {b.block_id: b.shard for b in plan.blocks}
+        self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
+        self._num_workers = plan.num_workers
+        self.shard.expected = set(self._owned)
+
     async def _check_owner(self, block_id: str, num_workers: int) -> None:
         """A block may only be created on the shard the job's mapping table assigns it to, for the job's
         worker count (which bounds the rows the shard allocates)."""
         if self.store is None:
             return
-        if self._owned is None:
-            payload = await asyncio.to_thread(self.store.read_event, "plan:1")
-            if not payload or "error" in json.loads(payload):
-                raise FailedPrecondition(f"job {self.config.job} has no published plan yet")
-            plan = Plan.from_json(payload)
-            self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
-            self._mapping = {b.block_id: b.shard for b in plan.blocks}
-            self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
-            self._num_workers = plan.num_workers
+        await self.load_plan()
         if block_id not in self._owned:
             where = self._mapping.get(block_id)
             raise FailedPrecondition(f"block {block_id} is mapped to "
@@ -158,7 +168,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             what = f"push of block {header.block_id} by worker {header.worker}"
             duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                       dtype_name(header.dtype, what), header.numel,
-                                                      segments.data())
+                                                      segments.data(), header.generation, header.fence)
             results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate, pushed=pushed))
         return ps_pb2.PushReply(results=results)
 
@@ -183,7 +193,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not request.block_ids:
             raise InvalidArgument("Pull: no block_ids")
         timeout = self._pull_timeout(request, context)
-        replies = await asyncio.gather(*(self.shard.pull(block_id, request.worker, request.round, timeout)
+        replies = await asyncio.gather(*(self.shard.pull(block_id, request.worker, request.round, timeout,
+                                                         request.generation)
                                          for block_id in request.block_ids))
         async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
@@ -192,7 +203,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def Fetch(self, request, context):
         if not request.block_ids:
             raise InvalidArgument("Fetch: no block_ids")
-        replies = [self.shard.fetch(block_id) for block_id in request.block_ids]
+        replies = [self.shard.fetch(block_id, request.generation) for block_id in request.block_ids]
         async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
@@ -219,14 +230,19 @@ class ShardServer:
         self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
         self._store: Store | None = None
+        self._membership: ShardMembership | None = None
         self._health = health.aio.HealthServicer()
+        if config.checkpoint_dir:
+            self.shard.checkpoints = CheckpointStore(config.checkpoint_dir, config.shard_index,
+                                                     config.checkpoint_keep)
+            self.shard.checkpoint_every = config.checkpoint_every
 
     async def start(self) -> str:
         cfg = self.config
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._store = Store(cfg.redis_url, cfg.job) if cfg.register else None
-        self._server.add_generic_rpc_handlers((method_handlers(ParameterServerServicer(self.shard, cfg,
-                                                                                       self._store)),))
+        servicer = ParameterServerServicer(self.shard, cfg, self._store)
+        self._server.add_generic_rpc_handlers((method_handlers(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         listen = f"{cfg.host}:{cfg.port}"
         port = (self._server.add_secure_port(listen, server_credentials(cfg)) if cfg.tls_server
@@ -239,21 +255,47 @@ class ShardServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self._store is not None:
+            self._membership = ShardMembership(self._store, self.shard, servicer.load_plan,
+                                               asyncio.get_running_loop(), cfg.heartbeat_ttl_s)
+            await self._membership.join()
             await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
+            self._membership.start()
         log.info("shard %d serving on %s (%s)", cfg.shard_index, self.address,
                  ("mutual TLS" if cfg.tls_ca else "TLS") if cfg.tls_server else "plaintext")
         return self.address
 
+    async def drain(self) -> None:
+        """On SIGTERM: keep serving until the blocks reach a common round, checkpoint it, within the grace.
+
+        The shard leaves the job first (no heartbeat, no new generations), so the job recovers without it.
+        """
+        if self._membership is not None:
+            await asyncio.to_thread(self._membership.stop)
+            self._membership = None
+        try:
+            round_ = await asyncio.wait_for(self.shard.final_checkpoint(), self.config.grace_s)
+        except asyncio.TimeoutError:
+            log.warning("shard %d: the blocks reached no common round within %.1fs; the last periodic checkpoint "
+                        "stands", self.config.shard_index, self.config.grace_s)
+            return
+        if round_ is not None:
+            log.info("shard %d: final checkpoint at round %d", self.config.shard_index, round_)
+
     async def stop(self, grace_s: float | None = None) -> None:
+        """Stop serving (in-flight calls get ``grace_s``) and release everything."""
         if self._server is not None:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
             self._server = None
+        if self._membership is not None:
+            await asyncio.to_thread(self._membership.stop)
+            self._membership = None
         if self.metrics is not None:
             self.metrics.close()
         if self._store is not None:
             self._store.close()
         self.shard.close()
+
 
 
 async def serve(config: PSConfig) -> int:
@@ -269,8 +311,10 @@ async def serve(config: PSConfig) -> int:
         await server.stop(0)
         raise
     await stopping.wait()
-    log.info("shard %d stopping", config.shard_index)
-    await server.stop()
+    log.info("shard %d stopping: draining until a final checkpoint, for up to %.1fs", config.shard_index,
+             config.grace_s)
+    await server.drain()
+    await server.stop(1.0)
     return 0
 
 

@@ -6,6 +6,15 @@ one preallocated row per worker; when every worker pushed, the rows are summed
 in worker-id order, divided by the worker count and handed to ``torch.optim``.
 The new parameters are serialized once, already cut into the chunks that go
 on the wire, into a snapshot that every pull of that round is answered with.
+
+Every request carries the job generation; one of an older generation is
+rejected before anything is applied. A push made under a slot flag carries
+the flag's fencing token; a token older than one the block has already seen
+is a holder whose lease passed to another while it was paused, and is
+rejected with ABORTED (take the flag again and retry). Every ``checkpoint_every`` rounds, when all of the shard's blocks
+have completed the same round, their images are copied and written to disk
+in the background; :meth:`Shard.restore` swaps a checkpoint in for a new
+generation and fails the pulls that were waiting on the old one.
 """
 from __future__ import annotations
 
@@ -13,15 +22,16 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 
 from imerge.codec import ChunkAssembler, digest, iter_chunks, tensor_view
-from imerge.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition,
-                           InvalidArgument, NotFound)
+from imerge.errors import (Aborted, AlreadyExists, DeadlineExceeded, FailedPrecondition,
+                           InvalidArgument, NotFound, Unavailable)
 from imerge.optim import OptimizerSpec
 
+from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,25 @@ class BlockState:
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
         self.snapshot = snapshot_of(self.param)
         self.changed = asyncio.Condition()
+        self.fence = 0              # newest slot-flag fencing token seen in a push
+        self.superseded = 0         # set to the new generation when a restore replaces this block
+
+    @classmethod
+    def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
+        meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer)
+        block = cls(meta, image.param.clone(), image.init_digest)
+        if image.state:
+            block.optimizer.load_state_dict({"state": {0: dict(image.state)},
+                                             "param_groups": block.optimizer.state_dict()["param_groups"]})
+        block.round = round_
+        return block
+
+    def image(self) -> BlockImage:
+        """A copy of the parameters and optimizer state, for a checkpoint."""
+        state = {name: value.detach().clone() for name, value in self.optimizer.state.get(self.param, {}).items()
+                 if isinstance(value, torch.Tensor)}
+        return BlockImage(self.meta.block_id, self.meta.num_workers, self.meta.optimizer, self.init_digest,
+                          self.param.detach().clone(), state)
 
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
@@ -84,9 +113,110 @@ class Shard:
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
         self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"ps{index}-step")
         self._tasks: set[asyncio.Task] = set()
+        self.generation = 0
+        self.expected: set[str] | None = None  # the blocks the mapping table gives this shard
+        self.checkpoints: CheckpointStore | None = None
+        self.checkpoint_every = 0
+        self.on_checkpoint: Callable[[list[int]], None] | None = None  # called with the complete rounds
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
+        self._writing: concurrent.futures.Future | None = None
+        self._last_checkpoint = -1
+        self._final: asyncio.Future | None = None  # a final checkpoint awaited at the next common round
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+
+    # -- generations ------------------------------------------------------------
+    def check_generation(self, generation: int, what: str) -> None:
+        if generation < self.generation:
+            self.counters.stale_generation += 1
+            raise FailedPrecondition(f"{what}: generation {generation} is stale; the job is at generation "
+                                     f"{self.generation} (it recovered from a checkpoint): rejoin")
+        if generation > self.generation:
+            raise Unavailable(f"{what}: shard {self.index} is at generation {self.generation} and has not "
+                              f"restored generation {generation} yet")
+
+    # -- checkpoints -------------------------------------------------------------
+    def common_round(self) -> int | None:
+        """The round every expected block has completed, if they all exist and agree."""
+        if self.expected is None or set(self.blocks) != self.expected or not self.blocks:
+            return None
+        rounds = {block.round for block in self.blocks.values()}
+        return rounds.pop() if len(rounds) == 1 else None
+
+    def maybe_checkpoint(self, final: bool = False) -> concurrent.futures.Future | None:
+        """Start writing a checkpoint if the blocks are at a common round due for one (or ``final``)."""
+        round_ = self.common_round()
+        if self.checkpoints is None or round_ is None or round_ <= self._last_checkpoint:
+            return None
+        if not final and round_ % max(self.checkpoint_every, 1) != 0:
+            return None
+        if self._writing is not None and not self._writing.done():
+            if not final:
+                log.warning("shard %d: checkpoint of round %d skipped: the previous one is still being written",
+                            self.index, round_)
+                return None
+            self._writing.result()
+        self._last_checkpoint = round_
+        images = [self.blocks[block_id].image() for block_id in sorted(self.blocks)]
+        self._writing = self._writer.submit(self._write_checkpoint, round_, images)
+        return self._writing
+
+    async def final_checkpoint(self) -> int | None:
+        """Write a checkpoint at the blocks' next common round (now, if they agree); return that round.
+
+        None when no checkpoint folder is configured. Used on SIGTERM: the workers keep training while
+        the shard waits, so the current round completes and the checkpoint loses no finished round.
+        """
+        if self.checkpoints is None:
+            return None
+        if self.common_round() is None:
+            self._final = asyncio.get_running_loop().create_future()
+            await self._final
+        round_ = self.common_round()
+        writing = self.maybe_checkpoint(final=True)
+        if writing is not None:
+            await asyncio.wrap_future(writing)
+        elif self._writing is not None:
+            await asyncio.wrap_future(self._writing)
+        return round_
+
+    def _write_checkpoint(self, round_: int, images: list[BlockImage]) -> None:
+        try:
+            with self.metrics.checkpoint_write.time():
+                self.checkpoints.write(round_, images)
+        except Exception:  # noqa: BLE001 - a failed write leaves the previous checkpoint in place
+            log.exception("shard %d: checkpoint of round %d failed", self.index, round_)
+            return
+        self.counters.checkpoints_written += 1
+        self.metrics.checkpoint_round.set(round_)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self.checkpoints.rounds())
+
+    def load_checkpoint(self, round_: int) -> Checkpoint:
+        if self.checkpoints is None:
+            raise FailedPrecondition(f"shard {self.index} has no checkpoint folder (--checkpoint-dir)")
+        return self.checkpoints.read(round_)
+
+    async def restore(self, generation: int, checkpoint: Checkpoint) -> None:
+        """Serve ``generation`` from ``checkpoint``: the old blocks' waiting pulls fail, pushes go nowhere."""
+        if self.expected is not None and set(checkpoint.blocks) != self.expected:
+            raise FailedPrecondition(f"checkpoint {checkpoint.path} holds blocks {sorted(checkpoint.blocks)}, "
+                                     f"the mapping table gives shard {self.index} {sorted(self.expected)}")
+        old = self.blocks
+        self.blocks = {block_id: BlockState.from_image(image, checkpoint.round)
+                       for block_id, image in checkpoint.blocks.items()}
+        self.generation = generation
+        self._last_checkpoint = checkpoint.round
+        self.metrics.generation.set(generation)
+        self.metrics.blocks.set(len(self.blocks))
+        for block in old.values():
+            async with block.changed:
+                block.superseded = generation
+                block.changed.notify_all()
+        log.info("shard %d: generation %d restored from round %d (%s)", self.index, generation, checkpoint.round,
+                 checkpoint.path)
 
     # -- validation (before any allocation) ---------------------------------
     def check_meta(self, meta: BlockMeta) -> None:
@@ -122,6 +252,7 @@ class Shard:
             self.metrics.blocks.set(len(self.blocks))
             log.info("block %s: %d elements, %d workers, %s", meta.block_id, meta.numel,
                      meta.num_workers, meta.optimizer.name)
+            self.maybe_checkpoint()  # round 0, once every block exists
             return True, 0
         if existing.meta != meta:
             raise AlreadyExists(f"block {meta.block_id} exists with a different spec: "
@@ -132,16 +263,17 @@ class Shard:
 
     # -- push -----------------------------------------------------------------
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
-                   data: AsyncIterator[bytes]) -> tuple[bool, int]:
+                   data: AsyncIterator[bytes], generation: int = 0, fence: int = 0) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
         push never blocks or spoils a good one; a repeat of a counted push is
         drained and acknowledged as a duplicate.
         """
+        what = f"push of block {block_id} by worker {worker} for round {round_}"
+        self.check_generation(generation, what)
         block = self.block(block_id)
         self._check_worker(block, worker)
-        what = f"push of block {block_id} by worker {worker} for round {round_}"
         if dtype != block.meta.dtype or numel != block.meta.numel:
             raise InvalidArgument(f"{what}: got {numel} x {dtype}, the block holds "
                                   f"{block.meta.numel} x {block.meta.dtype}")
@@ -153,6 +285,11 @@ class Shard:
                 return True, len(block.pushed)
             if round_ != block.round:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
+            if fence and fence < block.fence:
+                self.counters.fenced_pushes += 1
+                raise Aborted(f"{what}: fenced: its slot flag token {fence} is older than token "
+                                         f"{block.fence} already seen (the lease passed to another holder)")
+            block.fence = max(block.fence, fence)
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
             try:
@@ -186,13 +323,19 @@ class Shard:
             block.pushed.clear()
             self.counters.rounds_completed += 1
             block.changed.notify_all()
+        if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
+            self.maybe_checkpoint()
+            if self._final is not None and not self._final.done() and self.common_round() is not None:
+                self._final.set_result(None)
 
     # -- pull -----------------------------------------------------------------
-    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float) -> tuple[int, list[bytes]]:
+    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float,
+                   generation: int = 0) -> tuple[int, list[bytes]]:
         """Wait until every worker pushed ``round_``; return (new round, parameters)."""
+        what = f"pull of block {block_id} by worker {worker} for round {round_}"
+        self.check_generation(generation, what)
         block = self.block(block_id)
         self._check_worker(block, worker)
-        what = f"pull of block {block_id} by worker {worker} for round {round_}"
         self.counters.pulls += 1
         if round_ == block.round - 1:
             return block.round, block.snapshot
@@ -203,13 +346,19 @@ class Shard:
         try:
             with self.metrics.pull_wait.time():
                 async with block.changed:
-                    await asyncio.wait_for(block.changed.wait_for(lambda: block.round > round_), timeout_s)
+                    await asyncio.wait_for(block.changed.wait_for(
+                        lambda: block.round > round_ or block.superseded), timeout_s)
         except asyncio.TimeoutError:
             missing = block.missing_workers()
             reason = (f"workers {missing} have not pushed" if missing else "the aggregation is still running")
             raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
+        if block.superseded:
+            self.counters.stale_generation += 1
+            raise FailedPrecondition(f"{what}: the job moved to generation {block.superseded} while it waited "
+                                     f"(it recovered from a checkpoint): rejoin")
         return block.round, block.snapshot
 
-    def fetch(self, block_id: str) -> tuple[int, list[bytes]]:
+    def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
+        self.check_generation(generation, f"fetch of block {block_id}")
         block = self.block(block_id)
         return block.round, block.snapshot

@@ -8,6 +8,12 @@
 
 There is no local optimizer step: the optimizer runs on the shards, and the
 next forward waits, module by module, for the parameters it needs.
+
+A worker that starts while its job is already running rejoins it: if the job
+has not recovered since this rank last joined, it reports its own restart (the
+coordinator then starts a new generation); it waits until every shard restored
+the generation's checkpoint, fetches the parameters and resumes at that
+checkpoint's round (``start_iteration``: the data position to continue from).
 """
 from __future__ import annotations
 
@@ -17,12 +23,13 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from imerge.coordinator.store import Store
-from imerge.errors import IMergeError, LayoutMismatchError, PlanError
+from imerge.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
 from imerge.metrics import MetricsServer
 from imerge.optim import OptimizerSpec
 from imerge.planning import Layout, Plan, layout_of
@@ -47,10 +54,39 @@ def wait_plan(store: Store, config: WorkerConfig) -> Plan:
     return Plan.from_json(payload)
 
 
+def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
+    """(generation, checkpoint round) a restarted worker resumes at, once every shard restored it."""
+    current = store.generation()
+    if current is None:
+        raise StoreError("Redis holds no generation for a running job: it lost the job's state")
+    mine = store.worker_generation(config.rank)
+    if mine is not None and mine >= current:  # this worker died and no recovery followed yet: ask for one
+        store.report_failure(current, f"worker {config.rank}", "restarted after its process died")
+        store.wait_event(f"generation:{current + 1}", config.wait_timeout_s,
+                         f"the coordinator to start generation {current + 1}")
+        current = store.generation() or current + 1
+    event = json.loads(store.read_event(f"generation:{current}") or "{}")
+    if "error" in event:
+        raise IMergeError(f"the job cannot recover: {event['error']}")
+    for shard in range(num_shards):
+        outcome = store.wait_event(f"restored:{current}:{shard}", config.wait_timeout_s,
+                                   f"shard {shard} to restore generation {current}")
+        if outcome:
+            raise IMergeError(outcome)
+    return current, int(event["round"])
+
+
+def latest_plan(store: Store, config: WorkerConfig) -> Plan:
+    """The plan a rejoining worker uses: the cost plan once published, else the first."""
+    payload = store.read_event("plan:2") if config.fusion == "cost" else None
+    return Plan.from_json(payload) if payload else wait_plan(store, config)
+
+
 class Heartbeat:
-    """Refreshes this worker's liveness key until stopped."""
+    """Refreshes this worker's liveness key and its data position until stopped."""
 
     def __init__(self, store: Store, rank: int, ttl_s: float):
+        self.position: Callable[[], tuple[int, int]] | None = None  # (generation, iterations done) once joined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store, rank, ttl_s), daemon=True,
                                         name=f"imerge-heartbeat-{rank}")
@@ -59,7 +95,10 @@ class Heartbeat:
     def _run(self, store: Store, rank: int, ttl_s: float) -> None:
         while not self._stop.wait(ttl_s / 3):
             try:
-                store.heartbeat(rank, ttl_s)
+                position = self.position() if self.position is not None else None
+                store.heartbeat(rank, ttl_s, position[0] if position else -1)
+                if position is not None:
+                    store.record_worker(rank, *position)
             except IMergeError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -81,20 +120,37 @@ class DistributedModel(torch.nn.Module):
         self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
         self._engine: SyncEngine | None = None
         self._metrics: MetricsServer | None = None
+        self.generation = 0
+        self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
         try:
             layout = layout_of(module)
-            self._store.submit_layout(config.rank, layout_payload(layout, config))
-            self.plan = wait_plan(self._store, config)
+            rejoining = self._store.read_event("blocks-ready:1") is not None
+            if rejoining:
+                self.plan = latest_plan(self._store, config)
+                self.generation, self.start_iteration = rejoin_point(self._store, config,
+                                                                     len(self.plan.shard_addresses))
+            else:
+                self._store.submit_layout(config.rank, layout_payload(layout, config))
+                self.plan = wait_plan(self._store, config)
+                self.generation = self._store.generation() or 0
             self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, optimizer,
-                                      self._store)
+                                      self._store, self.generation)
             self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
                                           f"worker {config.rank}")
-            self._engine.initialize()
+            if rejoining:
+                self._engine.resume(self.start_iteration)
+            else:
+                self._engine.initialize()
+            self._store.record_worker(config.rank, self.generation, self.start_iteration)
+            engine = self._engine
+            self._heartbeat.position = lambda: (self.generation, engine.iteration)
+            self._store.heartbeat(config.rank, config.heartbeat_ttl_s, self.generation)
         except BaseException:
             self.abort()
             raise
-        log.info("worker %d/%d joined job %s: %d groups on %d shards", config.rank, config.world_size,
-                 config.job, len(self.plan.groups), len(self.plan.shard_addresses))
+        log.info("worker %d/%d %s job %s in generation %d at iteration %d: %d groups on %d shards", config.rank,
+                 config.world_size, "rejoined" if rejoining else "joined", config.job, self.generation,
+                 self.start_iteration, len(self.plan.groups), len(self.plan.shard_addresses))
 
     @property
     def metrics_port(self) -> int:
@@ -114,6 +170,13 @@ class DistributedModel(torch.nn.Module):
     def synchronize(self) -> None:
         """Wait for every in-flight sync, so the parameters are the shards' latest."""
         self.engine.synchronize()
+
+    def report_failure(self, reason: str) -> None:
+        """Tell the coordinator this worker saw the job fail in its generation (it starts a recovery)."""
+        try:
+            self._store.report_failure(self.generation, f"worker {self.config.rank}", reason)
+        except StoreError as exc:
+            log.warning("could not report the failure to the coordinator: %s", exc)
 
     def abort(self) -> None:
         """Leave at once: no final sync, no done mark (the others will time out naming this worker)."""

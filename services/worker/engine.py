@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from imerge.errors import IMergeError, WaitTimeout
+from imerge.errors import IMergeError, RemoteError, WaitTimeout
 from imerge.optim import OptimizerSpec
 from imerge.planning import BYTES_PER_ELEMENT, Plan
 from imerge.schedule import syncs
@@ -41,6 +41,7 @@ from .profiler import Profiler
 from .transport import ShardClient
 
 log = logging.getLogger(__name__)
+FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed) takes the flag again this often
 
 
 class CommLoop:
@@ -70,8 +71,9 @@ class CommLoop:
 
 class SyncEngine:
     def __init__(self, model: torch.nn.Module, names: list[str], plan: Plan, config: WorkerConfig,
-                 optimizer: OptimizerSpec, store: Any):
+                 optimizer: OptimizerSpec, store: Any, generation: int = 0):
         self.config = config
+        self.generation = generation
         self.optimizer = optimizer.validate()
         self.store = store
         self.timeline = Timeline(config.rank)
@@ -151,7 +153,20 @@ class SyncEngine:
                                             "worker 0 to initialize the blocks on the shards")
             if failure:
                 raise IMergeError(failure)
-        self.comm.run(self._fetch_all(), timeout, "the initial parameters from the shards")
+        self.comm.run(self._fetch_all(), cfg.wait_timeout_s + 5.0, "the initial parameters from the shards")
+
+    def resume(self, round_: int) -> None:
+        """Rejoin a recovered job: fetch the restored parameters (every block at ``round_``) and count
+        ``round_`` iterations as done; a cost plan already published is used as is, without profiling."""
+        self.comm.run(self._fetch_all(), self.config.wait_timeout_s + 5.0, "the restored parameters from the shards")
+        rounds = set(self.block_rounds.values())
+        if rounds != {round_}:
+            raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(rounds)}, "
+                              f"expected {round_} for every block")
+        self.iteration = round_
+        if self.profiler is not None and self.plan.version > 1:
+            self.profiler = None
+            self.schedule_start = self.config.profile_iters
 
     async def _init_blocks(self) -> None:
         self.flat.stage_to_host()
@@ -166,7 +181,8 @@ class SyncEngine:
             by_shard.setdefault(block.shard, []).append(block)
         replies = await asyncio.gather(*(
             self.clients[shard].fetch_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
-                                           self.config.rpc_timeout_s) for shard, blocks in by_shard.items()))
+                                           self.config.wait_timeout_s, self.generation)
+            for shard, blocks in by_shard.items()))
         for blocks, rounds in zip(by_shard.values(), replies):
             self.block_rounds.update({b.block_id: r for b, r in zip(blocks, rounds)})
         self.flat.load_from_host(0, self.flat.values.numel())
@@ -295,18 +311,30 @@ class SyncEngine:
             group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(group, future))
 
     async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
+        for attempt in range(FENCED_RETRIES + 1):
+            try:
+                await self._push_group_once(group, iteration)
+                break
+            except RemoteError as exc:  # ABORTED: fenced off, our flag's lease had passed to another
+                if exc.status != "ABORTED" or attempt == FENCED_RETRIES:
+                    raise
+                log.warning("worker %d: %s; taking the flag again", self.config.rank, exc)
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+
+    async def _push_group_once(self, group: GroupRuntime, iteration: int) -> None:
         cfg = self.config
         flag, token = f"{self.plan.version}:{group.index}", f"w{cfg.rank}:{uuid.uuid4().hex[:8]}"
+        fence = 0
         if cfg.slots != "off":
             with self.timeline.span(f"flag {group.index}", "flag-wait", group=group.index) as args, \
                     self.metrics.flag_wait.time():
-                args["contended"] = await asyncio.to_thread(self.store.acquire_flag, flag, token, cfg.flag_lease_s,
-                                                            cfg.pull_timeout_s)
+                args["contended"], fence = await asyncio.to_thread(
+                    self.store.acquire_flag, flag, token, cfg.flag_lease_s, cfg.pull_timeout_s, self.generation)
         acquired = time.monotonic()
         try:
             with self.timeline.span(f"push {group.index}", "push", group=group.index, iteration=iteration,
                                     round=group.round, bytes=group.nbytes):
-                await asyncio.gather(*(self._push_shard(group, shard, blocks)
+                await asyncio.gather(*(self._push_shard(group, shard, blocks, fence)
                                        for shard, blocks in group.by_shard.items()))
             if cfg.slots == "fixed" and self._bandwidth_bps > 0:
                 await asyncio.sleep(max(0.0, acquired + group.nbytes / self._bandwidth_bps - time.monotonic()))
@@ -316,12 +344,12 @@ class SyncEngine:
             if cfg.slots != "off" and not await asyncio.to_thread(self.store.release_flag, flag, token):
                 log.warning("worker %d: slot flag %s had passed to another holder (lease %.1fs)",
                             cfg.rank, flag, cfg.flag_lease_s)
-        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
 
-    async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list) -> None:
+    async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list, fence: int) -> None:
         started = time.monotonic()
         await self.clients[shard].push([(b.block_id, self.flat.grad_slice(b)) for b in blocks],
-                                       self.config.rank, group.round, self.config.rpc_timeout_s)
+                                       self.config.rank, group.round, self.config.rpc_timeout_s,
+                                       self.generation, fence)
         seconds = time.monotonic() - started
         nbytes = sum(b.numel for b in blocks) * BYTES_PER_ELEMENT
         self.metrics.pushed(shard, nbytes)
@@ -336,7 +364,8 @@ class SyncEngine:
             with self.timeline.span(f"pull {group.index}", "pull", group=group.index, round=group.round):
                 replies = await asyncio.gather(*(
                     self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
-                                                  self.config.rank, group.round, self.config.pull_timeout_s)
+                                                  self.config.rank, group.round, self.config.pull_timeout_s,
+                                                  self.generation)
                     for shard, blocks in group.by_shard.items()))
             rounds = {r for reply in replies for r in reply}
             if rounds != {group.round + 1}:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 
 import torch
+from safetensors.torch import save_file
 
 from imerge import progress
 from imerge.config import option, require
+from imerge.errors import EXIT_REJOIN, GenerationChanged, Rejoin, RemoteError
 from imerge.data import DATASETS, make_dataset, worker_loader
 from imerge.models import MODELS, build_model
 from imerge.optim import OPTIMIZERS, OptimizerSpec
@@ -17,6 +20,14 @@ from .api import distribute
 from .config import WorkerConfig
 
 log = logging.getLogger(__name__)
+# Failures of a peer (dead, frozen or partitioned shard or worker, a recovery under way): rejoin
+RECOVERABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION", "ABORTED"}
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether the job can go on without this process: a peer failed, a recovery began, or it was preempted."""
+    return isinstance(exc, (GenerationChanged, Rejoin)) or (isinstance(exc, RemoteError)
+                                                           and exc.status in RECOVERABLE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +46,7 @@ class JobConfig:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay")
     nesterov: bool = option(False, "SGD Nesterov momentum")
+    save: str = option("", "worker 0 saves the trained parameters to this safetensors file")
 
     def __post_init__(self) -> None:
         require(self.iters >= 0, "iters", "must be >= 0")
@@ -59,6 +71,27 @@ def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) ->
     return correct / len(labels)
 
 
+def _train(model: torch.nn.Module, train: torch.utils.data.TensorDataset, worker: WorkerConfig, job: JobConfig,
+           total: int) -> tuple[int, float]:
+    """Iterations from the model's data position up to ``total``; returns (iterations, last loss)."""
+    per_epoch = len(worker_loader(train, job.batch_size, worker.rank, worker.world_size, job.seed))
+    iteration, loss_value = model.start_iteration, float("nan")
+    epoch, skip = divmod(iteration, per_epoch)
+    while iteration < total:
+        for x, y in itertools.islice(worker_loader(train, job.batch_size, worker.rank, worker.world_size,
+                                                   job.seed, epoch), skip, None):
+            tick = time.monotonic()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            iteration, loss_value = iteration + 1, loss.detach().item()
+            progress.report(iteration=iteration, total=total, loss=loss_value, epoch=epoch,
+                            seconds=time.monotonic() - tick)
+            if iteration >= total:
+                break
+        epoch, skip = epoch + 1, 0
+    return iteration, loss_value
+
+
 def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     """Train the built-in model; return (and report) a summary."""
     if job.torch_threads:
@@ -69,24 +102,25 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     if per_epoch == 0:
         raise ValueError(f"--batch-size {job.batch_size} leaves no full batch for {worker.world_size} workers")
     total = job.iters or per_epoch * job.epochs
-    iteration, loss_value, started = 0, float("nan"), time.monotonic()
+    started = time.monotonic()
     with model:
-        epoch = 0
-        while iteration < total:
-            for x, y in worker_loader(train, job.batch_size, worker.rank, worker.world_size, job.seed, epoch):
-                tick = time.monotonic()
-                loss = torch.nn.functional.cross_entropy(model(x), y)
-                loss.backward()
-                iteration, loss_value = iteration + 1, loss.detach().item()
-                progress.report(iteration=iteration, total=total, loss=loss_value, epoch=epoch,
-                                seconds=time.monotonic() - tick)
-                if iteration >= total:
-                    break
-            epoch += 1
-        model.synchronize()
+        try:
+            iteration, loss_value = _train(model, train, worker, job, total)
+            model.synchronize()
+        except Exception as exc:
+            if not recoverable(exc):
+                raise
+            model.report_failure(str(exc))
+            if isinstance(exc, Rejoin):
+                raise
+            raise Rejoin(f"worker {worker.rank}: {exc}; exiting with code {EXIT_REJOIN} to rejoin the job "
+                         f"from its last checkpoint") from exc
         summary = {"iterations": iteration, "loss": loss_value, "seconds": time.monotonic() - started}
         if job.evaluate and worker.rank == 0:
             summary["test_accuracy"] = accuracy(model.module, make_dataset(job.data, job.model, "test", job.seed,
                                                                            job.samples))
+        if job.save and worker.rank == 0:
+            save_file({name: p.detach().contiguous() for name, p in model.module.state_dict().items()}, job.save)
+            log.info("model saved to %s", job.save)
     progress.report("summary", **summary)
     return summary

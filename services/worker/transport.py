@@ -24,8 +24,14 @@ from imerge.tls import channel_credentials
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 2 * CHUNK_BYTES + 4096),
     ("grpc.max_send_message_length", 2 * CHUNK_BYTES + 4096),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # A frozen (SIGSTOP) or partitioned shard stops answering pings: calls on the channel fail with
+    # UNAVAILABLE within keepalive time + timeout (about 3 s), not at their deadline.
+    ("grpc.keepalive_time_ms", 1_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # a shard back from a restart or a partition is reconnected to within 2 s
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
@@ -67,13 +73,14 @@ class ShardClient:
 
     @_translated
     async def push(self, blocks: list[tuple[str, torch.Tensor]], worker: int, round_: int,
-                   timeout_s: float) -> ps_pb2.PushReply:
+                   timeout_s: float, generation: int = 0, fence: int = 0) -> ps_pb2.PushReply:
         """Push several blocks' gradients in one stream: a header, then the data, per block."""
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk]:
             for block_id, grad in blocks:
                 yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
-                                                                 dtype=ps_pb2.FLOAT32, numel=grad.numel()))
+                                                                 dtype=ps_pb2.FLOAT32, numel=grad.numel(),
+                                                                 generation=generation, fence=fence))
                 for piece in iter_chunks(tensor_view(grad)):
                     yield ps_pb2.PushChunk(data=piece)
 
@@ -107,16 +114,19 @@ class ShardClient:
 
     @_translated
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int,
-                        timeout_s: float) -> list[int]:
+                        timeout_s: float, generation: int = 0) -> list[int]:
         """Wait for ``round_`` of every block, write the parameters into the targets; return new rounds."""
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, generation=generation)
         call = self._stub.Pull(request, timeout=timeout_s + 5.0)
         return await self._receive_into(call, targets, "pull")
 
     @_translated
-    async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float) -> list[int]:
-        call = self._stub.Fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets]), timeout=timeout_s)
+    async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float,
+                         generation: int = 0) -> list[int]:
+        """The blocks' current parameters; waits up to ``timeout_s`` for an unreachable shard to come back."""
+        call = self._stub.Fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets], generation=generation),
+                                timeout=timeout_s, wait_for_ready=True)
         return await self._receive_into(call, targets, "fetch")
 
     @_translated

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from .config import add_options, from_namespace, setup_logging, to_env
-from .errors import ConfigError, IMergeError
+from .errors import EXIT_REJOIN, ConfigError, IMergeError, Rejoin
 
 log = logging.getLogger("imerge.cli")
 
@@ -44,7 +44,16 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
     setup_logging(worker.log_level, f"worker{worker.rank}")
-    summary = run_job(worker, job)
+
+    def preempted(signum: int, _frame: object) -> None:  # leave at once; the job recovers and this rank rejoins
+        raise Rejoin(f"worker {worker.rank}: {signal.Signals(signum).name} (preempted)")
+
+    signal.signal(signal.SIGTERM, preempted)
+    try:
+        summary = run_job(worker, job)
+    except Rejoin as exc:
+        log.warning("%s", exc)
+        return EXIT_REJOIN
     log.info("done: %s", summary)
     return 0
 

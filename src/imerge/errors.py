@@ -7,6 +7,8 @@ a gRPC failure back into the same class.
 """
 from __future__ import annotations
 
+EXIT_REJOIN = 75  # EX_TEMPFAIL: a worker left because the job is recovering; restart it and it rejoins
+
 
 class IMergeError(Exception):
     """Base class of every IMerge error."""
@@ -63,6 +65,10 @@ class AlreadyExists(RequestError):
     status = "ALREADY_EXISTS"
 
 
+class Unavailable(RequestError):
+    status = "UNAVAILABLE"
+
+
 class DeadlineExceeded(RequestError):
     status = "DEADLINE_EXCEEDED"
 
@@ -77,6 +83,18 @@ class RemoteError(RequestError):
     def __init__(self, message: str, status: str, address: str):
         super().__init__(f"{address}: {message}", status)
         self.address = address
+
+
+class GenerationChanged(IMergeError):
+    """The job moved to a newer generation (a recovery): this process must rejoin from the checkpoint."""
+
+    def __init__(self, message: str, generation: int | None = None):
+        super().__init__(message)
+        self.generation = generation
+
+
+class Rejoin(IMergeError):
+    """A worker must leave and be restarted (exit code EXIT_REJOIN) to rejoin the recovered job."""
 
 
 class ChildFailed(IMergeError):

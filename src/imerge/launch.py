@@ -5,6 +5,12 @@ W workers as child processes on loopback, shows worker 0's progress, and
 stops every child on success, on failure (naming the role that failed) and on
 Ctrl-C or SIGTERM. Each child runs in its own process group and is killed by
 the kernel if the launcher itself dies, so no process is left behind.
+
+A shard or worker that dies before the job is done is restarted, up to
+``--max-restarts`` times per role, with the same address and options; the
+shards write checkpoints into the log folder, so the job recovers from them.
+A worker that exits with code 75 (the job recovered, it rejoins) is restarted
+without counting. ``roles.json`` in the log folder names each role's pid.
 """
 from __future__ import annotations
 
@@ -27,13 +33,14 @@ from rich.table import Table
 
 from . import proc
 from .config import option, redacted, require
-from .errors import ChildFailed, IMergeError
+from .errors import EXIT_REJOIN, ChildFailed, IMergeError
 from .metrics import prometheus_config, rules_file
 from .progress import PROGRESS_FD_ENV
 from .redis_server import RedisServer, free_port
 
 log = logging.getLogger(__name__)
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
+MAX_REJOINS = 50  # exits with code 75 tolerated per worker (each follows a recovery of the job)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +53,14 @@ class LaunchConfig:
     log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     stop_grace_s: float = option(10.0, "seconds a role gets to exit after SIGTERM before SIGKILL")
     summary_json: str = option("", "also write the run's summary to this JSON file")
+    max_restarts: int = option(2, "restarts of a shard or worker that died before the job finished (per role; "
+                                  "past them the job fails naming the role)")
 
     def __post_init__(self) -> None:
         require(1 <= self.workers <= 256, "workers", "must lie in 1..256")
         require(1 <= self.shards <= 256, "shards", "must lie in 1..256")
         require(self.stop_grace_s > 0, "stop_grace_s", "must be positive")
+        require(0 <= self.max_restarts <= 100, "max_restarts", "must lie in 0..100")
 
 
 def _figure(event: dict[str, Any], key: str, digits: int) -> str:
@@ -59,13 +69,17 @@ def _figure(event: dict[str, Any], key: str, digits: int) -> str:
 
 
 class LocalHosts:
-    """Every role on this host, on loopback."""
+    """Every role on this host, on loopback; a shard keeps its port across restarts."""
+
+    def __init__(self) -> None:
+        self._ports: dict[int, int] = {}
 
     def prefix(self, role: str) -> list[str]:
         return []
 
     def shard_env(self, index: int) -> dict[str, str]:
-        return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": "0"}
+        port = self._ports.setdefault(index, free_port())
+        return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": str(port)}
 
     def metrics_target(self, role: str) -> tuple[int, str]:
         """The metrics port ``role`` serves on, and the address Prometheus scrapes."""
@@ -111,6 +125,11 @@ class Child:
     process: Any
     log_path: Path
     is_worker: bool
+    argv: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    restarts: int = 0   # after deaths
+    rejoins: int = 0    # after exit code 75 (the job recovered)
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -156,7 +175,21 @@ class Launcher:
         log_path = self.log_dir / f"{role}.log"
         with open(log_path, "wb") as log_file:
             process = proc.spawn(self.hosts.prefix(role) + argv, env=env, stdout=log_file, pass_fds=pass_fds)
-        self.children.append(Child(role, process, log_path, is_worker))
+        self.children.append(Child(role, process, log_path, is_worker, argv, env, pass_fds))
+        self._write_roles()
+
+    def _restart(self, child: Child, why: str) -> None:
+        log.warning("%s %s; restarting it", child.role, why)
+        if not self.quiet:
+            self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
+        with open(child.log_path, "ab") as log_file:
+            child.process = proc.spawn(self.hosts.prefix(child.role) + child.argv, env=child.env, stdout=log_file,
+                                       pass_fds=child.pass_fds)
+        self._write_roles()
+
+    def _write_roles(self) -> None:
+        roles = {child.role: child.process.pid for child in self.children}
+        (self.log_dir / "roles.json").write_text(json.dumps(roles, indent=1))
 
     def _start_roles(self, redis_url: str, progress_fd: int) -> None:
         cfg, role = self.config, [sys.executable, "-m", "imerge"]
@@ -169,6 +202,8 @@ class Launcher:
         for index in range(cfg.shards):
             self._start(f"ps{index}", role + ["ps"],
                         self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "OMP_NUM_THREADS": "1",
+                                              "IMERGE_CHECKPOINT_DIR": os.environ.get("IMERGE_CHECKPOINT_DIR")
+                                              or str(self.log_dir / "checkpoints"),
                                               **self.hosts.shard_env(index)}))
         self._start_workers(redis_url, progress_fd, role)
 
@@ -189,17 +224,28 @@ class Launcher:
             self._start(f"worker{rank}", argv, self._env(redis_url, extra), is_worker=True, pass_fds=fds)
 
     def _check_children(self) -> bool:
-        """True once every worker exited 0; ChildFailed for any role that failed."""
+        """True once every worker exited 0; restarts dead roles; ChildFailed for a role that cannot go on."""
         workers_done = True
         for child in self.children:
             code = child.process.poll()
             if code is None:
                 workers_done = workers_done and not child.is_worker
-            elif code != 0:
-                raise ChildFailed(child.role, f"exited with code {code}; last lines of {child.log_path}:\n"
-                                              f"{child.tail()}")
-            elif not child.is_worker and child.role != "coordinator":
-                raise ChildFailed(child.role, "exited before the workers finished")
+            elif code == 0 and (child.is_worker or child.role == "coordinator"):
+                continue
+            elif code == EXIT_REJOIN and child.is_worker and child.rejoins < MAX_REJOINS:
+                child.rejoins += 1
+                self._restart(child, "left to rejoin the recovered job")
+                workers_done = False
+            elif child.role != "coordinator" and child.restarts < self.config.max_restarts:
+                child.restarts += 1
+                self._restart(child, f"exited with code {code} (restart {child.restarts} of "
+                                     f"{self.config.max_restarts})")
+                workers_done = workers_done and not child.is_worker
+            else:
+                why = "exited before the workers finished" if code == 0 else f"exited with code {code}"
+                if child.role != "coordinator":
+                    why += f" after {child.restarts} restarts (--max-restarts {self.config.max_restarts})"
+                raise ChildFailed(child.role, f"{why}; last lines of {child.log_path}:\n{child.tail()}")
         return workers_done
 
     def _stop_all(self) -> None:

@@ -69,18 +69,22 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
     dtype: DType
     numel: int
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ...) -> None: ...
+    generation: int
+    fence: int
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -107,22 +111,26 @@ class PushReply(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[BlockPushResult, _Mapping]]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("block_ids", "worker", "round", "timeout_s")
+    __slots__ = ("block_ids", "worker", "round", "timeout_s", "generation")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[str]
     worker: int
     round: int
     timeout_s: float
-    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    generation: int
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., timeout_s: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("block_ids",)
+    __slots__ = ("block_ids", "generation")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    generation: int
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
     __slots__ = ("block_id", "dtype", "numel", "round")

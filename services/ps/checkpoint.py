@@ -1,0 +1,175 @@
+"""Shard checkpoints on disk: safetensors plus a JSON manifest with checksums.
+
+Pure: imports neither grpc nor redis. A checkpoint of shard ``i`` at round
+``r`` is the folder ``{root}/shard-{i}/round-{r:012d}`` holding
+
+* ``blocks.safetensors``: per block its parameters (``{block}/param``) and
+  every tensor of its optimizer state (``{block}/state/{name}``);
+* ``manifest.json``: the round, each block's spec, the SHA-256 and size of
+  the tensor file, and the manifest's own format version.
+
+It is written into a hidden temporary folder, every file is fsynced, the
+folder is renamed into place and the parent fsynced, so a reader sees either
+a complete checkpoint or none: a process killed while writing leaves only a
+temporary folder, which is ignored and cleaned up later, and the previous
+checkpoint stays valid. The newest ``keep`` checkpoints are kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from imerge.errors import IMergeError
+from imerge.optim import OptimizerSpec
+
+log = logging.getLogger(__name__)
+FORMAT = 1
+TENSORS = "blocks.safetensors"
+MANIFEST = "manifest.json"
+_PREFIX = "round-"
+
+
+class CheckpointError(IMergeError):
+    """A checkpoint is missing, incomplete or fails its checksums."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockImage:
+    """One block as a checkpoint holds it: its spec, parameters and optimizer state."""
+
+    block_id: str
+    num_workers: int
+    optimizer: OptimizerSpec
+    init_digest: str
+    param: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    round: int
+    path: Path
+    blocks: dict[str, BlockImage]
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class CheckpointStore:
+    """The checkpoints of one shard under ``root``."""
+
+    def __init__(self, root: str | Path, shard: int, keep: int = 2):
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        self.folder = Path(root) / f"shard-{shard}"
+        self.shard = shard
+        self.keep = keep
+
+    def _path(self, round_: int) -> Path:
+        return self.folder / f"{_PREFIX}{round_:012d}"
+
+    def rounds(self) -> list[int]:
+        """Rounds of the complete checkpoints (a manifest in place), oldest first."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for entry in self.folder.iterdir():
+            if entry.name.startswith(_PREFIX) and (entry / MANIFEST).is_file():
+                try:
+                    found.append(int(entry.name[len(_PREFIX):]))
+                except ValueError:
+                    continue
+        return sorted(found)
+
+    def write(self, round_: int, blocks: list[BlockImage]) -> Path:
+        """Write the checkpoint of ``round_`` atomically; return its folder."""
+        started = time.monotonic()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        final = self._path(round_)
+        if (final / MANIFEST).is_file():
+            return final
+        temporary = self.folder / f".tmp-{round_:012d}-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        tensors = {f"{b.block_id}/param": b.param.contiguous() for b in blocks}
+        tensors.update({f"{b.block_id}/state/{name}": value.contiguous()
+                        for b in blocks for name, value in b.state.items()})
+        save_file(tensors, str(temporary / TENSORS))
+        _fsync(temporary / TENSORS)
+        manifest = {"format": FORMAT, "shard": self.shard, "round": round_, "created": time.time(),
+                    "file": TENSORS, "bytes": (temporary / TENSORS).stat().st_size,
+                    "sha256": _sha256(temporary / TENSORS),
+                    "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
+                                            "optimizer": dataclasses.asdict(b.optimizer),
+                                            "init_digest": b.init_digest, "state": sorted(b.state)}
+                               for b in blocks}}
+        with open(temporary / MANIFEST, "w") as stream:
+            json.dump(manifest, stream, indent=1)
+            stream.flush()
+            os.fsync(stream.fileno())
+        _fsync(temporary)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of the same round (no manifest)
+        os.rename(temporary, final)
+        _fsync(self.folder)
+        self._prune()
+        log.info("shard %d: checkpoint of round %d written to %s (%d bytes, %.3fs)", self.shard, round_, final,
+                 manifest["bytes"], time.monotonic() - started)
+        return final
+
+    def _prune(self) -> None:
+        for round_ in self.rounds()[:-self.keep]:
+            shutil.rmtree(self._path(round_), ignore_errors=True)
+        for entry in self.folder.iterdir():  # temporaries of writers that died
+            if entry.name.startswith(".tmp-") and not entry.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def read(self, round_: int) -> Checkpoint:
+        """Load and verify the checkpoint of ``round_``; CheckpointError says what is wrong."""
+        path = self._path(round_)
+        what = f"shard {self.shard}'s checkpoint of round {round_} ({path})"
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{what} does not exist (complete rounds: {self.rounds()})") from None
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{what}: unreadable manifest: {exc}") from None
+        if manifest.get("format") != FORMAT or manifest.get("round") != round_:
+            raise CheckpointError(f"{what}: manifest has format {manifest.get('format')} and round "
+                                  f"{manifest.get('round')}")
+        tensor_file = path / manifest["file"]
+        if not tensor_file.is_file() or tensor_file.stat().st_size != manifest["bytes"]:
+            raise CheckpointError(f"{what}: {manifest['file']} is missing or not {manifest['bytes']} bytes")
+        if _sha256(tensor_file) != manifest["sha256"]:
+            raise CheckpointError(f"{what}: {manifest['file']} fails its SHA-256 checksum")
+        tensors = load_file(str(tensor_file))
+        blocks = {}
+        for block_id, spec in manifest["blocks"].items():
+            param = tensors.get(f"{block_id}/param")
+            if param is None or param.numel() != spec["numel"]:
+                raise CheckpointError(f"{what}: block {block_id} has no parameters of {spec['numel']} elements")
+            state = {name: tensors[f"{block_id}/state/{name}"] for name in spec["state"]}
+            blocks[block_id] = BlockImage(block_id, spec["num_workers"], OptimizerSpec(**spec["optimizer"]),
+                                          spec["init_digest"], param, state)
+        return Checkpoint(round_, path, blocks)

@@ -1,0 +1,111 @@
+"""The shard's part in recovery: its heartbeat, its checkpoint rounds and the generation watch.
+
+* A heartbeat key with a short TTL tells the coordinator the shard is alive;
+  a dead or frozen (SIGSTOP) shard stops refreshing it and is declared lost.
+* The rounds of the complete checkpoints on disk are published after every
+  write, so the coordinator can pick the newest round every shard holds.
+* A watcher thread waits (BLPOP, no polling) for the next generation's event;
+  the shard then restores that event's checkpoint round and sets
+  ``restored:{g}:{shard}`` (empty, or the reason it could not).
+* A shard that starts while the job is past generation 0 restores at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any
+
+from imerge.errors import IMergeError, StoreError, WaitTimeout
+
+from .state import Shard
+
+log = logging.getLogger(__name__)
+RESTORE_TIMEOUT_S = 300.0
+
+
+class ShardMembership:
+    def __init__(self, store: Any, shard: Shard, load_plan: Any, loop: asyncio.AbstractEventLoop,
+                 heartbeat_ttl_s: float):
+        self.store = store
+        self.shard = shard
+        self._load_plan = load_plan  # coroutine function: reads the mapping table (the expected blocks)
+        self.loop = loop
+        self.ttl_s = heartbeat_ttl_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._handled = 0  # the newest generation restored or attempted
+        shard.on_checkpoint = self._published
+
+    def _published(self, rounds: list[int]) -> None:
+        try:
+            self.store.publish_checkpoints(self.shard.index, rounds)
+        except StoreError as exc:
+            log.warning("shard %d: could not publish checkpoint rounds %s: %s", self.shard.index, rounds, exc)
+
+    async def join(self) -> None:
+        """At start: publish the checkpoints on disk; restore if the job is past generation 0."""
+        if self.shard.checkpoints is not None:
+            await asyncio.to_thread(self._published, self.shard.checkpoints.rounds())
+        await asyncio.to_thread(self.store.shard_heartbeat, self.shard.index, self.ttl_s,
+                                self.shard.generation)
+        generation = await asyncio.to_thread(self.store.generation)
+        if generation:
+            payload = await asyncio.to_thread(self.store.read_event, f"generation:{generation}")
+            await self.restore(generation, payload or "{}")
+
+    def start(self) -> None:
+        for target, name in ((self._beat, "heartbeat"), (self._watch, "generations")):
+            thread = threading.Thread(target=target, name=f"ps{self.shard.index}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(10)
+
+    async def restore(self, generation: int, payload: str) -> None:
+        index, round_ = self.shard.index, json.loads(payload).get("round")
+        self._handled = max(self._handled, generation)
+        try:
+            if not isinstance(round_, int):
+                raise IMergeError(f"the event of generation {generation} names no checkpoint round: {payload!r}")
+            await self._load_plan()
+            checkpoint = await asyncio.to_thread(self.shard.load_checkpoint, round_)
+            await self.shard.restore(generation, checkpoint)
+            outcome = ""
+        except IMergeError as exc:
+            outcome = f"shard {index} could not restore generation {generation} from round {round_}: {exc}"
+            log.error("%s", outcome)
+        await asyncio.to_thread(self.store.set_event, f"restored:{generation}:{index}", outcome)
+        await asyncio.to_thread(self.store.shard_heartbeat, index, self.ttl_s, self.shard.generation)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.store.shard_heartbeat(self.shard.index, self.ttl_s, self.shard.generation)
+            except StoreError as exc:
+                log.warning("shard %d: heartbeat failed: %s", self.shard.index, exc)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            target = max(self.shard.generation, self._handled) + 1
+            try:
+                payload = self.store.wait_event(f"generation:{target}", 0.5, f"generation {target}")
+                latest = self.store.generation() or target
+                if latest > target:  # several recoveries meanwhile: go to the newest
+                    target, payload = latest, self.store.read_event(f"generation:{latest}") or "{}"
+            except WaitTimeout:
+                continue
+            except StoreError as exc:
+                log.warning("shard %d: watching the job generation: %s", self.shard.index, exc)
+                self._stop.wait(1.0)
+                continue
+            log.info("shard %d: the job moved to generation %d", self.shard.index, target)
+            future = asyncio.run_coroutine_threadsafe(self.restore(target, payload), self.loop)
+            try:
+                future.result(RESTORE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - logged; the workers see no restored event and time out
+                log.exception("shard %d: restoring generation %d failed", self.shard.index, target)

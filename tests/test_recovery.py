@@ -1,0 +1,194 @@
+"""Recovery of whole jobs (`imerge launch`, real processes): kill -9, SIGSTOP, SIGTERM, restarts exhausted.
+
+With T = 1 a job that loses a shard or a worker resumes from the last checkpoint every shard holds and
+ends with parameters equal, bit for bit, to a fault-free run of the same steps. One job takes four faults in
+turn (kill -9 of a shard, kill -9 of a worker, SIGSTOP of a shard, SIGTERM of a shard), which keeps the suite
+short; each step waits for the previous recovery and for progress after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from imerge.ps.checkpoint import CheckpointStore
+from imerge.redis_server import RedisServer
+
+ITERS = 200
+EVERY = 4
+JOB = ["--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "digits", "--no-evaluate"]
+
+
+class Run:
+    """One `imerge launch` of the test job in ``folder``: checkpoints every 4 rounds, heartbeats of 3 s."""
+
+    def __init__(self, folder: Path, *args: str, command: str = "launch", iters: int = ITERS):
+        self.folder = folder
+        self.logs = folder / "logs"
+        self.model = folder / "model.safetensors"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
+        env.update(IMERGE_CHECKPOINT_EVERY=str(EVERY), IMERGE_HEARTBEAT_TTL_S="3")
+        self.process = subprocess.Popen([sys.executable, "-m", "imerge", command, "--log-dir", str(self.logs),
+                                         "--save", str(self.model), *JOB, "--iters", str(iters), *args],
+                                        env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def _until(self, done, what: str, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not (result := done()):
+            assert self.process.poll() is None, f"the job ended before {what}: {self.finish()[1]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+            time.sleep(0.02)
+        return result
+
+    def wait_round(self, shard: int, round_: int, timeout_s: float = 120) -> None:
+        """Until shard ``shard`` holds a complete checkpoint of ``round_`` or later."""
+        store = CheckpointStore(self.logs / "checkpoints", shard)
+        self._until(lambda: max(store.rounds(), default=-1) >= round_, f"checkpoint of round {round_}", timeout_s)
+
+    def wait_generation_started(self, generation: int, timeout_s: float = 60) -> float:
+        """When (epoch seconds, from its log) the coordinator started ``generation``."""
+        return self._until(lambda: next((log_time(line) for line in self.log("coordinator").splitlines()
+                                         if f"starting generation {generation} " in line), None),
+                           f"generation {generation}", timeout_s)
+
+    def wait_recovered(self, generation: int, timeout_s: float = 90) -> int:
+        """Until both workers rejoined ``generation`` (or a later one); returns the round worker 0 resumed at."""
+        pattern = re.compile(r"rejoined job \S+ in generation (\d+) at iteration (\d+)")
+
+        def rejoined():
+            latest = [pattern.findall(self.log(worker))[-1:] for worker in ("worker0", "worker1")]
+            return latest if all(found and int(found[0][0]) >= generation for found in latest) else None
+
+        return int(self._until(rejoined, f"rejoin in generation {generation}", timeout_s)[0][0][1])
+
+    def pid(self, role: str) -> int:
+        return json.loads((self.logs / "roles.json").read_text())[role]
+
+    def signal(self, role: str, signum: int) -> float:
+        os.kill(self.pid(role), signum)
+        return time.time()
+
+    def finish(self, timeout_s: float = 200) -> tuple[int, str]:
+        output, _ = self.process.communicate(timeout=timeout_s)
+        return self.process.returncode, output
+
+    def log(self, role: str) -> str:
+        return (self.logs / f"{role}.log").read_text(errors="replace")
+
+
+def same_parameters(a: Path, b: Path) -> bool:
+    first, second = load_file(str(a)), load_file(str(b))
+    return first.keys() == second.keys() and all(bool((first[k] == second[k]).all()) for k in first)
+
+
+def log_time(line: str) -> float:
+    stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})", line)
+    return time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S")) + int(stamp.group(2)) / 1000
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The fault-free run's final parameters."""
+    run = Run(tmp_path_factory.mktemp("reference"))
+    code, output = run.finish()
+    assert code == 0, output
+    return run.model
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exact(tmp_path, reference):
+    """One job, four faults in turn, each after the previous recovery made progress."""
+    run = Run(tmp_path)
+    run.wait_round(1, 20)
+    run.signal("ps1", signal.SIGKILL)  # 1: a shard dies mid-round
+    resumed = run.wait_recovered(1)
+    assert "restored from round" in run.log("ps1")
+
+    run.wait_round(1, resumed + 12)
+    run.signal("worker1", signal.SIGKILL)  # 2: a worker dies
+    resumed = run.wait_recovered(2)
+    assert "worker 1/2 rejoined" in run.log("worker1")
+
+    run.wait_round(0, resumed + 12)
+    stopped = run.signal("ps0", signal.SIGSTOP)  # 3: a shard freezes
+    detected = run.wait_generation_started(3, timeout_s=15)
+    run.signal("ps0", signal.SIGCONT)
+    assert detected - stopped < 5.0, f"a frozen shard was detected after {detected - stopped:.1f}s"
+    resumed = run.wait_recovered(3)
+
+    run.wait_round(1, resumed + 12)
+    run.signal("ps1", signal.SIGTERM)  # 4: a shard is preempted
+    run.wait_recovered(4)
+    ps1 = run.log("ps1")
+    assert "stopping: draining until a final checkpoint" in ps1
+    assert re.search(r"shard 1: final checkpoint at round \d+", ps1), ps1  # written before it exited
+
+    code, output = run.finish()
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert "ps1 exited with code -9 (restart 1 of 2)" in text
+    assert "worker1 exited with code -9 (restart 1 of 2)" in text
+    assert "ps1 exited with code 0 (restart 2 of 2)" in text  # the preempted shard exited cleanly in its grace
+    assert "starting generation 5" not in run.log("coordinator")  # one recovery per fault
+    assert same_parameters(run.model, reference)
+
+
+@pytest.mark.timeout(240)
+def test_restarts_exhausted_fail_naming_the_role(tmp_path):
+    run = Run(tmp_path, "--max-restarts", "0")
+    run.wait_round(1, 8)
+    killed = time.monotonic()
+    run.signal("worker1", signal.SIGKILL)
+    code, output = run.finish()
+    assert code == 1
+    assert "failed: worker1: exited with code -9 after 0 restarts (--max-restarts 0)" in " ".join(output.split())
+    assert time.monotonic() - killed < 30
+
+
+@pytest.mark.timeout(240)
+def test_redis_killed_and_restarted_empty_fails_fast_with_the_reason(tmp_path):
+    redis = RedisServer()
+    try:
+        run = Run(tmp_path, "--redis-url", redis.url, iters=5000)
+        run.wait_round(1, 8)
+        redis.process.kill()
+        redis.process.wait(10)
+        killed = time.monotonic()
+        redis = RedisServer(port=redis.port)  # the same address, without the job's keys
+        code, output = run.finish()
+        assert code == 1
+        text = " ".join(output.split())
+        assert "failed: coordinator: exited with code 1" in text
+        assert "Redis lost the job's state: the plan and generation keys are gone" in text
+        assert time.monotonic() - killed < 30
+    finally:
+        redis.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="the testbed needs root and iproute2")
+@pytest.mark.timeout(300)
+def test_partition_between_a_worker_and_a_shard_healed_after_10s(tmp_path, reference):
+    run = Run(tmp_path, command="testbed")
+    run.wait_round(1, 20, timeout_s=240)
+    namespace = subprocess.run(["ip", "netns", "identify", str(run.pid("worker1"))], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    hosts = Path(f"/etc/netns/{namespace}/hosts").read_text().splitlines()
+    shard = next(line.split()[0] for line in hosts if line.split()[1:] == ["ps0"])
+    rule = ["ip", "netns", "exec", namespace, "ip", "rule", "{}", "to", f"{shard}/32", "blackhole"]
+    subprocess.run([part.format("add") for part in rule], check=True)  # policy routing: drop worker1 -> ps0
+    time.sleep(10)
+    subprocess.run([part.format("del") for part in rule], check=True)
+    code, output = run.finish()
+    assert code == 0, output
+    assert "starting generation 1" in run.log("coordinator")
+    assert same_parameters(run.model, reference)  # nothing counted twice, nothing lost
