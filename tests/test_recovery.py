@@ -1,9 +1,9 @@
 """Recovery of whole jobs (`imerge launch`, real processes): kill -9, SIGSTOP, SIGTERM, restarts exhausted.
 
 With T = 1 a job that loses a shard or a worker resumes from the last checkpoint every shard holds and
-ends with parameters equal, bit for bit, to a fault-free run of the same steps. One job takes four faults in
-turn (kill -9 of a shard, kill -9 of a worker, SIGSTOP of a shard, SIGTERM of a shard), which keeps the suite
-short; each step waits for the previous recovery and for progress after it.
+ends with parameters equal, bit for bit, to a fault-free run of the same steps. One job takes five faults in
+turn (kill -9 of a shard, kill -9 of a worker, SIGSTOP of a shard, SIGTERM of a shard, kill -9 of the
+coordinator), which keeps the suite short; each step waits for the previous recovery and for progress after it.
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(300)
 def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exact(tmp_path, reference):
-    """One job, four faults in turn, each after the previous recovery made progress."""
+    """One job, five faults in turn, each after the previous recovery made progress."""
     run = Run(tmp_path)
     run.wait_round(1, 20)
     run.signal("ps1", signal.SIGKILL)  # 1: a shard dies mid-round
@@ -128,10 +128,15 @@ def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exa
 
     run.wait_round(1, resumed + 12)
     run.signal("ps1", signal.SIGTERM)  # 4: a shard is preempted
-    run.wait_recovered(4)
+    resumed = run.wait_recovered(4)
     ps1 = run.log("ps1")
     assert "stopping: draining until a final checkpoint" in ps1
     assert re.search(r"shard 1: final checkpoint at round \d+", ps1), ps1  # written before it exited
+
+    run.wait_round(1, resumed + 8)
+    run.signal("coordinator", signal.SIGKILL)  # 5: the coordinator dies; training goes on, it is restarted
+    run._until(lambda: "restarted: job" in run.log("coordinator"), "the coordinator's restart", 60)
+    assert "is at generation 4 with plan v1; watching on" in run.log("coordinator")
 
     code, output = run.finish()
     assert code == 0, output
@@ -139,6 +144,7 @@ def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exa
     assert "ps1 exited with code -9 (restart 1 of 2)" in text
     assert "worker1 exited with code -9 (restart 1 of 2)" in text
     assert "ps1 exited with code 0 (restart 2 of 2)" in text  # the preempted shard exited cleanly in its grace
+    assert "coordinator exited with code -9 (restart 1 of 2)" in text
     assert "starting generation 5" not in run.log("coordinator")  # one recovery per fault
     assert same_parameters(run.model, reference)
 

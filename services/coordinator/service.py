@@ -5,6 +5,8 @@ failures that processes report, heartbeats of workers and shards, and the
 job's keys in Redis. A failure starts the next generation from the newest
 checkpoint every shard holds (see :mod:`recovery`); a failure it cannot
 recover from, or Redis losing the job's state, ends the job with the reason.
+A coordinator that starts while its job is running (it was restarted) takes
+the plan, the generation and the finished workers from Redis and watches on.
 """
 from __future__ import annotations
 
@@ -109,7 +111,7 @@ class Coordinator:
     def watch(self) -> None:
         """Until every worker is done: take reports, check heartbeats and Redis, recover from failures."""
         cfg = self.config
-        done: set[int] = set()
+        done: set[int] = self.store.done_ranks()
         store_failing_since: float | None = None
         while len(done) < cfg.num_workers and not self._stop.is_set():
             try:
@@ -174,12 +176,35 @@ class Coordinator:
                                         lambda: self.recovery.generation)
         return MetricsServer(registry, self.config.metrics_port, "coordinator")
 
+    def resume(self) -> bool:
+        """Take over a running job from Redis (this coordinator was restarted); False for a new job."""
+        generation = self.store.generation()
+        if generation is None:
+            return False
+        event = json.loads(self.store.read_event(f"generation:{generation}") or "{}")
+        if "error" in event:
+            raise RecoveryImpossible(f"the job already failed in generation {generation}: {event['error']}")
+        first = Plan.from_json(self.store.read_event("plan:1"))
+        self.plan = first
+        self.recovery.generation, self.recovery.period = generation, first.period
+        latest = self.store.read_event("plan:2")
+        if latest:
+            self.plan = Plan.from_json(latest)
+        else:
+            layout, options = check_layouts(self.store.layouts(self.config.num_workers))
+            if options.fusion == "cost":  # the profile was not planned yet: plan it as the first run would
+                self.plan = self.publish_cost_plan(layout, options, first)
+        log.info("restarted: job %s is at generation %d with plan v%d; watching on", self.config.job, generation,
+                 self.plan.version)
+        return True
+
     def run(self) -> int:
         started = time.monotonic()
         metrics = None
         try:
             metrics = self.serve_metrics()
-            self.publish_plan()
+            if not self.resume():
+                self.publish_plan()
             self.watch()
         except IMergeError as exc:
             log.error("%s", exc)

@@ -21,6 +21,7 @@ key                         type     meaning
 ``event:{name}``            list     a latch: holds one token once the event is set
 ``event:{name}:value``      string   the event's payload
 ``done:queue``              list     ranks, pushed when a worker finished its job
+``done``                    hash     rank -> 1 once the worker finished (read by a restarted coordinator)
 ``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
 ``profile:queue``           list     a token, pushed when the profile is submitted
 ``flag:{v}:{g}``            string   holder token of group g's slot flag (plan v), with
@@ -229,14 +230,27 @@ class Store:
     @_translated
     def wait_layouts(self, world_size: int, timeout_s: float) -> dict[int, str]:
         self._collect("layouts", world_size, timeout_s, "workers {missing} to submit their model layout")
+        return self.layouts(world_size)
+
+    @_translated
+    def mark_done(self, rank: int) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self.key("done"), str(rank), "1")
+        pipe.rpush(self.key("done", "queue"), str(rank))
+        pipe.execute()
+
+    @_translated
+    def done_ranks(self) -> set[int]:
+        """Ranks that finished their job (for a coordinator that restarts mid-job)."""
+        return {int(rank) for rank in self._redis.hgetall(self.key("done"))}
+
+    @_translated
+    def layouts(self, world_size: int) -> dict[int, str]:
+        """The submitted layouts, without waiting (for a coordinator that restarts mid-job)."""
         pipe = self._redis.pipeline()
         for rank in range(world_size):
             pipe.get(self.key("layout", rank))
         return dict(enumerate(pipe.execute()))
-
-    @_translated
-    def mark_done(self, rank: int) -> None:
-        self._redis.rpush(self.key("done", "queue"), str(rank))
 
     # -- profile (fusion cost) ------------------------------------------------
     @_translated

@@ -6,9 +6,11 @@ stops every child on success, on failure (naming the role that failed) and on
 Ctrl-C or SIGTERM. Each child runs in its own process group and is killed by
 the kernel if the launcher itself dies, so no process is left behind.
 
-A shard or worker that dies before the job is done is restarted, up to
-``--max-restarts`` times per role, with the same address and options; the
-shards write checkpoints into the log folder, so the job recovers from them.
+A shard or worker that dies before the job is done, or a coordinator killed by
+a signal, is restarted, up to ``--max-restarts`` times per role, with the same
+address and options; the shards write checkpoints into the log folder, so the
+job recovers from them. (A coordinator that exits with an error ended the job
+on purpose: it is not restarted.)
 A worker that exits with code 75 (the job recovered, it rejoins) is restarted
 without counting. ``roles.json`` in the log folder names each role's pid.
 """
@@ -53,8 +55,9 @@ class LaunchConfig:
     log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     stop_grace_s: float = option(10.0, "seconds a role gets to exit after SIGTERM before SIGKILL")
     summary_json: str = option("", "also write the run's summary to this JSON file")
-    max_restarts: int = option(2, "restarts of a shard or worker that died before the job finished (per role; "
-                                  "past them the job fails naming the role)")
+    max_restarts: int = option(2, "restarts of a shard or worker that died before the job finished, or of a "
+                                  "coordinator killed by a signal (per role; past them the job fails naming the "
+                                  "role)")
 
     def __post_init__(self) -> None:
         require(1 <= self.workers <= 256, "workers", "must lie in 1..256")
@@ -236,14 +239,14 @@ class Launcher:
                 child.rejoins += 1
                 self._restart(child, "left to rejoin the recovered job")
                 workers_done = False
-            elif child.role != "coordinator" and child.restarts < self.config.max_restarts:
+            elif (child.role != "coordinator" or code < 0) and child.restarts < self.config.max_restarts:
                 child.restarts += 1
                 self._restart(child, f"exited with code {code} (restart {child.restarts} of "
                                      f"{self.config.max_restarts})")
                 workers_done = workers_done and not child.is_worker
             else:
                 why = "exited before the workers finished" if code == 0 else f"exited with code {code}"
-                if child.role != "coordinator":
+                if child.role != "coordinator" or code < 0:
                     why += f" after {child.restarts} restarts (--max-restarts {self.config.max_restarts})"
                 raise ChildFailed(child.role, f"{why}; last lines of {child.log_path}:\n{child.tail()}")
         return workers_done
