@@ -90,3 +90,14 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_restorable(tmp
     assert torch.equal(restored.blocks["g0"].param, torch.arange(1000, dtype=torch.float32))
     store.write(3, [restored.blocks["g0"]])  # the next writer removes the dead one's temporary folder
     assert store.rounds() == [1, 3] and not any(p.name.startswith(".tmp-") for p in folder.iterdir())
+
+
+def test_checkpoints_of_an_earlier_run_are_ignored_refused_and_removed(tmp_path):
+    earlier = CheckpointStore(tmp_path, shard=0, run="run-a")
+    earlier.write(200, [image("g0", 10, 1)])
+    current = CheckpointStore(tmp_path, shard=0, run="run-b")
+    assert current.rounds() == [] and CheckpointStore(tmp_path, shard=0).rounds() == [200]
+    with pytest.raises(CheckpointError, match="belongs to run 'run-a', not to this run 'run-b'"):
+        current.read(200)
+    current.write(0, [image("g0", 10, 2)])  # the new run's first checkpoint removes the earlier run's
+    assert current.rounds() == [0] and CheckpointStore(tmp_path, shard=0).rounds() == [0]

@@ -18,7 +18,7 @@ from imerge.deploygen import CHART, DEPLOY, render_manifests
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 
-from topology import Host, container_argv, expand, run_topology
+from topology import Host, container_argv, container_env, expand, run_topology
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = DEPLOY / "compose"
@@ -235,7 +235,8 @@ def compose_hosts(tmp_path: Path) -> list[Host]:
         argv = container_argv(command if command[0] == "redis-server" else ["imerge", *command], str(tmp_path))
         check = service.get("healthcheck", {}).get("test", [])
         health = container_argv(check[1:], str(tmp_path)) if check else None
-        hosts.append(Host(name, argv, {**os.environ, **service.get("environment", {})}, health,
+        hosts.append(Host(name, argv, container_env({**os.environ, **service.get("environment", {})}, str(tmp_path)),
+                          health,
                           tuple(service.get("depends_on", {})), job=name.startswith("worker")))
     return hosts
 
@@ -274,7 +275,8 @@ def chart_hosts(tmp_path: Path) -> list[Host]:
                 env[item["name"]] = expand(value, env)
             args = [expand(a, env) for a in container.get("args", [])]
             argv = container_argv(args if args[0] == "redis-server" else ["imerge", *args], str(tmp_path))
-            hosts.append(Host(host, argv, {**os.environ, **env}, probe_argv(container, tmp_path),
+            hosts.append(Host(host, argv, container_env({**os.environ, **env}, str(tmp_path)),
+                              probe_argv(container, tmp_path),
                               job=doc["kind"] == "Job"))
     redis = next(h.name for h in hosts if h.name.endswith("-redis"))
     shards = [h.name for h in hosts if "-ps-" in h.name]

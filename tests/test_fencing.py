@@ -1,6 +1,7 @@
 """Generations and fencing tokens: nothing of an older generation or of a late flag holder is applied."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import imerge
 from imerge.coordinator.store import Store
 from imerge.models import build_model
+from imerge.ps.checkpoint import CheckpointStore
 from imerge.rpc import ps_pb2, ps_pb2_grpc
 from imerge.top import scrape
 
@@ -76,6 +78,8 @@ def test_a_recovery_fails_waiting_pulls_and_rejects_the_old_generation(cluster, 
     store = Store(c.redis_url, c.job)
     store.report_failure(0, "worker 1", "simulated")
     store.wait_event("restored:1:0", 30, "shard 0 to restore generation 1")
+    run = json.loads(store.read_event("generation:0"))["run"]
+    assert CheckpointStore(tmp_path, shard=0, run=run).rounds() == [0]  # stamped with this run of the job
     waiting.join(30)
     code, details = outcome["error"]
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "moved to generation 1" in details
@@ -94,7 +98,8 @@ def test_sigstopped_flag_holder_is_fenced_off_after_its_lease(cluster, tmp_path)
     c, block = joined_cluster(cluster, tmp_path, slots="ack")
     address, metrics = c.addresses[0], f"127.0.0.1:{c.shards[0].server.metrics.port}"
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0", address, block.block_id,
-                               str(block.numel), str(Path(__file__).parent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                               str(block.numel), str(Path(__file__).parent)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         old_fence = int(holder.stdout.readline())
         os.kill(holder.pid, signal.SIGSTOP)

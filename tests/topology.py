@@ -32,6 +32,14 @@ class Host:
     job: bool = False                    # must exit 0 for the deployment to have completed
 
 
+def container_env(env: dict[str, str], data_dir: str) -> dict[str, str]:
+    """A container's environment on this machine: its volumes (the shards' checkpoints) under ``data_dir``."""
+    env = {**env}
+    if "IMERGE_CHECKPOINT_DIR" in env:
+        env["IMERGE_CHECKPOINT_DIR"] = f"{data_dir}/checkpoints"
+    return env
+
+
 def container_argv(command: list[str], data_dir: str) -> list[str]:
     """The argv that runs a container's command on this machine (imerge roles, redis-server)."""
     if command and command[0] == "imerge":

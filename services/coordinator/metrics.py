@@ -30,7 +30,7 @@ class _CoordinatorCollector(Collector):
                                 value=self.generation())
         try:
             stats = self.store.flag_stats()
-            live_workers = len(self.store.live_workers(self.num_workers))
+            live_workers = len(self.store.member_generations(self.num_workers, 0))
             shards = self.store.registered_shards()
         except IMergeError as exc:  # Redis unreachable: export nothing rather than stale figures
             log.warning("metrics: cannot read the store: %s", exc)

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 
 from imerge.config import CommonConfig, option, require
 from imerge.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
@@ -83,9 +84,10 @@ class Coordinator:
             kind = "layout-mismatch" if isinstance(exc, LayoutMismatchError) else "plan"
             self.store.set_event("plan:1", json.dumps({"error": str(exc), "kind": kind}))
             raise
+        self.recovery.period = plan.period  # generation 0 (with this run's id) goes first: shards read it with the plan
+        self.store.start_generation(0, json.dumps({"generation": 0, "round": 0, "reason": "start",
+                                                   "run": uuid.uuid4().hex}))
         self._publish(plan)
-        self.recovery.period = plan.period
-        self.store.start_generation(0, json.dumps({"generation": 0, "round": 0, "reason": "start"}))
         if options.fusion == "cost":
             plan = self.publish_cost_plan(layout, options, plan)
         return plan
@@ -179,7 +181,7 @@ class Coordinator:
     def resume(self) -> bool:
         """Take over a running job from Redis (this coordinator was restarted); False for a new job."""
         generation = self.store.generation()
-        if generation is None:
+        if generation is None or not self.store.read_event("plan:1"):
             return False
         event = json.loads(self.store.read_event(f"generation:{generation}") or "{}")
         if "error" in event:

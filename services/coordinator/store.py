@@ -214,13 +214,6 @@ class Store:
         self._redis.set(self.key("worker", rank, "alive"), str(generation), px=int(ttl_s * 1000))
 
     @_translated
-    def live_workers(self, world_size: int) -> list[int]:
-        pipe = self._redis.pipeline()
-        for rank in range(world_size):
-            pipe.exists(self.key("worker", rank, "alive"))
-        return [rank for rank, alive in enumerate(pipe.execute()) if alive]
-
-    @_translated
     def submit_layout(self, rank: int, layout_json: str) -> None:
         pipe = self._redis.pipeline()
         pipe.set(self.key("layout", rank), layout_json)

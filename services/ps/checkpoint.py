@@ -13,6 +13,11 @@ folder is renamed into place and the parent fsynced, so a reader sees either
 a complete checkpoint or none: a process killed while writing leaves only a
 temporary folder, which is ignored and cleaned up later, and the previous
 checkpoint stays valid. The newest ``keep`` checkpoints are kept.
+
+Checkpoints belong to one run of a job (``run``, an id the coordinator draws
+when it publishes the plan): a folder or volume that outlives a run, e.g. a
+PersistentVolumeClaim reused under the same job name, never hands an earlier
+run's parameters to a recovery; the first write of a new run removes them.
 """
 from __future__ import annotations
 
@@ -78,30 +83,33 @@ def _sha256(path: Path) -> str:
 
 
 class CheckpointStore:
-    """The checkpoints of one shard under ``root``."""
+    """The checkpoints of one shard under ``root``, of job run ``run`` (None: of any run, to inspect)."""
 
-    def __init__(self, root: str | Path, shard: int, keep: int = 2):
+    def __init__(self, root: str | Path, shard: int, keep: int = 2, run: str | None = None):
         if keep < 1:
             raise ValueError("keep must be at least 1")
         self.folder = Path(root) / f"shard-{shard}"
         self.shard = shard
         self.keep = keep
+        self.run = run
 
     def _path(self, round_: int) -> Path:
         return self.folder / f"{_PREFIX}{round_:012d}"
 
-    def rounds(self) -> list[int]:
-        """Rounds of the complete checkpoints (a manifest in place), oldest first."""
-        if not self.folder.is_dir():
-            return []
-        found = []
-        for entry in self.folder.iterdir():
-            if entry.name.startswith(_PREFIX) and (entry / MANIFEST).is_file():
+    def _complete(self) -> dict[int, str | None]:
+        """Round -> run of every complete checkpoint (a readable manifest in place)."""
+        found: dict[int, str | None] = {}
+        for entry in self.folder.iterdir() if self.folder.is_dir() else ():
+            if entry.name.startswith(_PREFIX) and entry.name[len(_PREFIX):].isdigit():
                 try:
-                    found.append(int(entry.name[len(_PREFIX):]))
-                except ValueError:
+                    found[int(entry.name[len(_PREFIX):])] = json.loads((entry / MANIFEST).read_text()).get("run")
+                except (OSError, ValueError):
                     continue
-        return sorted(found)
+        return found
+
+    def rounds(self) -> list[int]:
+        """Rounds of this run's complete checkpoints, oldest first."""
+        return sorted(r for r, run in self._complete().items() if self.run is None or run == self.run)
 
     def write(self, round_: int, blocks: list[BlockImage]) -> Path:
         """Write the checkpoint of ``round_`` atomically; return its folder."""
@@ -118,7 +126,7 @@ class CheckpointStore:
                         for b in blocks for name, value in b.state.items()})
         save_file(tensors, str(temporary / TENSORS))
         _fsync(temporary / TENSORS)
-        manifest = {"format": FORMAT, "shard": self.shard, "round": round_, "created": time.time(),
+        manifest = {"format": FORMAT, "shard": self.shard, "run": self.run, "round": round_, "created": time.time(),
                     "file": TENSORS, "bytes": (temporary / TENSORS).stat().st_size,
                     "sha256": _sha256(temporary / TENSORS),
                     "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
@@ -139,7 +147,9 @@ class CheckpointStore:
         return final
 
     def _prune(self) -> None:
-        for round_ in self.rounds()[:-self.keep]:
+        """Keep the newest ``keep`` of this run; remove other runs' checkpoints and dead writers' folders."""
+        ours = self.rounds()
+        for round_ in ours[:-self.keep] + sorted(set(self._complete()) - set(ours)):
             shutil.rmtree(self._path(round_), ignore_errors=True)
         for entry in self.folder.iterdir():  # temporaries of writers that died
             if entry.name.startswith(".tmp-") and not entry.name.endswith(f"-{os.getpid()}"):
@@ -158,6 +168,8 @@ class CheckpointStore:
         if manifest.get("format") != FORMAT or manifest.get("round") != round_:
             raise CheckpointError(f"{what}: manifest has format {manifest.get('format')} and round "
                                   f"{manifest.get('round')}")
+        if self.run is not None and manifest.get("run") != self.run:
+            raise CheckpointError(f"{what} belongs to run {manifest.get('run')!r}, not to this run {self.run!r}")
         tensor_file = path / manifest["file"]
         if not tensor_file.is_file() or tensor_file.stat().st_size != manifest["bytes"]:
             raise CheckpointError(f"{what}: {manifest['file']} is missing or not {manifest['bytes']} bytes")

@@ -45,12 +45,14 @@ class ShardMembership:
             log.warning("shard %d: could not publish checkpoint rounds %s: %s", self.shard.index, rounds, exc)
 
     async def join(self) -> None:
-        """At start: publish the checkpoints on disk; restore if the job is past generation 0."""
-        if self.shard.checkpoints is not None:
-            await asyncio.to_thread(self._published, self.shard.checkpoints.rounds())
+        """At start, in a running job: publish this run's checkpoints on disk; restore if past generation 0."""
         await asyncio.to_thread(self.store.shard_heartbeat, self.shard.index, self.ttl_s,
                                 self.shard.generation)
         generation = await asyncio.to_thread(self.store.generation)
+        if generation is not None and await asyncio.to_thread(self.store.read_event, "plan:1"):
+            await self._load_plan()
+            if self.shard.checkpoints is not None:
+                await asyncio.to_thread(self._published, self.shard.checkpoints.rounds())
         if generation:
             payload = await asyncio.to_thread(self.store.read_event, f"generation:{generation}")
             await self.restore(generation, payload or "{}")

@@ -122,13 +122,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._num_workers = 0
 
     async def load_plan(self) -> None:
-        """Read the mapping table once: the blocks this shard owns and the job's worker count."""
+        """Read the mapping table once: the blocks this shard owns, the job's worker count, the run."""
         if self._owned is not None or self.store is None:
             return
         payload = await asyncio.to_thread(self.store.read_event, "plan:1")
         if not payload or "error" in json.loads(payload):
             raise FailedPrecondition(f"job {self.config.job} has no published plan yet")
         plan = Plan.from_json(payload)
+        if self.config.checkpoint_dir:  # this run's checkpoints: the run id comes with generation 0
+            start = json.loads(await asyncio.to_thread(self.store.read_event, "generation:0") or "{}")
+            self.shard.checkpoints = CheckpointStore(self.config.checkpoint_dir, self.shard.index,
+                                                     self.config.checkpoint_keep, start.get("run", ""))
         self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
         self._mapping = {b.block_id: b.shard for b in plan.blocks}
         self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
@@ -232,10 +236,7 @@ class ShardServer:
         self._store: Store | None = None
         self._membership: ShardMembership | None = None
         self._health = health.aio.HealthServicer()
-        if config.checkpoint_dir:
-            self.shard.checkpoints = CheckpointStore(config.checkpoint_dir, config.shard_index,
-                                                     config.checkpoint_keep)
-            self.shard.checkpoint_every = config.checkpoint_every
+        self.shard.checkpoint_every = config.checkpoint_every
 
     async def start(self) -> str:
         cfg = self.config

@@ -11,9 +11,10 @@ Every request carries the job generation; one of an older generation is
 rejected before anything is applied. A push made under a slot flag carries
 the flag's fencing token; a token older than one the block has already seen
 is a holder whose lease passed to another while it was paused, and is
-rejected with ABORTED (take the flag again and retry). Every ``checkpoint_every`` rounds, when all of the shard's blocks
-have completed the same round, their images are copied and written to disk
-in the background; :meth:`Shard.restore` swaps a checkpoint in for a new
+rejected with ABORTED (take the flag again and retry). Every
+``checkpoint_every`` rounds, when all of the shard's blocks have completed
+the same round, their images are copied and written to disk in the
+background; :meth:`Shard.restore` swaps a checkpoint in for a new
 generation and fails the pulls that were waiting on the old one.
 """
 from __future__ import annotations

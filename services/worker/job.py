@@ -72,9 +72,8 @@ def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) ->
 
 
 def _train(model: torch.nn.Module, train: torch.utils.data.TensorDataset, worker: WorkerConfig, job: JobConfig,
-           total: int) -> tuple[int, float]:
+           per_epoch: int, total: int) -> tuple[int, float]:
     """Iterations from the model's data position up to ``total``; returns (iterations, last loss)."""
-    per_epoch = len(worker_loader(train, job.batch_size, worker.rank, worker.world_size, job.seed))
     iteration, loss_value = model.start_iteration, float("nan")
     epoch, skip = divmod(iteration, per_epoch)
     while iteration < total:
@@ -105,7 +104,7 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     started = time.monotonic()
     with model:
         try:
-            iteration, loss_value = _train(model, train, worker, job, total)
+            iteration, loss_value = _train(model, train, worker, job, per_epoch, total)
             model.synchronize()
         except Exception as exc:
             if not recoverable(exc):
