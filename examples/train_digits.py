@@ -8,9 +8,9 @@ import time
 import torch
 
 import imerge
-from imerge import progress
-from imerge.data import digits, worker_loader
-from imerge.models import DigitsCNN
+from imerge.telemetry import progress
+from imerge.workloads.data import digits, worker_loader
+from imerge.workloads.models import DigitsCNN
 
 logging.basicConfig(level=logging.INFO)
 torch.manual_seed(0)

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from imerge.redis_server import RedisServer
+from imerge.ops.redis_server import RedisServer
 
 from helpers import LocalCluster
 

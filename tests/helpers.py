@@ -69,7 +69,7 @@ def raw_push(address: str, block_id: str, numel: int, worker: int, round_: int, 
     import grpc
     import numpy as np
 
-    from imerge.rpc import ps_pb2, ps_pb2_grpc
+    from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
     header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=ps_pb2.FLOAT32, numel=numel,
                                generation=generation, fence=fence)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import imerge
-from imerge.redis_server import free_port
-from imerge.planning import Plan
+from imerge.ops.redis_server import free_port
+from imerge.control.messages import FIRST_PLAN
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
-from imerge.rpc import ps_pb2, ps_pb2_grpc
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
 import test_equivalence as eq
 
@@ -295,7 +295,7 @@ def test_a_worker_count_that_is_not_the_jobs_is_refused(cluster):
         imerge.distribute(eq.build_model("digits-cnn", seed=0), eq.OPTIMIZERS["sgd"], c.worker_config(rank)).close()
 
     c.run_workers(body)
-    block = Plan.from_json(c.coordinator.store.read_event("plan:1")).blocks[0]
+    block = c.coordinator.store.read_plan(FIRST_PLAN).plan.blocks[0]
     with grpc.insecure_channel(c.addresses[0]) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)
         code, details = status_of(lambda: init(stub, block.block_id, numel=block.numel, workers=4000))

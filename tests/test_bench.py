@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from imerge.bench import STRATEGIES
+from imerge.bench.runner import STRATEGIES
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="the testbed needs root and iproute2")

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from imerge.optim import OptimizerSpec
+from imerge.core.optim import OptimizerSpec
 from imerge.ps.checkpoint import MANIFEST, TENSORS, BlockImage, CheckpointError, CheckpointStore
 
 SGD = OptimizerSpec("sgd", lr=0.1, momentum=0.9)
@@ -57,7 +57,7 @@ def test_a_corrupted_checkpoint_fails_its_checksum(tmp_path):
 
 WRITER = """
 import sys, torch
-from imerge.optim import OptimizerSpec
+from imerge.core.optim import OptimizerSpec
 from imerge.ps.checkpoint import BlockImage, CheckpointStore
 store = CheckpointStore(sys.argv[1], shard=0)
 small = BlockImage("g0", 2, OptimizerSpec(), "d", torch.arange(1000, dtype=torch.float32), {})

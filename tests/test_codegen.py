@@ -1,7 +1,7 @@
 """The committed gRPC code is exactly what grpcio-tools generates from proto/."""
 from __future__ import annotations
 
-from imerge import protogen
+from imerge.wire import protogen
 
 
 def test_generated_code_is_fresh(tmp_path):
@@ -12,7 +12,7 @@ def test_generated_code_is_fresh(tmp_path):
         committed = protogen.OUTPUT_ROOT / generated.relative_to(tmp_path)
         if not committed.exists() or committed.read_bytes() != generated.read_bytes():
             stale.append(str(committed))
-    assert not stale, f"stale generated code, run `python -m imerge.protogen`: {stale}"
+    assert not stale, f"stale generated code, run `python -m imerge.wire.protogen`: {stale}"
 
 
 UNSAFE = r"^\s*(import pickle|from pickle|import marshal|import shelve)|pickle\.|(?<![.\w])eval\(|(?<![.\w])exec\(|yaml\.load\(" \

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from imerge.data import make_dataset
-from imerge.models import build_model
-from imerge.worker.job import JobConfig, accuracy, run_job
+from imerge.workloads.data import make_dataset
+from imerge.workloads.models import build_model
+from imerge.worker.job import run_job
+from imerge.workloads.job import JobConfig, accuracy
 
 EPOCHS, BATCH, WORKERS = 10, 32, 2
 

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from imerge.cli import build_parser, role_specs
-from imerge.config import env_name
-from imerge.deploygen import CHART, DEPLOY, render_manifests
+from imerge.core.config import env_name
+from imerge.ops.deploygen import CHART, DEPLOY, render_manifests
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 
@@ -132,7 +132,7 @@ def test_helm_values_are_all_documented():
 
 
 def test_derived_deploy_files_are_up_to_date():
-    result = subprocess.run(IMERGE[:2] + ["imerge.deploygen", "--check"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(IMERGE[:2] + ["imerge.ops.deploygen", "--check"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import imerge
-from imerge.models import build_model
-from imerge.optim import OptimizerSpec
+from imerge.workloads.models import build_model
+from imerge.core.optim import OptimizerSpec
 
 WORKERS, SHARDS, STEPS, BATCH = 3, 2, 20, 16
 OPTIMIZERS = {

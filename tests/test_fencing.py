@@ -1,7 +1,6 @@
 """Generations and fencing tokens: nothing of an older generation or of a late flag holder is applied."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,21 +14,24 @@ import grpc
 import pytest
 
 import imerge
-from imerge.coordinator.store import Store
-from imerge.models import build_model
+from imerge.control.messages import FailureReport, Flag
+from imerge.control.store import Store
+from imerge.workloads.models import build_model
 from imerge.ps.checkpoint import CheckpointStore
-from imerge.rpc import ps_pb2, ps_pb2_grpc
-from imerge.top import scrape
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
+from imerge.ops.top import scrape
 
 from helpers import raw_push as push
 
 HOLDER = """
 import sys
-from imerge.coordinator.store import Store
+from imerge.control.messages import Flag
+from imerge.control.store import Store
 sys.path.insert(0, sys.argv[7])
 from helpers import raw_push as push
 url, job, flag, address, block_id, numel = sys.argv[1:7]
-contended, fence = Store(url, job).acquire_flag(flag, "holder", lease_s=1.0, timeout_s=10, generation=0)
+fence = Store(url, job).acquire_flag(Flag(*map(int, flag.split(":"))), "holder", lease_s=1.0, timeout_s=10,
+                                     generation=0).fence
 print(fence, flush=True)
 sys.stdin.readline()  # SIGSTOPped here, past its lease
 code, details = push(address, block_id, int(numel), 0, 0, 0, fence)
@@ -76,9 +78,9 @@ def test_a_recovery_fails_waiting_pulls_and_rejects_the_old_generation(cluster, 
     waiting.start()
     time.sleep(0.5)  # the pull waits for worker 1
     store = Store(c.redis_url, c.job)
-    store.report_failure(0, "worker 1", "simulated")
-    store.wait_event("restored:1:0", 30, "shard 0 to restore generation 1")
-    run = json.loads(store.read_event("generation:0"))["run"]
+    store.report_failure(FailureReport(0, "worker 1", "simulated"))
+    store.wait_restored(1, 0, 30)
+    run = store.generation_event(0).run
     assert CheckpointStore(tmp_path, shard=0, run=run).rounds() == [0]  # stamped with this run of the job
     waiting.join(30)
     code, details = outcome["error"]
@@ -103,8 +105,9 @@ def test_sigstopped_flag_holder_is_fenced_off_after_its_lease(cluster, tmp_path)
     try:
         old_fence = int(holder.stdout.readline())
         os.kill(holder.pid, signal.SIGSTOP)
-        contended, new_fence = Store(c.redis_url, c.job).acquire_flag("1:0", "w1", lease_s=10, timeout_s=10)
-        assert contended and new_fence > old_fence  # granted once the stopped holder's lease expired
+        grant = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0), "w1", lease_s=10, timeout_s=10)
+        new_fence = grant.fence
+        assert grant.contended and new_fence > old_fence  # granted once the stopped holder's lease expired
         assert push(address, block.block_id, block.numel, 1, 0, 0, new_fence) == ("OK", "")
         os.kill(holder.pid, signal.SIGCONT)
         holder.stdin.write("push\n")
@@ -114,7 +117,7 @@ def test_sigstopped_flag_holder_is_fenced_off_after_its_lease(cluster, tmp_path)
         assert counter(metrics, "imerge_shard_fenced_pushes_total") == 1
         current = {b.block_id: b for b in stats(address).blocks}[block.block_id]
         assert current.pushed == 1 and current.round == 0  # the late push was not applied
-        _, retry_fence = Store(c.redis_url, c.job).acquire_flag("1:0", "w0-again", lease_s=10, timeout_s=15)
+        retry_fence = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0), "w0-again", lease_s=10, timeout_s=15).fence
         assert push(address, block.block_id, block.numel, 0, 0, 0, retry_fence) == ("OK", "")
         deadline = time.monotonic() + 10
         while {b.block_id: b for b in stats(address).blocks}[block.block_id].round != 1:  # the round completes

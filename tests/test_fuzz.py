@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imerge.redis_server import free_port
-from imerge.rpc import ps_pb2, ps_pb2_grpc
+from imerge.ops.redis_server import free_port
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
 # Examples per RPC: 2,000 in the suite (about a minute); IMERGE_FUZZ_EXAMPLES=10000 for the full run.
 EXAMPLES = int(os.environ.get("IMERGE_FUZZ_EXAMPLES", "2000"))

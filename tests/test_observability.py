@@ -18,12 +18,12 @@ import torch
 import yaml
 
 import imerge
-from imerge.dashboards import DASHBOARDS, render
-from imerge.redis_server import free_port
-from imerge.models import build_model
-from imerge.optim import OptimizerSpec
-from imerge.planning import Plan
-from imerge.top import scrape
+from imerge.ops.dashboards import DASHBOARDS, render
+from imerge.ops.redis_server import free_port
+from imerge.workloads.models import build_model
+from imerge.core.optim import OptimizerSpec
+from imerge.control.messages import FIRST_PLAN
+from imerge.ops.top import scrape
 
 from helpers import LocalCluster
 
@@ -68,7 +68,7 @@ def test_metrics_agree_with_the_truth(redis_url):
             return registry, over_http
 
         results = cluster.run_workers(body)
-        plan = Plan.from_json(cluster.coordinator.store.read_event("plan:1"))
+        plan = cluster.coordinator.store.read_plan(FIRST_PLAN).plan
         assert len(plan.groups) > 1 and {b.shard for b in plan.blocks} == {0, 1}
         for index, server in enumerate(cluster.shards):
             shard = server.shard.metrics.registry
@@ -112,7 +112,7 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
     uids = {source["uid"] for source in provisioned["datasources"]}
     for name, text in render().items():
         committed = (DASHBOARD_DIR / name).read_text()
-        assert committed == text, f"{name} is stale: run python -m imerge.deploygen"
+        assert committed == text, f"{name} is stale: run python -m imerge.ops.deploygen"
         dashboard = json.loads(committed)
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from imerge.codec import ChunkAssembler, iter_chunks, tensor_view
-from imerge.config import CommonConfig, from_env, to_env
-from imerge.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
-from imerge.planning import Layout, ParamInfo, Plan, make_plan, make_units, place
+from imerge.core.codec import ChunkAssembler, iter_chunks, tensor_view
+from imerge.core.config import CommonConfig, from_env, to_env
+from imerge.core.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
+from imerge.core.planning import Layout, ParamInfo, Plan, make_plan, make_units, place
 
 
 def layout(*specs) -> Layout:
@@ -20,7 +20,7 @@ def layout(*specs) -> Layout:
 
 
 def test_policy_modules_import_neither_grpc_nor_redis():
-    code = ("import sys, imerge.planning, imerge.codec, imerge.config, imerge.optim; "
+    code = ("import sys, imerge.core.planning, imerge.core.codec, imerge.core.config, imerge.core.optim; "
             "print(sorted(m for m in ('grpc', 'redis') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
@@ -97,7 +97,8 @@ def test_worker_identity_from_torchrun_variables():
 
 
 def test_recovery_picks_the_newest_round_every_shard_holds_and_ignores_old_reports():
-    from imerge.coordinator.recovery import Failure, RecoveryImpossible, RecoveryPolicy, common_round
+    from imerge.control.messages import FailureReport as Failure
+    from imerge.coordinator.recovery import RecoveryImpossible, RecoveryPolicy, common_round
 
     assert common_round({0: [8, 12], 1: [4, 8]}, 2) == 8
     assert common_round({0: [8, 12]}, 2) is None  # shard 1 published nothing
@@ -114,3 +115,5 @@ def test_recovery_picks_the_newest_round_every_shard_holds_and_ignores_old_repor
         RecoveryPolicy(num_shards=1, period=2).next_generation(Failure(0, "shard 0", "gone"), {0: [4]})
     with pytest.raises(RecoveryImpossible, match=r"shard 0: gone \(recovery is off\)"):
         RecoveryPolicy(num_shards=1, enabled=False).next_generation(Failure(0, "shard 0", "gone"), {0: [4]})
+    with pytest.raises(RecoveryImpossible, match=r"worker 1: bad push \(a fatal error"):  # fatal: never recovered
+        RecoveryPolicy(num_shards=1).next_generation(Failure(0, "worker 1", "bad push", fatal=True), {0: [4]})

@@ -21,7 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from imerge.ps.checkpoint import CheckpointStore
-from imerge.redis_server import RedisServer
+from imerge.ops.redis_server import RedisServer
 
 ITERS = 200
 EVERY = 4

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import imerge
-from imerge.optim import OptimizerSpec
-from imerge.schedule import syncs
+from imerge.core.optim import OptimizerSpec
+from imerge.core.schedule import syncs
 
 import test_equivalence as eq
 
@@ -118,9 +118,10 @@ def test_slots_serialize_pushes_of_a_group_with_bounded_redis_commands(cluster, 
 
 HOLDER = """
 import sys, time
-from imerge.coordinator.store import Store
+from imerge.control.messages import Flag
+from imerge.control.store import Store
 store = Store(sys.argv[1], sys.argv[2])
-store.acquire_flag(sys.argv[3], "dead-holder", float(sys.argv[4]), 10)
+store.acquire_flag(Flag(*map(int, sys.argv[3].split(":"))), "dead-holder", float(sys.argv[4]), 10)
 print("holding", flush=True)
 time.sleep(600)
 """

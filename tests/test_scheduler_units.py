@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-from imerge.models import build_model
-from imerge.planning import (PlanOptions, fuse_cost, fuse_none, fuse_size, layout_of, make_plan, partition,
+from imerge.workloads.models import build_model
+from imerge.core.planning import (PlanOptions, fuse_cost, fuse_none, fuse_size, layout_of, make_plan, partition,
                              predicted_end, make_units)
-from imerge.schedule import phase, syncs
-from imerge.scheduler import CommQueue
+from imerge.core.schedule import phase, syncs
+from imerge.core.queue import CommQueue
 
 MIB = 1 << 20
 
 
 def test_this_suite_imports_neither_grpc_nor_redis():
-    code = ("import sys, imerge.planning, imerge.schedule, imerge.scheduler, imerge.models, "
+    code = ("import sys, imerge.core.planning, imerge.core.schedule, imerge.core.queue, imerge.workloads.models, "
             "imerge.coordinator.recovery, imerge.ps.checkpoint; "
             "print(sorted(m for m in ('grpc', 'redis') if m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"

@@ -15,9 +15,9 @@ import torch
 import trustme
 
 from imerge.coordinator.service import Coordinator, CoordinatorConfig
-from imerge.coordinator.store import Store
-from imerge.errors import IMergeError, StoreError
-from imerge.health import HealthConfig, check_grpc
+from imerge.control.store import Store
+from imerge.core.errors import IMergeError, StoreError
+from imerge.ops.health import HealthConfig, check_grpc
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.worker.config import WorkerConfig
@@ -124,7 +124,7 @@ ROLE_PASSWORDS = {"coordinator": "coordinator-secret-1", "ps": "shard-secret-22"
 @pytest.fixture(scope="module")
 def secured_redis():
     """A redis-server with a password, and the roles' ACL users made by `imerge redis-acl`."""
-    from imerge.redis_server import RedisServer
+    from imerge.ops.redis_server import RedisServer
 
     with RedisServer(password="admin-secret-4444") as server:
         env = {**os.environ, **{f"IMERGE_REDIS_PASSWORD_{r.upper()}": p for r, p in ROLE_PASSWORDS.items()}}

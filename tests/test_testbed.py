@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from imerge.testbed import MARKERS, LinkSpec, Testbed, TestbedError
+from imerge.bench.testbed import MARKERS, LinkSpec, Testbed, TestbedError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="the testbed needs root and iproute2")
@@ -68,8 +68,8 @@ def test_a_shaped_link_delivers_its_configured_rate(rate, mtu):
 def test_bad_mtu_is_refused_before_anything_is_created():
     with pytest.raises(TestbedError, match="MTU 70000"):
         Testbed({"a": LinkSpec()}, mtu=70000)
-    from imerge.config import ConfigError
-    from imerge.testbed import TestbedConfig
+    from imerge.core.config import ConfigError
+    from imerge.bench.testbed import TestbedConfig
 
     with pytest.raises(ConfigError, match="burst"):
         TestbedConfig(burst_kb=4, mtu=9000)
@@ -105,7 +105,7 @@ def test_address_range_in_use_is_refused():
 
 
 def test_not_root_gets_a_clear_message():
-    probe = ("from imerge.testbed import Testbed, LinkSpec, TestbedError\n"
+    probe = ("from imerge.bench.testbed import Testbed, LinkSpec, TestbedError\n"
              "try:\n    Testbed({'a': LinkSpec()}).setup()\nexcept TestbedError as exc:\n    print(exc)")
     result = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable,
                              "-c", probe], capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": "/tmp"})

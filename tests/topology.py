@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from imerge.redis_server import find_redis_server
-from imerge.testbed import LinkSpec, Testbed
+from imerge.ops.redis_server import find_redis_server
+from imerge.bench.testbed import LinkSpec, Testbed
 
 IMERGE = [sys.executable, "-m", "imerge"]
 
@@ -50,7 +50,7 @@ def container_argv(command: list[str], data_dir: str) -> list[str]:
             argv[argv.index("--dir") + 1] = data_dir
         return argv
     if command and command[0] == "redis-cli" and command[-1] == "ping":  # REDISCLI_AUTH: the password, as redis-cli
-        return [sys.executable, "-c", "import os; from imerge.coordinator.store import Store; "
+        return [sys.executable, "-c", "import os; from imerge.control.store import Store; "
                 "auth = os.environ.get('REDISCLI_AUTH'); "
                 "Store(f'redis://:{auth}@127.0.0.1:6379/0' if auth else 'redis://127.0.0.1:6379/0', 'probe').ping()"]
     return IMERGE + command  # the image's entrypoint is imerge

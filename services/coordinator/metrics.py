@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from imerge.errors import IMergeError
-from imerge.metrics import role_registry
+from imerge.core.errors import IMergeError
+from imerge.telemetry.metrics import role_registry
 
-from .store import FLAG_STATS, Store
+from imerge.control.store import FLAG_STATS, Store
 
 log = logging.getLogger(__name__)
 FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted after waiting for another holder",

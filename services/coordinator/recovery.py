@@ -3,28 +3,20 @@
 A failure reported in (or detected during) generation ``g`` starts generation
 ``g + 1`` from the newest checkpoint round that every shard holds complete.
 Reports of an older generation describe a failure that was already handled;
-a job that cannot recover (recovery off, period T > 1, no common checkpoint,
-too many recoveries) fails with the reason instead.
+a job that cannot recover (a fatal error that a recovery would only repeat,
+recovery off, period T > 1, no common checkpoint, too many recoveries) fails
+with the reason instead.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from imerge.errors import IMergeError
+from imerge.control.messages import FailureReport
+from imerge.core.errors import JobFailed
 
 
-class RecoveryImpossible(IMergeError):
+class RecoveryImpossible(JobFailed):
     """The job cannot recover; the message says why."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    generation: int
-    who: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.who}: {self.reason}"
 
 
 def common_round(rounds_by_shard: dict[int, list[int]], num_shards: int) -> int | None:
@@ -43,13 +35,15 @@ class RecoveryPolicy:
     period: int = 1
     generation: int = 0
 
-    def next_generation(self, failure: Failure, rounds_by_shard: dict[int, list[int]]) -> tuple[int, int] | None:
+    def next_generation(self, failure: FailureReport, rounds_by_shard: dict[int, list[int]]) -> tuple[int, int] | None:
         """(new generation, checkpoint round) for ``failure``; None when it was already handled.
 
         RecoveryImpossible says why the job must fail instead.
         """
         if failure.generation < self.generation:
             return None
+        if failure.fatal:
+            raise RecoveryImpossible(f"{failure} (a fatal error: a recovery would only repeat it)")
         if not self.enabled:
             raise RecoveryImpossible(f"{failure} (recovery is off)")
         if self.period > 1:

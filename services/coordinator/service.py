@@ -11,20 +11,21 @@ the plan, the generation and the finished workers from Redis and watches on.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
 import uuid
 
-from imerge.config import CommonConfig, option, require
-from imerge.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
-from imerge.metrics import MetricsServer
-from imerge.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
+from imerge.control.messages import (FIRST_PLAN, FailureReport, GenerationEvent, LayoutSubmission, PlanPublished,
+                                     WorkerDone)
+from imerge.control.store import Store
+from imerge.core.config import CommonConfig, option, require
+from imerge.core.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
+from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
+from imerge.telemetry.metrics import MetricsServer
 
 from .metrics import coordinator_registry
-from .recovery import Failure, RecoveryImpossible, RecoveryPolicy
-from .store import Store
+from .recovery import RecoveryImpossible, RecoveryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +47,18 @@ class CoordinatorConfig(CommonConfig):
         require(self.max_recoveries >= 0, "max_recoveries", "must be >= 0")
 
 
-def check_layouts(payloads: dict[int, str]) -> tuple[Layout, PlanOptions]:
+def check_layouts(submissions: dict[int, LayoutSubmission]) -> tuple[Layout, PlanOptions]:
     """The agreed layout and scheduling options, or LayoutMismatchError naming the first difference."""
-    decoded = {rank: json.loads(text) for rank, text in payloads.items()}
-    reference = Layout.from_json(json.dumps(decoded[0]["layout"]))
-    options = decoded[0]["options"]
-    for rank in sorted(decoded)[1:]:
-        reference.check_same(Layout.from_json(json.dumps(decoded[rank]["layout"])), 0, rank)
+    reference = submissions[0]
+    options = dataclasses.asdict(reference.options)
+    for rank in sorted(submissions)[1:]:
+        reference.layout.check_same(submissions[rank].layout, 0, rank)
+        theirs = dataclasses.asdict(submissions[rank].options)
         for name, value in options.items():
-            if decoded[rank]["options"].get(name) != value:
+            if theirs[name] != value:
                 raise LayoutMismatchError(f"worker {rank} disagrees with worker 0 on option {name}: "
-                                          f"{decoded[rank]['options'].get(name)!r} vs {value!r}")
-    return reference, PlanOptions(**options)
+                                          f"{theirs[name]!r} vs {value!r}")
+    return reference.layout, reference.options
 
 
 class Coordinator:
@@ -79,34 +80,32 @@ class Coordinator:
         layouts = self.store.wait_layouts(cfg.num_workers, cfg.wait_timeout_s)
         try:
             layout, options = check_layouts(layouts)
-            plan = make_plan(layout, cfg.num_workers, addresses, version=1, options=options)
+            plan = make_plan(layout, cfg.num_workers, addresses, version=FIRST_PLAN, options=options)
         except (LayoutMismatchError, PlanError) as exc:
-            kind = "layout-mismatch" if isinstance(exc, LayoutMismatchError) else "plan"
-            self.store.set_event("plan:1", json.dumps({"error": str(exc), "kind": kind}))
+            self.store.publish_plan(FIRST_PLAN, PlanPublished(error=str(exc), layout_mismatch=isinstance(
+                exc, LayoutMismatchError)))
             raise
         self.recovery.period = plan.period  # generation 0 (with this run's id) goes first: shards read it with the plan
-        self.store.start_generation(0, json.dumps({"generation": 0, "round": 0, "reason": "start",
-                                                   "run": uuid.uuid4().hex}))
+        self.store.start_generation(GenerationEvent(0, round=0, reason="start", run=uuid.uuid4().hex))
         self._publish(plan)
         if options.fusion == "cost":
             plan = self.publish_cost_plan(layout, options, plan)
         return plan
 
     def _publish(self, plan: Plan) -> None:
-        self.store.set_event(f"plan:{plan.version}", plan.to_json())
+        self.store.publish_plan(plan.version, PlanPublished(plan))
         self.plan = plan
         log.info("published plan v%d: %d groups, %d blocks, bytes per shard and phase %s",
                  plan.version, len(plan.groups), len(plan.blocks), plan.shard_load())
 
     def publish_cost_plan(self, layout: Layout, options: PlanOptions, first: Plan) -> Plan:
         """Regroup the blocks of ``first`` from worker 0's profile (fusion cost)."""
-        profile = json.loads(self.store.wait_profile(self.config.wait_timeout_s))
-        groups = fuse_cost(profile["ready_s"], profile["unit_bytes"], profile["alpha_s"],
-                           profile["beta_s_per_byte"])
+        profile = self.store.wait_profile(self.config.wait_timeout_s)
+        groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
         plan = make_plan(layout, first.num_workers, first.shard_addresses, first.version + 1, options,
                          groups=groups, placement_of=[b.shard for b in first.blocks])
-        log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile["alpha_s"],
-                 profile["beta_s_per_byte"], len(profile["unit_bytes"]), len(groups))
+        log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
+                 profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
         self._publish(plan)
         return plan
 
@@ -118,11 +117,11 @@ class Coordinator:
         while len(done) < cfg.num_workers and not self._stop.is_set():
             try:
                 report = self.store.pop_report(0.5)
-                if report is not None and report[0] == "done":
-                    done.add(report[1])
-                    log.info("worker %d finished (%d/%d)", report[1], len(done), cfg.num_workers)
+                if isinstance(report, WorkerDone):
+                    done.add(report.rank)
+                    log.info("worker %d finished (%d/%d)", report.rank, len(done), cfg.num_workers)
                 elif report is not None:
-                    self.handle_failure(Failure(**report[1]))
+                    self.handle_failure(report)
                 else:
                     self._check_members(done)
                 store_failing_since = None
@@ -148,18 +147,17 @@ class Coordinator:
         # since the last recovery is still restarting (the others wait for it, up to their timeouts).
         for member in sorted((self._alive & members) - live):
             self._alive.discard(member)
-            self.handle_failure(Failure(self.recovery.generation, member, "its heartbeat expired (dead, "
-                                                                           "frozen or partitioned)"))
+            self.handle_failure(FailureReport(self.recovery.generation, member, "its heartbeat expired (dead, "
+                                                                                 "frozen or partitioned)"))
         if self.recovery.generation == current:
             self._alive |= live
 
-    def handle_failure(self, failure: Failure) -> None:
+    def handle_failure(self, failure: FailureReport) -> None:
         """Start the next generation for ``failure``, or publish why the job cannot recover and raise."""
         try:
             step = self.recovery.next_generation(failure, self.store.checkpoint_rounds())
         except RecoveryImpossible as exc:
-            generation = self.recovery.generation + 1
-            self.store.start_generation(generation, json.dumps({"generation": generation, "error": str(exc)}))
+            self.store.start_generation(GenerationEvent(self.recovery.generation + 1, error=str(exc)))
             raise
         if step is None:
             log.info("report of generation %d ignored (the job is at %d): %s", failure.generation,
@@ -169,8 +167,7 @@ class Coordinator:
         self._alive.clear()
         log.error("%s in generation %d: starting generation %d from the checkpoint of round %d",
                   failure, failure.generation, generation, round_)
-        self.store.start_generation(generation, json.dumps({"generation": generation, "round": round_,
-                                                            "reason": str(failure)}))
+        self.store.start_generation(GenerationEvent(generation, round=round_, reason=str(failure)))
 
     def serve_metrics(self) -> MetricsServer:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
@@ -181,18 +178,16 @@ class Coordinator:
     def resume(self) -> bool:
         """Take over a running job from Redis (this coordinator was restarted); False for a new job."""
         generation = self.store.generation()
-        if generation is None or not self.store.read_event("plan:1"):
+        published = self.store.read_plan(FIRST_PLAN)
+        if generation is None or published is None or published.plan is None:
             return False
-        event = json.loads(self.store.read_event(f"generation:{generation}") or "{}")
-        if "error" in event:
-            raise RecoveryImpossible(f"the job already failed in generation {generation}: {event['error']}")
-        first = Plan.from_json(self.store.read_event("plan:1"))
-        self.plan = first
+        event = self.store.generation_event(generation)
+        if event is not None and event.error:
+            raise RecoveryImpossible(f"the job already failed in generation {generation}: {event.error}")
+        first = published.plan
         self.recovery.generation, self.recovery.period = generation, first.period
-        latest = self.store.read_event("plan:2")
-        if latest:
-            self.plan = Plan.from_json(latest)
-        else:
+        self.plan = self.store.latest_plan().result()
+        if self.plan.version == FIRST_PLAN:
             layout, options = check_layouts(self.store.layouts(self.config.num_workers))
             if options.fusion == "cost":  # the profile was not planned yet: plan it as the first run would
                 self.plan = self.publish_cost_plan(layout, options, first)

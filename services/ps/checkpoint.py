@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from imerge.errors import IMergeError
-from imerge.optim import OptimizerSpec
+from imerge.core.errors import IMergeError
+from imerge.core.optim import OptimizerSpec
 
 log = logging.getLogger(__name__)
 FORMAT = 1

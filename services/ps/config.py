@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.config import CommonConfig, TlsConfig, option, require
+from imerge.core.config import CommonConfig, TlsConfig, option, require
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,18 +6,18 @@
   write, so the coordinator can pick the newest round every shard holds.
 * A watcher thread waits (BLPOP, no polling) for the next generation's event;
   the shard then restores that event's checkpoint round and sets
-  ``restored:{g}:{shard}`` (empty, or the reason it could not).
+  its restored message (empty, or the reason it could not).
 * A shard that starts while the job is past generation 0 restores at once.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from typing import Any
 
-from imerge.errors import IMergeError, StoreError, WaitTimeout
+from imerge.control.messages import FIRST_PLAN, GenerationEvent, Restored
+from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
 from .state import Shard
 
@@ -49,13 +49,13 @@ class ShardMembership:
         await asyncio.to_thread(self.store.shard_heartbeat, self.shard.index, self.ttl_s,
                                 self.shard.generation)
         generation = await asyncio.to_thread(self.store.generation)
-        if generation is not None and await asyncio.to_thread(self.store.read_event, "plan:1"):
+        if generation is not None and await asyncio.to_thread(self.store.read_plan, FIRST_PLAN):
             await self._load_plan()
             if self.shard.checkpoints is not None:
                 await asyncio.to_thread(self._published, self.shard.checkpoints.rounds())
         if generation:
-            payload = await asyncio.to_thread(self.store.read_event, f"generation:{generation}")
-            await self.restore(generation, payload or "{}")
+            event = await asyncio.to_thread(self.store.generation_event, generation)
+            await self.restore(event or GenerationEvent(generation))
 
     def start(self) -> None:
         for target, name in ((self._beat, "heartbeat"), (self._watch, "generations")):
@@ -68,12 +68,13 @@ class ShardMembership:
         for thread in self._threads:
             thread.join(10)
 
-    async def restore(self, generation: int, payload: str) -> None:
-        index, round_ = self.shard.index, json.loads(payload).get("round")
+    async def restore(self, event: GenerationEvent) -> None:
+        index, generation, round_ = self.shard.index, event.generation, event.round
         self._handled = max(self._handled, generation)
         try:
-            if not isinstance(round_, int):
-                raise IMergeError(f"the event of generation {generation} names no checkpoint round: {payload!r}")
+            if round_ is None:
+                raise IMergeError(f"the event of generation {generation} names no checkpoint round: "
+                                  f"{event.error or event}")
             await self._load_plan()
             checkpoint = await asyncio.to_thread(self.shard.load_checkpoint, round_)
             await self.shard.restore(generation, checkpoint)
@@ -81,7 +82,7 @@ class ShardMembership:
         except IMergeError as exc:
             outcome = f"shard {index} could not restore generation {generation} from round {round_}: {exc}"
             log.error("%s", outcome)
-        await asyncio.to_thread(self.store.set_event, f"restored:{generation}:{index}", outcome)
+        await asyncio.to_thread(self.store.announce_restored, Restored(generation, index, outcome))
         await asyncio.to_thread(self.store.shard_heartbeat, index, self.ttl_s, self.shard.generation)
 
     def _beat(self) -> None:
@@ -95,18 +96,22 @@ class ShardMembership:
         while not self._stop.is_set():
             target = max(self.shard.generation, self._handled) + 1
             try:
-                payload = self.store.wait_event(f"generation:{target}", 0.5, f"generation {target}")
+                event = self.store.wait_generation(target, 0.5, f"generation {target}")
                 latest = self.store.generation() or target
                 if latest > target:  # several recoveries meanwhile: go to the newest
-                    target, payload = latest, self.store.read_event(f"generation:{latest}") or "{}"
+                    target, event = latest, self.store.generation_event(latest) or GenerationEvent(latest)
             except WaitTimeout:
                 continue
             except StoreError as exc:
                 log.warning("shard %d: watching the job generation: %s", self.shard.index, exc)
                 self._stop.wait(1.0)
                 continue
+            if event.error:  # the job ended: there is nothing to restore
+                self._handled = max(self._handled, target)
+                log.error("shard %d: the job failed: %s", self.shard.index, event.error)
+                continue
             log.info("shard %d: the job moved to generation %d", self.shard.index, target)
-            future = asyncio.run_coroutine_threadsafe(self.restore(target, payload), self.loop)
+            future = asyncio.run_coroutine_threadsafe(self.restore(event), self.loop)
             try:
                 future.result(RESTORE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - logged; the workers see no restored event and time out

@@ -13,7 +13,7 @@ from prometheus_client import Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from imerge.metrics import SECONDS_BUCKETS, role_registry
+from imerge.telemetry.metrics import SECONDS_BUCKETS, role_registry
 
 
 

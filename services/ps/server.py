@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import signal
 import threading
@@ -19,14 +18,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from imerge.codec import CHUNK_BYTES
-from imerge.coordinator.store import Store
-from imerge.errors import FailedPrecondition, InvalidArgument, RequestError
-from imerge.metrics import MetricsServer
-from imerge.tls import server_credentials
-from imerge.optim import OptimizerSpec
-from imerge.planning import Plan
-from imerge.rpc import ps_pb2, ps_pb2_grpc
+from imerge.control.messages import FIRST_PLAN
+from imerge.control.store import Store
+from imerge.core.dtypes import BLOCK_DTYPE
+from imerge.core.errors import FailedPrecondition, InvalidArgument, RequestError
+from imerge.core.optim import OptimizerSpec
+from imerge.telemetry.metrics import MetricsServer
+from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
+from imerge.wire.status import status_of
+from imerge.wire.tls import server_credentials
 
 from .checkpoint import CheckpointStore
 from .config import PSConfig
@@ -35,19 +36,7 @@ from .state import BlockMeta, Shard
 from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
-SERVICE_NAME = "imerge.v1.ParameterServer"
-MAX_MESSAGE_BYTES = 2 * CHUNK_BYTES + 4096
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32"}
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    # the workers ping every second (they detect a frozen shard by it): allow that
-    ("grpc.http2.min_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 
 
 def dtype_name(value: int, what: str) -> str:
@@ -66,8 +55,9 @@ def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
 async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerContext) -> None:
     if isinstance(exc, RequestError):
         shard.counters.rejected += 1
-        log.warning("rejected (%s): %s", exc.status, exc)
-        await context.abort(grpc.StatusCode[exc.status], str(exc))
+        log.warning("rejected (%s %s): %s", exc.status, type(exc).__name__, exc)
+        code, trailing = status_of(exc)
+        await context.abort(code, str(exc), trailing_metadata=trailing)
     log.exception("internal error")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -125,14 +115,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """Read the mapping table once: the blocks this shard owns, the job's worker count, the run."""
         if self._owned is not None or self.store is None:
             return
-        payload = await asyncio.to_thread(self.store.read_event, "plan:1")
-        if not payload or "error" in json.loads(payload):
+        published = await asyncio.to_thread(self.store.read_plan, FIRST_PLAN)
+        if published is None or published.plan is None:
             raise FailedPrecondition(f"job {self.config.job} has no published plan yet")
-        plan = Plan.from_json(payload)
+        plan = published.plan
         if self.config.checkpoint_dir:  # this run's checkpoints: the run id comes with generation 0
-            start = json.loads(await asyncio.to_thread(self.store.read_event, "generation:0") or "{}")
+            start = await asyncio.to_thread(self.store.generation_event, 0)
             self.shard.checkpoints = CheckpointStore(self.config.checkpoint_dir, self.shard.index,
-                                                     self.config.checkpoint_keep, start.get("run", ""))
+                                                     self.config.checkpoint_keep, start.run if start else "")
         self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
         self._mapping = {b.block_id: b.shard for b in plan.blocks}
         self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
@@ -187,7 +177,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         for block_id, round_, snapshot in blocks:
             nbytes = sum(len(chunk) for chunk in snapshot)
             yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
-                                                            numel=nbytes // 4, round=round_))
+                                                            numel=nbytes // BLOCK_DTYPE.itemsize,
+                                                            round=round_))
             for data in snapshot:
                 yield ps_pb2.TensorChunk(data=data)
             self.shard.counters.bytes_sent += nbytes

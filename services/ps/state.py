@@ -27,10 +27,11 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from imerge.codec import ChunkAssembler, digest, iter_chunks, tensor_view
-from imerge.errors import (Aborted, AlreadyExists, DeadlineExceeded, FailedPrecondition,
-                           InvalidArgument, NotFound, Unavailable)
-from imerge.optim import OptimizerSpec
+from imerge.core.codec import ChunkAssembler, digest, iter_chunks, tensor_view
+from imerge.core.dtypes import BLOCK_DTYPE
+from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
+                                InvalidArgument, NotFound, StaleGeneration)
+from imerge.core.optim import OptimizerSpec
 
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
@@ -132,11 +133,11 @@ class Shard:
     def check_generation(self, generation: int, what: str) -> None:
         if generation < self.generation:
             self.counters.stale_generation += 1
-            raise FailedPrecondition(f"{what}: generation {generation} is stale; the job is at generation "
-                                     f"{self.generation} (it recovered from a checkpoint): rejoin")
+            raise StaleGeneration(f"{what}: generation {generation} is stale; the job is at generation "
+                                  f"{self.generation} (it recovered from a checkpoint): rejoin")
         if generation > self.generation:
-            raise Unavailable(f"{what}: shard {self.index} is at generation {self.generation} and has not "
-                              f"restored generation {generation} yet")
+            raise FutureGeneration(f"{what}: shard {self.index} is at generation {self.generation} and has not "
+                                   f"restored generation {generation} yet")
 
     # -- checkpoints -------------------------------------------------------------
     def common_round(self) -> int | None:
@@ -288,8 +289,8 @@ class Shard:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
             if fence and fence < block.fence:
                 self.counters.fenced_pushes += 1
-                raise Aborted(f"{what}: fenced: its slot flag token {fence} is older than token "
-                                         f"{block.fence} already seen (the lease passed to another holder)")
+                raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
+                             f"{block.fence} already seen (the lease passed to another holder)")
             block.fence = max(block.fence, fence)
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
@@ -309,7 +310,7 @@ class Shard:
         """Count a complete push; start the aggregation when it was the last one."""
         block.pushed.add(worker)
         self.counters.pushes += 1
-        self.counters.bytes_received += block.meta.numel * 4
+        self.counters.bytes_received += block.meta.numel * BLOCK_DTYPE.itemsize
         if len(block.pushed) == block.meta.num_workers:
             task = asyncio.get_running_loop().create_task(self._aggregate(block))
             self._tasks.add(task)
@@ -355,8 +356,8 @@ class Shard:
             raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
         if block.superseded:
             self.counters.stale_generation += 1
-            raise FailedPrecondition(f"{what}: the job moved to generation {block.superseded} while it waited "
-                                     f"(it recovered from a checkpoint): rejoin")
+            raise StaleGeneration(f"{what}: the job moved to generation {block.superseded} while it waited "
+                                  f"(it recovered from a checkpoint): rejoin")
         return block.round, block.snapshot
 
     def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:

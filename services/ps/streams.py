@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
-from imerge.codec import ChunkAssembler
-from imerge.errors import InvalidArgument
+from imerge.core.codec import ChunkAssembler
+from imerge.core.dtypes import BLOCK_DTYPE
+from imerge.core.errors import InvalidArgument
 
 
 class Undecodable:
@@ -69,14 +70,14 @@ async def data_parts(stream: AsyncIterator[Any], what: str) -> AsyncIterator[byt
 
 async def receive_exact(chunks: AsyncIterator[bytes], numel: int, what: str) -> torch.Tensor:
     """The stream's fp32 elements; nothing of the declared size is allocated before that many bytes arrived."""
-    pieces, received, expected = [], 0, numel * 4
+    pieces, received, expected = [], 0, numel * BLOCK_DTYPE.itemsize
     async for data in chunks:
         received += len(data)
         if received > expected:
             raise InvalidArgument(f"{what}: stream carries more than the declared {numel} elements")
         pieces.append(data)
     if received != expected:
-        raise InvalidArgument(f"{what}: stream truncated: {received // 4} of {numel} declared elements arrived")
+        raise InvalidArgument(f"{what}: stream truncated: {received // BLOCK_DTYPE.itemsize} of {numel} declared elements arrived")
     tensor = torch.empty(numel)
     assembler = ChunkAssembler(tensor, what)
     for data in pieces:

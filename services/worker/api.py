@@ -17,41 +17,28 @@ checkpoint's round (``start_iteration``: the data position to continue from).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from imerge.coordinator.store import Store
-from imerge.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
-from imerge.metrics import MetricsServer
-from imerge.optim import OptimizerSpec
-from imerge.planning import Layout, Plan, layout_of
+from imerge.control.messages import FIRST_PLAN, FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
+from imerge.control.store import Store
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError, JobFailed, StoreError
+from imerge.core.optim import OptimizerSpec
+from imerge.core.planning import Plan, layout_of
+from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
 
 log = logging.getLogger(__name__)
-
-
-def layout_payload(layout: Layout, config: WorkerConfig) -> str:
-    """What a worker submits: its layout and the scheduling options the plan depends on."""
-    return json.dumps({"layout": json.loads(layout.to_json()),
-                       "options": dataclasses.asdict(config.plan_options())})
-
-
-def wait_plan(store: Store, config: WorkerConfig) -> Plan:
-    payload = store.wait_event("plan:1", config.wait_timeout_s, "the coordinator to publish the plan")
-    raw = json.loads(payload)
-    if "error" in raw:
-        raise (LayoutMismatchError if raw.get("kind") == "layout-mismatch" else PlanError)(raw["error"])
-    return Plan.from_json(payload)
 
 
 def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
@@ -61,25 +48,27 @@ def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[i
         raise StoreError("Redis holds no generation for a running job: it lost the job's state")
     mine = store.worker_generation(config.rank)
     if mine is not None and mine >= current:  # this worker died and no recovery followed yet: ask for one
-        store.report_failure(current, f"worker {config.rank}", "restarted after its process died")
-        store.wait_event(f"generation:{current + 1}", config.wait_timeout_s,
-                         f"the coordinator to start generation {current + 1}")
+        store.report_failure(FailureReport(current, f"worker {config.rank}", "restarted after its process died"))
+        store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation {current + 1}")
         current = store.generation() or current + 1
-    event = json.loads(store.read_event(f"generation:{current}") or "{}")
-    if "error" in event:
-        raise IMergeError(f"the job cannot recover: {event['error']}")
+    event = store.generation_event(current)
+    if event is None or event.round is None:
+        raise JobFailed(f"the job cannot recover: {event.error if event else f'generation {current} has no event'}")
     for shard in range(num_shards):
-        outcome = store.wait_event(f"restored:{current}:{shard}", config.wait_timeout_s,
-                                   f"shard {shard} to restore generation {current}")
-        if outcome:
-            raise IMergeError(outcome)
-    return current, int(event["round"])
+        restored = store.wait_restored(current, shard, config.wait_timeout_s)
+        if restored.error:
+            raise JobFailed(restored.error)
+    return current, event.round
+
+
+def wait_plan(store: Store, config: WorkerConfig) -> Plan:
+    return store.wait_plan(FIRST_PLAN, config.wait_timeout_s, "the coordinator to publish the plan").result()
 
 
 def latest_plan(store: Store, config: WorkerConfig) -> Plan:
     """The plan a rejoining worker uses: the cost plan once published, else the first."""
-    payload = store.read_event("plan:2") if config.fusion == "cost" else None
-    return Plan.from_json(payload) if payload else wait_plan(store, config)
+    latest = store.latest_plan()
+    return latest.result() if latest is not None else wait_plan(store, config)
 
 
 class Heartbeat:
@@ -98,7 +87,7 @@ class Heartbeat:
                 position = self.position() if self.position is not None else None
                 store.heartbeat(rank, ttl_s, position[0] if position else -1)
                 if position is not None:
-                    store.record_worker(rank, *position)
+                    store.record_worker(rank, WorkerPosition(iteration=position[1], generation=position[0]))
             except IMergeError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -115,22 +104,23 @@ class DistributedModel(torch.nn.Module):
         self.module = module
         self.config = config
         self._store = Store(config.redis_url, config.job)
-        self._store.register_worker(config.rank, {"host": socket.gethostname(), "pid": os.getpid()},
+        self._store.register_worker(config.rank, WorkerInfo(socket.gethostname(), os.getpid()),
                                     config.heartbeat_ttl_s)
         self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
         self._engine: SyncEngine | None = None
         self._metrics: MetricsServer | None = None
         self.generation = 0
+        self.failure_reported = False  # this worker reported a failure to the coordinator
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
         try:
             layout = layout_of(module)
-            rejoining = self._store.read_event("blocks-ready:1") is not None
+            rejoining = self._store.job_running()
             if rejoining:
                 self.plan = latest_plan(self._store, config)
                 self.generation, self.start_iteration = rejoin_point(self._store, config,
                                                                      len(self.plan.shard_addresses))
             else:
-                self._store.submit_layout(config.rank, layout_payload(layout, config))
+                self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
                 self.plan = wait_plan(self._store, config)
                 self.generation = self._store.generation() or 0
             self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, optimizer,
@@ -141,7 +131,7 @@ class DistributedModel(torch.nn.Module):
                 self._engine.resume(self.start_iteration)
             else:
                 self._engine.initialize()
-            self._store.record_worker(config.rank, self.generation, self.start_iteration)
+            self._store.record_worker(config.rank, WorkerPosition(self.start_iteration, self.generation))
             engine = self._engine
             self._heartbeat.position = lambda: (self.generation, engine.iteration)
             self._store.heartbeat(config.rank, config.heartbeat_ttl_s, self.generation)
@@ -165,16 +155,31 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.engine  # fail loudly once closed
-        return self.module(*args, **kwargs)
+        with self._reporting():
+            return self.module(*args, **kwargs)
 
     def synchronize(self) -> None:
         """Wait for every in-flight sync, so the parameters are the shards' latest."""
-        self.engine.synchronize()
+        with self._reporting():
+            self.engine.synchronize()
 
-    def report_failure(self, reason: str) -> None:
-        """Tell the coordinator this worker saw the job fail in its generation (it starts a recovery)."""
+    @contextlib.contextmanager
+    def _reporting(self) -> Iterator[None]:
+        """A sync that failed is reported to the coordinator once, before the error reaches the caller: a
+        recoverable one starts a recovery, a fatal one (``recoverable`` False) ends the job with its message."""
         try:
-            self._store.report_failure(self.generation, f"worker {self.config.rank}", reason)
+            yield
+        except IMergeError as exc:
+            if not self.failure_reported:
+                self.report_failure(f"{type(exc).__name__}: {exc}", fatal=not exc.recoverable)
+            raise
+
+    def report_failure(self, reason: str, fatal: bool = False) -> None:
+        """Tell the coordinator this worker saw the job fail in its generation: it starts a recovery, or, for a
+        ``fatal`` error that a recovery would only repeat, ends the job with ``reason``."""
+        self.failure_reported = True
+        try:
+            self._store.report_failure(FailureReport(self.generation, f"worker {self.config.rank}", reason, fatal))
         except StoreError as exc:
             log.warning("could not report the failure to the coordinator: %s", exc)
 
@@ -209,6 +214,22 @@ class DistributedModel(torch.nn.Module):
             self.abort()
 
 
+def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """An excepthook that ends a training script killed by an IMerge error with the code its supervisor reads:
+    EXIT_REJOIN (recoverable: restart it and it rejoins) or EXIT_FATAL (restarting would fail the same way)."""
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        if isinstance(value, IMergeError):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_REJOIN if value.recoverable else EXIT_FATAL)
+
+    hook.imerge = True  # type: ignore[attr-defined]
+    return hook
+
+
 def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
                config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
     """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``).
@@ -216,8 +237,10 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
     ``optimizer`` runs on the shards (default: plain SGD, lr 0.01). Rank 0's
     optimizer and initial parameters are the ones the shards keep.
     """
-    from imerge.config import from_env
+    from imerge.core.config import from_env
 
+    if not getattr(sys.excepthook, "imerge", False):
+        sys.excepthook = _exit_codes(sys.excepthook)
     if config is None:
         config = from_env(WorkerConfig, **options)
     elif options:

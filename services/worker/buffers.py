@@ -13,7 +13,8 @@ import threading
 
 import torch
 
-from imerge.planning import BYTES_PER_ELEMENT, Block, Group
+from imerge.core.errors import IMergeError
+from imerge.core.planning import BYTES_PER_ELEMENT, Block, Group, Plan
 
 
 class FlatParams:
@@ -83,3 +84,30 @@ class GroupRuntime:
 
     def __repr__(self) -> str:
         return f"group {self.group.index} ({len(self.blocks)} blocks, {self.nbytes} B)"
+
+    def shard_bytes(self, shard: int) -> int:
+        return sum(b.numel for b in self.by_shard[shard]) * BYTES_PER_ELEMENT
+
+
+class GroupTable:
+    """The group runtimes of one plan and the lookups the hooks need (blocks never change between plans)."""
+
+    def __init__(self, plan: Plan, flat: FlatParams, params: list[torch.nn.Parameter],
+                 block_rounds: dict[str, int]):
+        self.plan = plan
+        self.groups: list[GroupRuntime] = []
+        self.group_of: dict[int, GroupRuntime] = {}  # id(param) -> its group
+        self.unit_of: dict[int, int] = {}            # id(param) -> its unit's index
+        for group in plan.groups:
+            members = {id(p) for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel}
+            blocks = plan.group_blocks(group)
+            rounds = {block_rounds[b.block_id] for b in blocks}
+            if len(rounds) != 1:
+                raise IMergeError(f"group {group.index}: its blocks are at different rounds {sorted(rounds)}")
+            runtime = GroupRuntime(group, blocks, members, rounds.pop())
+            self.groups.append(runtime)
+            self.group_of.update({pid: runtime for pid in members})
+        for unit in plan.units:
+            for p in params:
+                if unit.offset <= flat.range[id(p)][0] < unit.offset + unit.numel:
+                    self.unit_of[id(p)] = unit.index

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.config import CommonConfig, TlsConfig, check_choices, option, require
-from imerge.planning import FUSIONS, PLACEMENTS, PlanOptions
+from imerge.core.config import CommonConfig, TlsConfig, check_choices, option, require
+from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
+from imerge.core.slots import SLOTS
 
-SLOTS = ("off", "fixed", "ack")
 MIB = 1 << 20
 
 

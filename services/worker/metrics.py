@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from imerge.metrics import SECONDS_BUCKETS, role_registry
+from imerge.telemetry.metrics import SECONDS_BUCKETS, role_registry
 
 
 class WorkerMetrics:

@@ -1,9 +1,22 @@
-"""What --fusion cost measures during the first iterations: when each unit's gradient is
-ready in backward, and what a push costs (alpha + beta * bytes, fitted to timed pushes)."""
+"""--fusion cost: what the first iterations measure, and the switch to the plan made from it.
+
+The profiler records when each unit's gradient is ready in backward and what a
+push costs (alpha + beta * bytes, fitted to timed pushes). After the profiled
+iterations, worker 0 submits the profile; every worker then waits for the
+coordinator's cost plan, which regroups the unchanged blocks.
+"""
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
+from typing import Any
+
+from imerge.control.messages import Profile
+from imerge.core.errors import IMergeError
+from imerge.core.planning import BYTES_PER_ELEMENT, Plan
+
+log = logging.getLogger(__name__)
 
 
 def fit_cost(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -47,7 +60,7 @@ class Profiler:
         with self._lock:
             self.pushes.append((nbytes, seconds))
 
-    def summary(self, unit_bytes: list[int]) -> dict:
+    def summary(self, unit_bytes: list[int]) -> Profile:
         """Ready times averaged over the profiled iterations but the first (warm-up), non-decreasing."""
         measured = self.iterations[1:] or self.iterations
         ready, latest = [], 0.0
@@ -55,4 +68,19 @@ class Profiler:
             latest = max(latest, statistics.fmean(it[unit] for it in measured) if measured else 0.0)
             ready.append(latest)
         alpha, beta = fit_cost(self.pushes)
-        return {"ready_s": ready, "unit_bytes": unit_bytes, "alpha_s": alpha, "beta_s_per_byte": beta}
+        return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
+
+
+def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float) -> Plan:
+    """After the profiled iterations: submit the profile (worker 0), wait for the cost plan and check that it
+    only regroups the blocks of ``current``."""
+    if rank == 0:
+        profile = profiler.summary([u.numel * BYTES_PER_ELEMENT for u in current.units])
+        log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", profile.alpha_s,
+                 profile.beta_s_per_byte, profile.ready_s[-1])
+        store.submit_profile(profile)
+    version = current.version + 1
+    plan = store.wait_plan(version, wait_timeout_s, f"the coordinator's cost plan (v{version})").result()
+    if plan.blocks != current.blocks:
+        raise IMergeError("the cost plan changed the blocks; only the groups may change")
+    return plan

@@ -1,8 +1,9 @@
 """The worker's gRPC client of the PS shards: the only worker module that touches gRPC.
 
 Every call runs on the worker's comm event loop. Failures are translated at
-one choke point (:func:`_translated`) into :class:`RemoteError` carrying the
-gRPC status name and the shard's address.
+one choke point (:func:`_translated`) back into the class of the one error
+hierarchy the shard raised (see :mod:`imerge.wire.status`), naming the
+shard's address.
 """
 from __future__ import annotations
 
@@ -14,25 +15,14 @@ from typing import Any
 import grpc
 import torch
 
-from imerge.codec import CHUNK_BYTES, ChunkAssembler, iter_chunks, tensor_view
-from imerge.config import TlsConfig
-from imerge.errors import InvalidArgument, RemoteError
-from imerge.optim import OptimizerSpec
-from imerge.rpc import ps_pb2, ps_pb2_grpc
-from imerge.tls import channel_credentials
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 2 * CHUNK_BYTES + 4096),
-    ("grpc.max_send_message_length", 2 * CHUNK_BYTES + 4096),
-    # A frozen (SIGSTOP) or partitioned shard stops answering pings: calls on the channel fail with
-    # UNAVAILABLE within keepalive time + timeout (about 3 s), not at their deadline.
-    ("grpc.keepalive_time_ms", 1_000),
-    ("grpc.keepalive_timeout_ms", 2_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # a shard back from a restart or a partition is reconnected to within 2 s
-    ("grpc.max_reconnect_backoff_ms", 2_000),
-]
+from imerge.core.codec import ChunkAssembler, iter_chunks, tensor_view
+from imerge.core.config import TlsConfig
+from imerge.core.errors import InvalidArgument
+from imerge.core.optim import OptimizerSpec
+from imerge.wire.channel import CHANNEL_OPTIONS
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
+from imerge.wire.status import error_from
+from imerge.wire.tls import channel_credentials
 
 
 def _translated(method: Callable) -> Callable:
@@ -41,7 +31,7 @@ def _translated(method: Callable) -> Callable:
         try:
             return await method(self, *args, **kwargs)
         except grpc.aio.AioRpcError as exc:
-            raise RemoteError(exc.details() or exc.code().name, exc.code().name, self.address) from None
+            raise error_from(exc, self.address) from None
 
     return wrapper
 
@@ -95,21 +85,23 @@ class ShardClient:
                 if assembler is not None:
                     assembler.finish()
                 if len(rounds) == len(targets) or chunk.meta.block_id != targets[len(rounds)][0]:
-                    raise InvalidArgument(f"{what}: the shard sent block {chunk.meta.block_id!r} out of order")
+                    raise InvalidArgument(f"{what}: the shard sent block {chunk.meta.block_id!r} out of order",
+                                          address=self.address)
                 block_id, target = targets[len(rounds)]
                 if chunk.meta.numel != target.numel():
                     raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
-                                          f"expected {target.numel()}")
+                                          f"expected {target.numel()}", address=self.address)
                 assembler = ChunkAssembler(target, f"{what}: block {block_id}")
                 rounds.append(chunk.meta.round)
             elif assembler is None:
-                raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta")
+                raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta",
+                                      address=self.address)
             else:
                 assembler.feed(chunk.data)
         if assembler is not None:
             assembler.finish()
         if len(rounds) != len(targets):
-            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks")
+            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks", address=self.address)
         return rounds
 
     @_translated

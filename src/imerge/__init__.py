@@ -20,6 +20,6 @@ def __getattr__(name: str) -> Any:
         from imerge.worker.config import WorkerConfig
         return WorkerConfig
     if name == "OptimizerSpec":
-        from imerge.optim import OptimizerSpec
+        from imerge.core.optim import OptimizerSpec
         return OptimizerSpec
     raise AttributeError(f"module 'imerge' has no attribute {name!r}")

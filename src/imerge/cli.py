@@ -1,7 +1,7 @@
 """The ``imerge`` command: one subcommand per role, plus the one-host launcher.
 
 Every option is a flag with an ``IMERGE_*`` environment twin (see
-:mod:`imerge.config`); a bad value is a usage error naming the flag.
+:mod:`imerge.core.config`); a bad value is a usage error naming the flag.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import signal
 import sys
 from collections.abc import Callable
 
-from .config import add_options, from_namespace, setup_logging, to_env
-from .errors import EXIT_REJOIN, ConfigError, IMergeError, Rejoin
+from imerge.core.config import add_options, from_namespace, setup_logging, to_env
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, Rejoin
 
 log = logging.getLogger("imerge.cli")
 
@@ -40,7 +40,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     from imerge.worker.config import WorkerConfig
-    from imerge.worker.job import JobConfig, run_job
+    from imerge.worker.job import run_job
+    from imerge.workloads.job import JobConfig
 
     worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
     setup_logging(worker.log_level, f"worker{worker.rank}")
@@ -54,14 +55,20 @@ def _run_worker(args: argparse.Namespace) -> int:
     except Rejoin as exc:
         log.warning("%s", exc)
         return EXIT_REJOIN
+    except IMergeError as exc:  # fatal: restarting this worker would fail the same way
+        if exc.recoverable:
+            raise
+        log.error("%s: %s; the job cannot go on (exit code %d: do not restart)", type(exc).__name__, exc,
+                  EXIT_FATAL)
+        return EXIT_FATAL
     log.info("done: %s", summary)
     return 0
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from imerge.launch import LaunchConfig, Launcher
+    from imerge.ops.launch import LaunchConfig, Launcher
     from imerge.worker.config import ScheduleConfig
-    from imerge.worker.job import JobConfig
+    from imerge.workloads.job import JobConfig
 
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
     schedule = from_namespace(ScheduleConfig, args)
@@ -70,10 +77,10 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 
 def _run_testbed(args: argparse.Namespace) -> int:
-    from imerge.launch import LaunchConfig, Launcher, TestbedHosts
-    from imerge.testbed import Testbed, TestbedConfig, job_roles, reap_stale, start_redis
+    from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
+    from imerge.bench.testbed import Testbed, TestbedConfig, job_roles, reap_stale, start_redis
     from imerge.worker.config import ScheduleConfig
-    from imerge.worker.job import JobConfig
+    from imerge.workloads.job import JobConfig
 
     testbed = from_namespace(TestbedConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge testbed: %(message)s")
@@ -94,12 +101,12 @@ def _run_testbed(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from imerge.bench import BenchConfig, run_bench
+    from imerge.bench.runner import BenchConfig, run_bench
 
     config = from_namespace(BenchConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge bench: %(message)s")
     report = run_bench(args.scenario, config, Console(stderr=True))
-    from imerge.bench_report import markdown
+    from imerge.bench.report import markdown
 
     print(markdown(report))
     return 0
@@ -108,20 +115,20 @@ def _run_bench(args: argparse.Namespace) -> int:
 def _run_top(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from imerge.top import TopConfig, run_top
+    from imerge.ops.top import TopConfig, run_top
 
     return run_top(from_namespace(TopConfig, args), Console())
 
 
 def _run_health(args: argparse.Namespace) -> int:
-    from imerge.health import HealthConfig, run_health
+    from imerge.ops.health import HealthConfig, run_health
 
     print(run_health(from_namespace(HealthConfig, args)))
     return 0
 
 
 def _run_redis_acl(args: argparse.Namespace) -> int:
-    from imerge.redis_acl import RedisAclConfig, run_redis_acl
+    from imerge.ops.redis_acl import RedisAclConfig, run_redis_acl
 
     print(run_redis_acl(from_namespace(RedisAclConfig, args)))
     return 0
@@ -129,16 +136,16 @@ def _run_redis_acl(args: argparse.Namespace) -> int:
 
 def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
     """Each role (subcommand): its help, the config classes its flags and IMERGE_* variables come from, its runner."""
-    from imerge.bench import BenchConfig
+    from imerge.bench.runner import BenchConfig
     from imerge.coordinator.service import CoordinatorConfig
-    from imerge.health import HealthConfig
-    from imerge.launch import LaunchConfig
+    from imerge.ops.health import HealthConfig
+    from imerge.ops.launch import LaunchConfig
     from imerge.ps.config import PSConfig
-    from imerge.redis_acl import RedisAclConfig
-    from imerge.testbed import TestbedConfig
-    from imerge.top import TopConfig
+    from imerge.ops.redis_acl import RedisAclConfig
+    from imerge.bench.testbed import TestbedConfig
+    from imerge.ops.top import TopConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
-    from imerge.worker.job import JobConfig
+    from imerge.workloads.job import JobConfig
 
     return {
         "ps": ("run one PS shard", (PSConfig,), _run_ps),

@@ -1,0 +1,178 @@
+"""The worker's comm thread: the queue of complete groups, their pushes and pulls, and the groups' Futures.
+
+The comm loop (an asyncio loop in its own thread) takes groups off the queue
+(highest priority first), holds the group's slot (see
+:mod:`imerge.core.slots`), pushes the group's blocks (one stream per shard)
+and starts the pull without waiting for it; the pull writes the parameters in
+place and resolves the group's Future, shared by all its members. A push
+fenced off (its flag's lease had passed to another holder) takes the slot
+again and is retried.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from imerge.control.messages import Flag
+from imerge.core.errors import Fenced, IMergeError, WaitTimeout
+from imerge.core.queue import CommQueue
+from imerge.core.slots import NoSlots
+from imerge.telemetry.timeline import Timeline
+
+from .buffers import FlatParams, GroupRuntime
+from .metrics import WorkerMetrics
+from .transport import ShardClient
+
+log = logging.getLogger(__name__)
+FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
+_STOP = 1 << 30     # queue priority of the item that stops the consumer
+
+
+class CommLoop:
+    """The worker's comm thread: an asyncio event loop running in a daemon thread."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine, timeout_s: float, what: str) -> Any:
+        future = self.submit(coro)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}") from None
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+
+
+class Communicator:
+    """Pushes and pulls the groups put on its queue, on the comm loop."""
+
+    def __init__(self, comm: CommLoop, clients: list[ShardClient], flat: FlatParams, slots: NoSlots, *,
+                 rank: int, priority: bool, rpc_timeout_s: float, pull_timeout_s: float, generation: int,
+                 metrics: WorkerMetrics, timeline: Timeline):
+        self.comm, self.clients, self.flat, self.slots = comm, clients, flat, slots
+        self.rank, self.generation = rank, generation
+        self.rpc_timeout_s, self.pull_timeout_s = rpc_timeout_s, pull_timeout_s
+        self.metrics, self.timeline = metrics, timeline
+        self.plan_version = 0
+        self.on_push: Callable[[int, float], None] | None = None  # (bytes, seconds) of each shard's push
+        self._queue = CommQueue(priority)
+        self._queued = asyncio.Event()
+        self._consumer = comm.submit(self._consume())
+
+    # -- the queue (called from the training thread) -------------------------------------
+    def enqueue(self, group: GroupRuntime, iteration: int) -> None:
+        """Put a complete group on the queue; its Future resolves once its new parameters are in place."""
+        group.push_done.clear()
+        group.future = concurrent.futures.Future()
+        self.comm.loop.call_soon_threadsafe(self._put, group.index, (group, group.future, iteration))
+
+    def _put(self, index: int, item: Any) -> None:
+        self._queue.put(index, item)
+        self._queued.set()
+
+    async def _consume(self) -> None:
+        while True:
+            while not len(self._queue):
+                await self._queued.wait()
+                self._queued.clear()
+            group, future, iteration = self._queue.pop()
+            if group is None:
+                return
+            try:
+                if group.pull_task is not None:
+                    await asyncio.wait([group.pull_task])
+                await self._push_group(group, iteration)
+            except Exception as exc:  # routed to whoever waits on the group
+                future.set_exception(exc)
+                continue
+            finally:
+                group.push_done.set()
+            group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(group, future))
+
+    # -- push ----------------------------------------------------------------------------------
+    async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
+        for attempt in range(FENCED_RETRIES + 1):
+            try:
+                await self._push_in_slot(group, iteration)
+                break
+            except Fenced as exc:
+                if attempt == FENCED_RETRIES:
+                    raise
+                log.warning("worker %d: %s; taking the flag again", self.rank, exc)
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+
+    async def _push_in_slot(self, group: GroupRuntime, iteration: int) -> None:
+        async with self.slots.hold(Flag(self.plan_version, group.index), group.nbytes) as slot:
+            if self.slots.holds_flags:
+                self.timeline.record(f"flag {group.index}", "flag-wait", slot.requested, slot.acquired,
+                                     group=group.index, contended=slot.contended)
+                self.metrics.flag_wait.observe(slot.waited_s)
+            with self.timeline.span(f"push {group.index}", "push", group=group.index, iteration=iteration,
+                                    round=group.round, bytes=group.nbytes):
+                await asyncio.gather(*(self._push_shard(group, shard, blocks, slot.fence)
+                                       for shard, blocks in group.by_shard.items()))
+        if self.slots.holds_flags:
+            self.metrics.flag_held(group.index, slot.held_s)
+
+    async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list, fence: int) -> None:
+        started = time.monotonic()
+        await self.clients[shard].push([(b.block_id, self.flat.grad_slice(b)) for b in blocks], self.rank,
+                                       group.round, self.rpc_timeout_s, self.generation, fence)
+        seconds, nbytes = time.monotonic() - started, group.shard_bytes(shard)
+        self.metrics.pushed(shard, nbytes)
+        self.slots.observe(nbytes, seconds)
+        if self.on_push is not None:
+            self.on_push(nbytes, seconds)
+
+    # -- pull ----------------------------------------------------------------------------------
+    async def _pull_group(self, group: GroupRuntime, future: concurrent.futures.Future) -> None:
+        try:
+            with self.timeline.span(f"pull {group.index}", "pull", group=group.index, round=group.round):
+                replies = await asyncio.gather(*(
+                    self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
+                                                  self.rank, group.round, self.pull_timeout_s, self.generation)
+                    for shard, blocks in group.by_shard.items()))
+            rounds = {r for reply in replies for r in reply}
+            if rounds != {group.round + 1}:
+                raise IMergeError(f"{group}: expected round {group.round + 1}, shards answered {sorted(rounds)}")
+            self.flat.load_from_host(group.group.offset, group.group.numel)
+            for shard in group.by_shard:
+                self.metrics.pulled(shard, group.shard_bytes(shard))
+            self.metrics.group_synced(group.group.index)
+            group.round += 1
+            future.set_result(group.round)
+        except Exception as exc:
+            future.set_exception(exc)
+
+    # -- closing -------------------------------------------------------------------------------
+    def close(self, groups: list[GroupRuntime]) -> None:
+        """Stop the consumer, cancel pulls still in flight, close the shard channels."""
+        if not self.comm.loop.is_running():
+            return
+        self.comm.loop.call_soon_threadsafe(self._put, _STOP, (None, None, 0))
+        try:
+            self._consumer.result(10)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self.comm.run(self._close_clients(groups), 10, "the shard channels to close")
+
+    async def _close_clients(self, groups: list[GroupRuntime]) -> None:
+        for group in groups:
+            if group.pull_task is not None and not group.pull_task.done():
+                group.pull_task.cancel()
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)

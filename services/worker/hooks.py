@@ -1,0 +1,168 @@
+"""The worker's hooks on the model, and the iterations they count.
+
+* A parameter's post-accumulate-grad hook adds its gradient to its slot of the
+  flat accumulator and counts it for its group; a complete group that syncs in
+  this iteration goes on the comm queue at once and backward continues. A
+  group that does not sync (interleave period T > 1) takes a local SGD step.
+* At the end of backward, groups some of whose parameters got no gradient
+  count them as zero, and the iteration is counted.
+* A module's forward pre-hook waits on the Futures of its parameters' groups.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from imerge.core.errors import WaitTimeout
+from imerge.core.schedule import syncs
+from imerge.telemetry.timeline import Timeline
+
+from .buffers import FlatParams, GroupRuntime, GroupTable
+from .comm import Communicator
+from .config import WorkerConfig
+from .metrics import WorkerMetrics
+from .profiler import Profiler
+
+
+class Hooks:
+    def __init__(self, flat: FlatParams, comm: Communicator, config: WorkerConfig, lr: float,
+                 metrics: WorkerMetrics, timeline: Timeline):
+        self.flat, self.comm, self.config, self.lr = flat, comm, config, lr
+        self.metrics, self.timeline = metrics, timeline
+        self.table: GroupTable | None = None  # the current plan's groups
+        self.profiler: Profiler | None = None  # while --fusion cost profiles the first iterations
+        self.after_backward: Callable[[], None] | None = None
+        self.iteration = 0          # backwards completed
+        self.schedule_start = 0     # the iteration the current plan's schedule counts from
+        self._handles: list[Any] = []
+        self._callback_queued = False
+        self._forward_started = 0.0
+        self._waited_s = 0.0        # this iteration's forward waits
+        self._groups_enqueued = 0   # this iteration's groups sent
+        self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
+
+    def install(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
+                                                       prepend=True))
+        handles.append(model.register_forward_hook(lambda *_: self._forward_ended_now()))
+        for module in model.modules():
+            owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self.table.group_of]
+            if owned:
+                handles.append(module.register_forward_pre_hook(
+                    lambda _module, _args, owned=owned: self.wait_params(owned)))
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # -- iteration boundaries -------------------------------------------------------------
+    def _forward_started_now(self, args: tuple) -> None:
+        now = time.time()
+        if self._forward_started:
+            self.metrics.iteration.observe(now - self._forward_started)
+        self._forward_started, self._waited_s = now, 0.0
+        if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+            self.metrics.samples.inc(args[0].shape[0])
+
+    def _forward_ended_now(self) -> None:
+        if self.profiler is not None:
+            self.profiler.backward_started(time.monotonic())
+
+    def syncs_now(self, group: GroupRuntime) -> bool:
+        """Whether ``group`` syncs in this iteration; the profiled iterations of fusion cost sync every one."""
+        period = 1 if self.profiler is not None else self.table.plan.period
+        return syncs(group.index, self.iteration - self.schedule_start, period)
+
+    # -- backward ---------------------------------------------------------------------------
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        group = self.table.group_of[id(param)]
+        if not group.push_done.is_set():  # two backwards without a forward: let the push finish
+            self._wait(group.push_done.wait, group, "its previous push to finish")
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        grad = param.grad.detach()
+        self.flat.add_grad(param, grad)
+        if not self.syncs_now(group):  # local SGD step between syncs
+            with torch.no_grad():
+                param.add_(grad, alpha=-self.lr)
+        param.grad = None
+        if self.profiler is not None:
+            self.profiler.unit_progress(self.table.unit_of[id(param)], time.monotonic())
+        group.seen.add(id(param))
+        if len(group.seen) == len(group.param_ids):
+            self._group_complete(group)
+
+    def _group_complete(self, group: GroupRuntime) -> None:
+        group.seen.clear()
+        group.done_this_backward = True
+        if self.syncs_now(group) and self.config.overlap:
+            self._enqueue(group)
+
+    def _enqueue(self, group: GroupRuntime) -> None:
+        self._groups_enqueued += 1
+        self.comm.enqueue(group, self.iteration - self.schedule_start)
+
+    def _end_of_backward(self) -> None:
+        """Groups some of whose parameters got no gradient count them as zero."""
+        for group in self.table.groups:
+            if not group.done_this_backward:
+                self._group_complete(group)
+            group.done_this_backward = False
+            if not self.config.overlap and self.syncs_now(group):
+                self._enqueue(group)
+        if not self.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
+            self.synchronize()
+        self._callback_queued = False
+        ended = time.time()
+        self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, ended,
+                             iteration=self.iteration)
+        self.metrics.compute.observe(max(0.0, ended - self._forward_started - self._waited_s))
+        self.metrics.forward_wait.observe(self._waited_s)
+        self.metrics.iterations.inc()
+        self.metrics.groups_synced.set(self._groups_enqueued)
+        self._groups_enqueued = 0
+        self.iteration += 1
+        if self.profiler is not None:
+            self.profiler.backward_ended()
+        if self.after_backward is not None:
+            self.after_backward()
+
+    # -- forward: waits ----------------------------------------------------------------------------
+    def _wait(self, wait: Any, group: GroupRuntime, what: str) -> Any:
+        started = time.monotonic()
+        try:
+            result = wait(self.wait_timeout_s)
+        except concurrent.futures.TimeoutError:
+            result = False
+        if result is False:
+            raise WaitTimeout(f"worker {self.config.rank}: timed out after {time.monotonic() - started:.1f}s "
+                              f"waiting for {group} {what}")
+        return result
+
+    def wait_groups(self, groups: list[GroupRuntime]) -> None:
+        for group in groups:
+            future = group.future
+            if future is None:
+                continue
+            if not future.done():
+                started = time.time()
+                with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
+                    self._wait(future.result, group, f"round {group.round + 1} to be pulled")
+                self._waited_s += time.time() - started
+            future.result()  # re-raise a failed sync
+
+    def wait_params(self, param_ids: list[int]) -> None:
+        groups = {id(self.table.group_of[p]): self.table.group_of[p] for p in param_ids}
+        self.wait_groups(sorted(groups.values(), key=lambda g: g.index))
+
+    def synchronize(self) -> None:
+        """Wait until every group's latest sync completed (re-raising its error)."""
+        self.wait_groups(self.table.groups)

@@ -1,0 +1,61 @@
+"""The baseline users would otherwise pick: the built-in job on torch DistributedDataParallel (gloo).
+
+Run as the workers of ``imerge launch``/``imerge testbed`` (``-- python -m imerge.bench.ddp_baseline``):
+rank and world size from ``IMERGE_RANK``/``IMERGE_WORLD_SIZE``, the rendezvous at
+``IMERGE_DDP_MASTER`` (host:port of worker 0), the job from the same ``IMERGE_*`` variables as
+``imerge worker``. The optimizer runs locally on every worker, as DDP does.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from imerge.telemetry import progress
+from imerge.core.config import from_env, setup_logging
+from imerge.workloads.data import make_dataset, worker_loader
+from imerge.workloads.models import build_model
+from imerge.workloads.job import JobConfig
+
+log = logging.getLogger("imerge.bench.ddp_baseline")
+
+
+def main() -> int:
+    job = from_env(JobConfig)
+    rank, world = int(os.environ["IMERGE_RANK"]), int(os.environ["IMERGE_WORLD_SIZE"])
+    setup_logging(os.environ.get("IMERGE_LOG_LEVEL", "INFO"), f"ddp{rank}")
+    if job.torch_threads:
+        torch.set_num_threads(job.torch_threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{os.environ.get('IMERGE_DDP_MASTER', '127.0.0.1:29500')}",
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    model = DistributedDataParallel(build_model(job.model, job.seed), bucket_cap_mb=25)
+    optimizer = job.optimizer_spec().build(list(model.parameters()))
+    train = make_dataset(job.data, job.model, "train", job.seed, job.samples)
+    total = job.iters or job.epochs * len(worker_loader(train, job.batch_size, rank, world, job.seed))
+    iteration, epoch = 0, 0
+    while iteration < total:
+        for x, y in worker_loader(train, job.batch_size, rank, world, job.seed, epoch):
+            tick = time.monotonic()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            iteration += 1
+            progress.report(iteration=iteration, total=total, loss=loss.detach().item(),
+                            seconds=time.monotonic() - tick)
+            if iteration >= total:
+                break
+        epoch += 1
+    dist.barrier()
+    dist.destroy_process_group()
+    progress.report("summary", iterations=iteration, loss=loss.detach().item())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,304 @@
+"""``imerge bench SCENARIO``: every strategy on the same workload, on the testbed, in one run.
+
+Each strategy runs the same built-in job in a fresh testbed (one namespace per
+role, tbf-shaped links); strategies alternate over ``--rounds``. Per strategy it
+reports median and p90 iteration time, compute time, exposed communication
+(time the forward waited), bytes per iteration, mean link utilization, the
+ratio to the physical bound ``max(compute, bytes each worker moves / link
+rate, bytes each shard moves / link rate)`` (links are full duplex: a host's
+bytes are the larger of what it sends and receives), and the ratio to ``ddp``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from imerge.core.config import option, require
+from imerge.core.errors import IMergeError
+from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
+from imerge.bench.testbed import SHALLOW, Testbed, TestbedConfig, job_roles, start_redis
+
+STRATEGIES: dict[str, dict[str, Any]] = {
+    "ddp": {},
+    "ps-naive": dict(fusion="none", overlap=False, priority=False, slots="off"),
+    "wfbp": dict(fusion="none", priority=False, slots="off"),
+    "size": dict(fusion="size", priority=False, slots="off"),
+    "imerge": dict(fusion="cost", priority=True, slots="ack"),
+    "imerge-fixed": dict(fusion="cost", priority=True, slots="fixed"),
+    "imerge-T2": dict(fusion="cost", priority=True, slots="ack", interleave_period=2),
+    "imerge-T4": dict(fusion="cost", priority=True, slots="ack", interleave_period=4),
+}
+INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    model: str
+    batch_size: int
+    workers: int
+    shards: int
+    rate_mbit: float = 1000.0
+    iters: int = 12
+    shard_queue_kb: float = 0.0
+    mtu: int = 9000
+    strategies: tuple[str, ...] = tuple(STRATEGIES)
+    sizes: tuple[int, ...] = ()  # scaling: run at each worker count, shards = workers
+
+
+SCENARIOS = {
+    "B1": Scenario("resnet18", 8, 3, 3),
+    "B2": Scenario("vgg", 8, 3, 3),
+    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
+    "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
+    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    rounds: int = option(1, "how many times each strategy runs (strategies alternate)")
+    iters: int = option(0, "iterations per run (0: the scenario's default)")
+    strategies: str = option("", "comma-separated subset of the scenario's strategies (default: all)")
+    workers: int = option(0, "run at this worker count only (B4: shards = workers)")
+    sizes: str = option("", "B4: comma-separated worker counts to scale over (default: 1,2,3,4,5,6)")
+    rate_mbit: float = option(0.0, "override the scenario's link rate, Mbit/s")
+    mtu: int = option(0, "override the scenario's link MTU (default 9000; 1500 for B3)")
+    out: str = option("", "output folder (default: runs/bench-<scenario>-<time>)")
+
+    def __post_init__(self) -> None:
+        require(self.rounds >= 1, "rounds", "must be at least 1")
+        require(self.iters >= 0, "iters", "must be >= 0")
+        require(self.workers >= 0, "workers", "must be >= 0")
+        require(all(part.strip().isdigit() and 1 <= int(part) <= 16 for part in self.sizes.split(",") if self.sizes),
+                "sizes", "must be comma-separated worker counts within 1..16, e.g. 1,2,4")
+        require(self.rate_mbit >= 0, "rate_mbit", "must be >= 0")
+        require(self.mtu == 0 or 576 <= self.mtu <= 65000, "mtu", "must be 0 or within 576..65000")
+
+
+def warmup_iterations(iters: int) -> int:
+    """Iterations not timed: warm-up, and the profile of fusion cost (which runs that long)."""
+    return min(5, max(2, iters // 4))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))] if ordered else float("nan")
+
+
+class CounterSampler:
+    """Samples every host's kernel counters while a run goes on (link utilization over time)."""
+
+    def __init__(self, bed: Testbed, hosts: list[str], interval_s: float = 0.25):
+        self.bed, self.hosts, self.interval_s = bed, hosts, interval_s
+        self.samples: list[tuple[float, dict[str, Any]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _take(self) -> None:
+        self.samples.append((time.time(), {h: self.bed.counters(h) for h in self.hosts}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._take()
+            except Exception:  # noqa: BLE001 - a namespace may vanish at the very end
+                return
+
+    def __enter__(self) -> "CounterSampler":
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def window(self, start: float, end: float) -> tuple[float, dict[str, Any], dict[str, Any]] | None:
+        """The samples nearest to [start, end]: (seconds, first counters, last counters); None if the
+        window is shorter than one sampling interval."""
+        first = min(self.samples, key=lambda s: abs(s[0] - start))
+        last = min(self.samples, key=lambda s: abs(s[0] - end))
+        if last[0] <= first[0]:
+            return None
+        return last[0] - first[0], first[1], last[1]
+
+
+def trace_metrics(trace_dir: Path, workers: int, skip: int) -> dict[str, Any]:
+    """Compute, exposed communication and push latencies from the workers' Chrome traces."""
+    compute, exposed, push_ms = [], [], []
+    for rank in range(workers):
+        path = trace_dir / f"worker{rank}.json"
+        if not path.exists():
+            continue
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        iterations = [e for e in events if e["cat"] == "compute" and e["args"]["iteration"] >= skip]
+        waits = [e for e in events if e["cat"] == "forward-wait"]
+        for it in iterations:
+            start, end = it["ts"], it["ts"] + it["dur"]
+            waited = sum(w["dur"] for w in waits if start <= w["ts"] < end)
+            exposed.append(waited / 1e6)
+            compute.append((it["dur"] - waited) / 1e6)
+        push_ms += [e["dur"] / 1e3 for e in events if e["cat"] == "push"]
+    return {"compute_s": compute, "exposed_s": exposed, "push_ms": push_ms}
+
+
+def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_dir: str) -> dict[str, Any]:
+    run_dir = out / rounds_dir / name
+    ddp = name == "ddp"
+    links = TestbedConfig(rate_mbit=scenario.rate_mbit, shard_queue_kb=scenario.shard_queue_kb).links(
+        job_roles(scenario.shards, scenario.workers))
+    options = {**STRATEGIES, **INCAST}[name]
+    schedule = {f"IMERGE_{k.upper()}": ("1" if v else "0") if isinstance(v, bool) else str(v)
+                for k, v in options.items()}
+    schedule["IMERGE_TRACE_DIR"] = str(run_dir / "trace")
+    job = {"IMERGE_MODEL": scenario.model, "IMERGE_DATA": "synthetic", "IMERGE_ITERS": str(iters),
+           "IMERGE_BATCH_SIZE": str(scenario.batch_size), "IMERGE_EVALUATE": "0",
+           "IMERGE_SAMPLES": str(max(512, scenario.batch_size * scenario.workers * 4)),
+           "IMERGE_PROFILE_ITERS": str(warmup_iterations(iters)), "GLOO_SOCKET_IFNAME": "eth0",
+           "IMERGE_DDP_MASTER": "worker0:29500"}
+    config = LaunchConfig(workers=scenario.workers, shards=scenario.shards, log_dir=str(run_dir),
+                          log_level="WARNING")
+    with Testbed(links, log_sink=lambda line: None, mtu=scenario.mtu) as bed:
+        if not ddp:
+            config = dataclasses.replace(config, redis_url=start_redis(bed))
+        hosts = [f"worker{r}" for r in range(scenario.workers)] + [f"ps{s}" for s in range(scenario.shards)]
+        launcher = Launcher(config, job, [sys.executable, "-m", "imerge.bench.ddp_baseline"] if ddp else None,
+                            console=Console(file=io.StringIO()), schedule_env=schedule, hosts=TestbedHosts(bed),
+                            workers_only=ddp, quiet=True)
+        with CounterSampler(bed, hosts) as sampler:
+            code = launcher.run()
+    if code != 0:
+        raise IMergeError(f"strategy {name} failed (exit code {code}); logs in {run_dir}")
+    return measure(name, scenario, launcher.events, sampler, run_dir, iters)
+
+
+def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler: CounterSampler,
+            run_dir: Path, iters: int) -> dict[str, Any]:
+    skip = warmup_iterations(iters) if name != "ddp" else 2
+    steps = [e for e in events if e.get("event") == "iteration"]
+    timed = [e for e in steps if e["iteration"] > skip] or steps
+    window = sampler.window(timed[0]["received"], timed[-1]["received"])
+    iterations = max(1, timed[-1]["iteration"] - timed[0]["iteration"])
+    if window is None:  # a run too short to sample: whole-run counters over all iterations
+        (start, first), (end, last) = sampler.samples[0], sampler.samples[-1]
+        window, iterations = (end - start, first, last), max(1, steps[-1]["iteration"])
+    seconds, first, last = window
+    rate_bps = scenario.rate_mbit * 1e6 / 8
+
+    def moved(host: str) -> tuple[int, int]:
+        return last[host].tx_bytes - first[host].tx_bytes, last[host].rx_bytes - first[host].rx_bytes
+
+    workers = [moved(f"worker{r}") for r in range(scenario.workers)]
+    shards = [moved(f"ps{s}") for s in range(scenario.shards)] if name != "ddp" else []
+    measured_hosts = [h for h in sampler.hosts if h.startswith("worker" if name == "ddp" else "ps")]
+    utilization = {h: max(moved(h)) / (seconds * rate_bps) for h in measured_hosts}
+    traces = trace_metrics(run_dir / "trace", scenario.workers, skip)
+    retrans = sum(last[h].tcp_retrans_segs - first[h].tcp_retrans_segs for h in sampler.hosts)
+    iteration_s = [e["seconds"] for e in timed]
+    return {
+        "strategy": name, "iterations": len(iteration_s), "iteration_s": iteration_s,
+        "median_iteration_s": statistics.median(iteration_s), "p90_iteration_s": percentile(iteration_s, 0.9),
+        "compute_s": statistics.median(traces["compute_s"]) if traces["compute_s"] else None,
+        "exposed_comm_s": statistics.median(traces["exposed_s"]) if traces["exposed_s"] else None,
+        "bytes_per_iteration": statistics.fmean(max(w) for w in workers) / iterations,
+        "worker_bytes_per_iteration": max(max(w) for w in workers) / iterations,
+        "shard_bytes_per_iteration": max((max(s) for s in shards), default=0) / iterations,
+        "link_utilization": statistics.fmean(utilization.values()) if utilization else None,
+        "link_utilization_per_shard": utilization,
+        "push_p50_ms": percentile(traces["push_ms"], 0.5), "push_p99_ms": percentile(traces["push_ms"], 0.99),
+        "tcp_retransmissions": retrans,
+        "utilization_series": [(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
+                               for t, counters in sampler.samples],
+        "trace_dir": str(run_dir / "trace"),
+    }
+
+
+def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Merge rounds per strategy; add the bound and the ratios."""
+    rate_bps = scenario.rate_mbit * 1e6 / 8
+    merged = {}
+    for name, results in runs.items():
+        iteration_s = [t for r in results for t in r["iteration_s"]]
+        merged[name] = {**results[-1], "rounds": len(results), "iteration_s": iteration_s,
+                        "median_iteration_s": statistics.median(iteration_s),
+                        "p90_iteration_s": percentile(iteration_s, 0.9)}
+    computes = [m["compute_s"] for m in merged.values() if m["compute_s"]]
+    compute = statistics.median(computes) if computes else 0.0
+    for m in merged.values():
+        m["bound_s"] = max(compute, m["worker_bytes_per_iteration"] / rate_bps, m["shard_bytes_per_iteration"] / rate_bps)
+        m["ratio_to_bound"] = m["median_iteration_s"] / m["bound_s"] if m["bound_s"] else None
+        m["ratio_to_ddp"] = (m["median_iteration_s"] / merged["ddp"]["median_iteration_s"]) if "ddp" in merged else None
+    return {"scenario": dataclasses.asdict(scenario), "compute_s": compute, "strategies": merged}
+
+
+def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
+    """The scenario with the command line's overrides, and the strategies to run."""
+    if name not in SCENARIOS:
+        raise IMergeError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    scenario = SCENARIOS[name]
+    if config.workers:
+        scenario = dataclasses.replace(scenario, workers=config.workers, sizes=(),
+                                       shards=config.workers if scenario.sizes else scenario.shards)
+    if config.sizes:
+        if not scenario.sizes:
+            raise IMergeError(f"--sizes: scenario {name} does not scale; only B4 does")
+        scenario = dataclasses.replace(scenario, sizes=tuple(int(part) for part in config.sizes.split(",")))
+    if config.rate_mbit:
+        scenario = dataclasses.replace(scenario, rate_mbit=config.rate_mbit)
+    if config.mtu:
+        scenario = dataclasses.replace(scenario, mtu=config.mtu)
+    if config.iters:
+        scenario = dataclasses.replace(scenario, iters=config.iters)
+    chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or list(scenario.strategies)
+    unknown = [s for s in chosen if s not in scenario.strategies]
+    if unknown:
+        raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(scenario.strategies)}")
+    return scenario, chosen
+
+
+def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any]:
+    scenario, chosen = resolve(name, config)
+    out = Path(config.out or f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
+    from imerge.bench.report import write_report, write_scaling_report
+
+    if not scenario.sizes:
+        report = run_scenario(name, scenario, chosen, config.rounds, out, console)
+        report["command"] = command
+        write_report(report, out)
+    else:
+        reports = {}
+        for workers in scenario.sizes:
+            sized = dataclasses.replace(scenario, workers=workers, shards=workers, sizes=())
+            reports[workers] = run_scenario(f"{name} W={workers}", sized, chosen, config.rounds,
+                                            out / f"W{workers}", console)
+            write_report(reports[workers], out / f"W{workers}")
+        report = {"scenario": dataclasses.asdict(scenario), "command": command, "sizes": reports}
+        write_scaling_report(report, out)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    console.print(f"results in {out}/ (results.json, results.md, *.png)")
+    return report
+
+
+def run_scenario(title: str, scenario: Scenario, chosen: list[str], rounds: int, out: Path,
+                 console: Console) -> dict[str, Any]:
+    """Every chosen strategy on ``scenario``, alternating over ``rounds``; the merged report."""
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    total = rounds * len(chosen)
+    for index, (round_, strategy) in enumerate((r, s) for r in range(rounds) for s in chosen):
+        console.print(f"[{index + 1}/{total}] {title} round {round_ + 1}: {strategy}")
+        result = run_strategy(strategy, scenario, scenario.iters, out, f"round{round_ + 1}")
+        console.print(f"    median {result['median_iteration_s']:.3f} s/it, "
+                      f"{result['bytes_per_iteration'] / 1e6:.2f} MB/it per worker")
+        runs[strategy].append(result)
+    out.mkdir(parents=True, exist_ok=True)
+    return summarize(scenario, runs)

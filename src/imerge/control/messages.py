@@ -1,0 +1,188 @@
+"""The typed messages the roles exchange through the store (Redis), each with one encoder and one decoder.
+
+Pure: imports neither grpc nor redis. Every message is a frozen dataclass;
+``encode()`` gives the text the store writes and ``decode(text)`` rebuilds the
+message or raises :class:`StoreError` naming the message kind, so a malformed
+or foreign value never turns into a half-read message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+from imerge.core.errors import JobFailed, LayoutMismatchError, PlanError, StoreError
+from imerge.core.planning import Layout, Plan, PlanOptions
+
+M = TypeVar("M", bound="Message")
+
+FIRST_PLAN = 1  # the plan published once every worker submitted its layout
+COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
+
+
+class Message:
+    """JSON of the dataclass's fields; subclasses with nested values override ``_to_dict``/``_from_dict``."""
+
+    def _to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def _from_dict(cls: type[M], raw: dict[str, Any]) -> M:
+        return cls(**raw)
+
+    def encode(self) -> str:
+        return json.dumps(self._to_dict())
+
+    @classmethod
+    def decode(cls: type[M], text: str) -> M:
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict):
+                raise TypeError(f"expected an object, got {type(raw).__name__}")
+            return cls._from_dict(raw)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreError(f"malformed {cls.__name__} message in the store: {exc}: {text[:200]!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanPublished(Message):
+    """The coordinator's plan of one version, or why it could not make one."""
+
+    plan: Plan | None = None
+    error: str = ""
+    layout_mismatch: bool = False
+
+    def _to_dict(self) -> dict[str, Any]:
+        if self.plan is not None:
+            return json.loads(self.plan.to_json())
+        return {"error": self.error, "kind": "layout-mismatch" if self.layout_mismatch else "plan"}
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "PlanPublished":
+        if "error" in raw:
+            return cls(error=str(raw["error"]), layout_mismatch=raw.get("kind") == "layout-mismatch")
+        return cls(plan=Plan.from_json(json.dumps(raw)))
+
+    def result(self) -> Plan:
+        """The plan, or the coordinator's error raised as the class it was."""
+        if self.plan is None:
+            raise (LayoutMismatchError if self.layout_mismatch else PlanError)(self.error)
+        return self.plan
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksReady(Message):
+    """Worker 0 created every block of a plan on the shards (the job is running), or why it could not."""
+
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationEvent(Message):
+    """Generation ``generation`` starts: every shard restores the checkpoint of ``round``. Generation 0
+    carries the run's id; an event with an ``error`` says the job cannot recover."""
+
+    generation: int
+    round: int | None = None
+    reason: str = ""
+    run: str = ""
+    error: str = ""
+
+    def check(self) -> "GenerationEvent":
+        if self.error:
+            raise JobFailed(f"the job cannot recover: {self.error}")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored(Message):
+    """A shard serves ``generation`` (restored from its checkpoint), or why it could not."""
+
+    generation: int
+    shard: int
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """The slot flag of one fusion group of one plan version."""
+
+    plan_version: int
+    group: int
+
+    def __str__(self) -> str:
+        return f"{self.plan_version}:{self.group}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FlagGrant:
+    """A slot flag was granted: whether the taker had to wait for another holder, and its fencing token."""
+
+    contended: bool
+    fence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureReport(Message):
+    """A process saw the job fail in ``generation``. ``fatal``: no recovery can fix it (end the job)."""
+
+    generation: int
+    who: str
+    reason: str
+    fatal: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.who}: {self.reason}"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerDone:
+    """Worker ``rank`` finished its job."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo(Message):
+    host: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerPosition(Message):
+    """The generation a worker joined and its data position (iterations done)."""
+
+    iteration: int
+    generation: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutSubmission(Message):
+    """What a worker submits: its model layout and the scheduling options the plan depends on."""
+
+    layout: Layout
+    options: PlanOptions
+
+    def _to_dict(self) -> dict[str, Any]:
+        return {"layout": json.loads(self.layout.to_json()), "options": dataclasses.asdict(self.options)}
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "LayoutSubmission":
+        return cls(Layout.from_json(json.dumps(raw["layout"])), PlanOptions(**raw["options"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile(Message):
+    """Worker 0's profile for ``--fusion cost``: when each unit's gradient is ready, its bytes, the push cost."""
+
+    ready_s: list[float]
+    unit_bytes: list[int]
+    alpha_s: float
+    beta_s_per_byte: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRounds(Message):
+    """The rounds of a shard's complete checkpoints."""
+
+    rounds: list[int]

@@ -1,0 +1,442 @@
+"""The control plane's store: the only module in IMerge that issues Redis commands.
+
+Every role (coordinator, shards, workers) reaches Redis through :class:`Store`,
+whose methods are named for what they mean and take and return the typed
+messages of :mod:`imerge.control.messages`; no key or event name appears
+outside this module.
+Redis failures are translated into :class:`StoreError` here, at one choke
+point. Blocking waits use blocking list pops (never loops of GETs), are cut in
+slices of at most ``_BLOCK_SLICE_S`` seconds so that a dead Redis is noticed,
+and end with :class:`WaitTimeout` naming what they waited for.
+
+Key layout (all under ``imerge:{job}:``):
+
+==========================  =======  ==============================================
+key                         type     meaning
+==========================  =======  ==============================================
+``shards``                  hash     shard index -> advertised gRPC address
+``shards:queue``            list     shard indexes, pushed on each registration
+``workers``                 hash     worker rank -> JSON {host, pid}
+``worker:{rank}:alive``     string   heartbeat: the generation the worker serves (-1 while joining),
+                                     expires after the heartbeat TTL
+``layout:{rank}``           string   the worker's model layout (JSON, see planning)
+``layouts:queue``           list     ranks, pushed when a layout is submitted
+``event:{name}``            list     a latch: holds one token once the event is set
+``event:{name}:value``      string   the event's payload
+``done:queue``              list     ranks, pushed when a worker finished its job
+``done``                    hash     rank -> 1 once the worker finished (read by a restarted coordinator)
+``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
+``profile:queue``           list     a token, pushed when the profile is submitted
+``flag:{v}:{g}``            string   holder token of group g's slot flag (plan v, :class:`Flag`), with
+                                     the lease as its expiry; absent = free
+``flag:{v}:{g}:wake``       list     one token pushed by each release, to wake a waiter
+``flags:stats``             hash     granted / contended (granted after a wait) / expired
+                                     (released after the lease had passed) flag counts
+``fence``                   string   the last fencing token handed out with a flag (INCR)
+``generation``              string   the job generation (absent until the plan is published;
+                                     its loss means Redis lost the job's state)
+``shard:{i}:alive``         string   a shard's heartbeat: the generation it serves; expires after its TTL
+``checkpoints``             hash     shard index -> JSON list of its complete checkpoint rounds
+``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
+``worker:{rank}:generation`` string  the generation the worker last joined
+``positions``               hash     worker rank -> JSON {iteration, generation}: data position
+==========================  =======  ==============================================
+
+Events in use: ``plan:{version}`` (:class:`PlanPublished`; version 1 is the
+first plan, 2 the cost plan), ``blocks-ready:{version}`` (:class:`BlocksReady`:
+rank 0 created every block of that plan; ``blocks-ready:1`` means the job is
+running), ``generation:{g}`` (:class:`GenerationEvent`: recover from the
+checkpoint of its round) and ``restored:{g}:{shard}`` (:class:`Restored`).
+
+Slot flags are leases: taking one is one Lua call (set the holder with an
+expiry if absent); a worker that finds it taken blocks on the wake list with
+BLPOP for at most the holder's remaining lease, then tries again, so a dead
+holder frees the flag when its lease expires and nobody polls. Releasing is a
+Lua compare-and-delete on the holder token, so a late release by an old
+holder never frees a newer holder's flag.
+A latch is waited on with BLPOP and the token is pushed back at once, so any
+number of waiters see it, now or later.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from imerge.core.config import redacted
+from imerge.core.errors import GenerationChanged, StoreError, WaitTimeout
+
+from .messages import (FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant, GenerationEvent,
+                       LayoutSubmission, PlanPublished, Profile, Restored, WorkerDone, WorkerInfo, WorkerPosition)
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+_BLOCK_SLICE_S = 5.0
+_ACQUIRE = """
+local generation = redis.call('GET', KEYS[5]) or '0'
+if generation ~= ARGV[4] then return {-1, tonumber(generation)} end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('DEL', KEYS[2])
+  redis.call('HINCRBY', KEYS[3], 'granted', 1)
+  if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'contended', 1) end
+  return {1, redis.call('INCR', KEYS[4])}
+end
+return {0, redis.call('PTTL', KEYS[1])}
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1], KEYS[2])
+  redis.call('RPUSH', KEYS[2], '1')
+  return 1
+end
+redis.call('HINCRBY', KEYS[3], 'expired', 1)
+return 0
+"""
+FLAG_STATS = ("granted", "contended", "expired")
+# What each role's Redis ACL user may run (on the job's keys only); everything else is denied, so no
+# role can FLUSHALL, CONFIG, KEYS, DEBUG or touch another job. Lua scripts are checked command by command.
+_CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
+ROLE_COMMANDS = {
+    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
+    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop"),
+    "worker": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "del", "exists", "pttl", "hincrby", "incr",
+                             "evalsha", "eval", "script|load"),
+}
+
+
+
+def _slice(seconds: float) -> float:
+    """A BLPOP timeout: at most one slice, and never below 10 ms (Redis reads a timeout under 1 ms as 0, which
+    blocks forever)."""
+    return min(max(seconds, 0.01), _BLOCK_SLICE_S)
+
+
+def _translated(method: F) -> F:
+    """Turn any Redis failure of ``method`` into a StoreError naming the server."""
+
+    @functools.wraps(method)
+    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis at {redacted(self.url)}: {method.__name__} failed: {exc}") from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Store:
+    def __init__(self, url: str, job: str, *, socket_timeout_s: float = 10.0):
+        self.url = url
+        self.job = job
+        self._prefix = f"imerge:{job}:"
+        self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s + _BLOCK_SLICE_S,
+                                           socket_connect_timeout=socket_timeout_s,
+                                           decode_responses=True)
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._release = self._redis.register_script(_RELEASE)
+
+    def _key(self, *parts: object) -> str:
+        return self._prefix + ":".join(str(p) for p in parts)
+
+    @_translated
+    def ping(self) -> None:
+        self._redis.ping()
+
+    def close(self) -> None:
+        self._redis.close()
+
+    # -- blocking primitives ------------------------------------------------
+    def _pop(self, key: str, deadline: float, what: str, timeout_s: float) -> str:
+        """BLPOP one item of ``key`` before ``deadline`` (monotonic)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
+            item = self._redis.blpop([key], timeout=_slice(remaining))
+            if item is not None:
+                return item[1]
+
+    def _collect(self, queue: str, count: int, timeout_s: float, what: str) -> None:
+        """Pop indexes from ``queue`` until each of 0..count-1 was seen; others are logged and skipped."""
+        deadline = time.monotonic() + timeout_s
+        seen: set[int] = set()
+        while len(seen) < count:
+            missing = sorted(set(range(count)) - seen)
+            index = int(self._pop(self._key(queue, "queue"), deadline, what.format(missing=missing), timeout_s))
+            if 0 <= index < count:
+                seen.add(index)
+            else:
+                log.warning("%s %d registered but the job has only %d; ignored", queue, index, count)
+
+    def _set_event(self, name: str, value: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self._key("event", name, "value"), value)
+        pipe.rpush(self._key("event", name), "1")
+        pipe.execute()
+
+    def _wait_event(self, name: str, timeout_s: float, what: str) -> str:
+        """Block until event ``name`` is set; return its payload."""
+        self._pop(self._key("event", name), time.monotonic() + timeout_s, what, timeout_s)
+        self._redis.rpush(self._key("event", name), "1")  # re-arm the latch for other waiters
+        return self._redis.get(self._key("event", name, "value")) or ""
+
+    def _read_event(self, name: str) -> str | None:
+        """The payload of event ``name`` if it is set, without waiting."""
+        return self._redis.get(self._key("event", name, "value"))
+
+    # -- the plan ---------------------------------------------------------------
+    @_translated
+    def publish_plan(self, version: int, message: PlanPublished) -> None:
+        self._set_event(f"plan:{version}", message.encode())
+
+    @_translated
+    def wait_plan(self, version: int, timeout_s: float, what: str) -> PlanPublished:
+        return PlanPublished.decode(self._wait_event(f"plan:{version}", timeout_s, what))
+
+    @_translated
+    def read_plan(self, version: int) -> PlanPublished | None:
+        """The plan of ``version`` if it was published, without waiting."""
+        payload = self._read_event(f"plan:{version}")
+        return PlanPublished.decode(payload) if payload else None
+
+    def latest_plan(self) -> PlanPublished | None:
+        """The newest published plan (the cost plan once there is one), without waiting."""
+        first = self.read_plan(FIRST_PLAN)
+        if first is None or first.plan is None:
+            return first
+        return self.read_plan(first.plan.version + 1) or first
+
+    @_translated
+    def announce_blocks_ready(self, version: int, message: BlocksReady) -> None:
+        self._set_event(f"blocks-ready:{version}", message.encode())
+
+    @_translated
+    def wait_blocks_ready(self, version: int, timeout_s: float) -> BlocksReady:
+        return BlocksReady.decode(self._wait_event(f"blocks-ready:{version}", timeout_s,
+                                                   "worker 0 to initialize the blocks on the shards"))
+
+    @_translated
+    def job_running(self) -> bool:
+        """Whether worker 0 created the first plan's blocks: a worker that joins now rejoins a running job."""
+        return self._read_event(f"blocks-ready:{FIRST_PLAN}") is not None
+
+    # -- shards -------------------------------------------------------------
+    @_translated
+    def register_shard(self, index: int, address: str) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self._key("shards"), str(index), address)
+        pipe.rpush(self._key("shards", "queue"), str(index))
+        pipe.execute()
+
+    @_translated
+    def wait_shards(self, count: int, timeout_s: float) -> list[str]:
+        """Addresses of shards 0..count-1, once all of them registered."""
+        self._collect("shards", count, timeout_s, "PS shards {missing} to register")
+        addresses = self._redis.hgetall(self._key("shards"))
+        return [addresses[str(i)] for i in range(count)]
+
+    @_translated
+    def registered_shards(self) -> int:
+        return int(self._redis.hlen(self._key("shards")))
+
+    # -- workers ------------------------------------------------------------
+    @_translated
+    def register_worker(self, rank: int, info: WorkerInfo, ttl_s: float) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self._key("workers"), str(rank), info.encode())
+        pipe.set(self._key("worker", rank, "alive"), "-1", px=int(ttl_s * 1000))
+        pipe.execute()
+
+    @_translated
+    def heartbeat(self, rank: int, ttl_s: float, generation: int = -1) -> None:
+        self._redis.set(self._key("worker", rank, "alive"), str(generation), px=int(ttl_s * 1000))
+
+    @_translated
+    def submit_layout(self, rank: int, submission: LayoutSubmission) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self._key("layout", rank), submission.encode())
+        pipe.rpush(self._key("layouts", "queue"), str(rank))
+        pipe.execute()
+
+    @_translated
+    def wait_layouts(self, world_size: int, timeout_s: float) -> dict[int, LayoutSubmission]:
+        self._collect("layouts", world_size, timeout_s, "workers {missing} to submit their model layout")
+        return self.layouts(world_size)
+
+    @_translated
+    def layouts(self, world_size: int) -> dict[int, LayoutSubmission]:
+        """The submitted layouts, without waiting (for a coordinator that restarts mid-job)."""
+        pipe = self._redis.pipeline()
+        for rank in range(world_size):
+            pipe.get(self._key("layout", rank))
+        return {rank: LayoutSubmission.decode(text) for rank, text in enumerate(pipe.execute()) if text}
+
+    @_translated
+    def mark_done(self, rank: int) -> None:
+        pipe = self._redis.pipeline()
+        pipe.hset(self._key("done"), str(rank), "1")
+        pipe.rpush(self._key("done", "queue"), str(rank))
+        pipe.execute()
+
+    @_translated
+    def done_ranks(self) -> set[int]:
+        """Ranks that finished their job (for a coordinator that restarts mid-job)."""
+        return {int(rank) for rank in self._redis.hgetall(self._key("done"))}
+
+    @_translated
+    def record_worker(self, rank: int, position: WorkerPosition) -> None:
+        """The generation this worker joined and its data position (iterations done)."""
+        pipe = self._redis.pipeline()
+        pipe.set(self._key("worker", rank, "generation"), str(position.generation))
+        pipe.hset(self._key("positions"), str(rank), position.encode())
+        pipe.execute()
+
+    @_translated
+    def worker_generation(self, rank: int) -> int | None:
+        value = self._redis.get(self._key("worker", rank, "generation"))
+        return None if value is None else int(value)
+
+    # -- profile (fusion cost) ------------------------------------------------
+    @_translated
+    def submit_profile(self, profile: Profile) -> None:
+        pipe = self._redis.pipeline()
+        pipe.set(self._key("profile"), profile.encode())
+        pipe.rpush(self._key("profile", "queue"), "1")
+        pipe.execute()
+
+    @_translated
+    def wait_profile(self, timeout_s: float) -> Profile:
+        self._pop(self._key("profile", "queue"), time.monotonic() + timeout_s,
+                  "worker 0's profile of its first iterations", timeout_s)
+        return Profile.decode(self._redis.get(self._key("profile")) or "")
+
+    # -- slot flags -------------------------------------------------------------
+    @_translated
+    def acquire_flag(self, flag: Flag, token: str, lease_s: float, timeout_s: float,
+                     generation: int = 0) -> FlagGrant:
+        """Take slot flag ``flag`` for ``token`` in ``generation``; block (no polling) while another holds it.
+
+        WaitTimeout names the holder; GenerationChanged says the job moved on.
+        """
+        holder, wake = self._key("flag", flag), self._key("flag", flag, "wake")
+        deadline = time.monotonic() + timeout_s
+        contended = False
+        while True:
+            outcome, value = self._acquire(keys=[holder, wake, self._key("flags", "stats"), self._key("fence"),
+                                                 self._key("generation")],
+                                           args=[token, int(lease_s * 1000), int(contended), generation])
+            if outcome == -1:
+                raise GenerationChanged(f"slot flag {flag}: the job is at generation {value}, not {generation}",
+                                        value)
+            if outcome == 1:
+                return FlagGrant(contended, value)
+            remaining_lease_ms = value
+            contended = True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for slot flag {flag} "
+                                  f"(held by {self._redis.get(holder)})")
+            wait = min(remaining, max(remaining_lease_ms, 10) / 1000, _BLOCK_SLICE_S)
+            self._redis.blpop([wake], timeout=_slice(wait))
+
+    @_translated
+    def release_flag(self, flag: Flag, token: str) -> bool:
+        """Free slot flag ``flag`` if ``token`` still holds it; False if its lease had passed to another."""
+        return bool(self._release(keys=[self._key("flag", flag), self._key("flag", flag, "wake"),
+                                        self._key("flags", "stats")], args=[token]))
+
+    @_translated
+    def flag_stats(self) -> dict[str, int]:
+        """How many flags were granted, granted after a wait, and released after their lease expired."""
+        raw = self._redis.hgetall(self._key("flags", "stats"))
+        return {name: int(raw.get(name, 0)) for name in FLAG_STATS}
+
+    @_translated
+    def create_role_users(self, passwords: dict[str, str]) -> list[str]:
+        """Create (or reset) the ACL user ``imerge-{role}`` of each role, allowed only its commands on this
+        job's keys; needs an admin connection. Returns the user names."""
+        users = []
+        for role, password in passwords.items():
+            if role not in ROLE_COMMANDS:
+                raise StoreError(f"no ACL for role {role!r}; roles: {', '.join(ROLE_COMMANDS)}")
+            user = f"imerge-{role}"
+            self._redis.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}",
+                                        f"~{self._prefix}*", "resetchannels", "-@all",
+                                        *(f"+{command}" for command in ROLE_COMMANDS[role]))
+            users.append(user)
+        return users
+
+    # -- generations and recovery ------------------------------------------------
+    @_translated
+    def generation(self) -> int | None:
+        """The job generation; None when the key is absent (no plan yet, or Redis lost the job's state)."""
+        value = self._redis.get(self._key("generation"))
+        return None if value is None else int(value)
+
+    @_translated
+    def start_generation(self, event: GenerationEvent) -> None:
+        """Publish a generation (the coordinator alone does): its event first, then the key."""
+        self._set_event(f"generation:{event.generation}", event.encode())
+        self._redis.set(self._key("generation"), str(event.generation))
+
+    @_translated
+    def generation_event(self, generation: int) -> GenerationEvent | None:
+        """The event that started ``generation``, if it was published."""
+        payload = self._read_event(f"generation:{generation}")
+        return GenerationEvent.decode(payload) if payload else None
+
+    @_translated
+    def wait_generation(self, generation: int, timeout_s: float, what: str) -> GenerationEvent:
+        return GenerationEvent.decode(self._wait_event(f"generation:{generation}", timeout_s, what))
+
+    @_translated
+    def announce_restored(self, message: Restored) -> None:
+        self._set_event(f"restored:{message.generation}:{message.shard}", message.encode())
+
+    @_translated
+    def wait_restored(self, generation: int, shard: int, timeout_s: float) -> Restored:
+        return Restored.decode(self._wait_event(f"restored:{generation}:{shard}", timeout_s,
+                                                f"shard {shard} to restore generation {generation}"))
+
+    @_translated
+    def shard_heartbeat(self, index: int, ttl_s: float, generation: int) -> None:
+        self._redis.set(self._key("shard", index, "alive"), str(generation), px=int(ttl_s * 1000))
+
+    @_translated
+    def member_generations(self, num_workers: int, num_shards: int) -> dict[str, int]:
+        """The generation each live member's heartbeat names ("worker 0", "shard 1", ...)."""
+        members = [f"worker {r}" for r in range(num_workers)] + [f"shard {i}" for i in range(num_shards)]
+        pipe = self._redis.pipeline()
+        for member in members:
+            pipe.get(self._key(*member.split(" "), "alive"))
+        return {member: int(value) for member, value in zip(members, pipe.execute()) if value is not None}
+
+    @_translated
+    def publish_checkpoints(self, index: int, rounds: list[int]) -> None:
+        self._redis.hset(self._key("checkpoints"), str(index), CheckpointRounds(rounds).encode())
+
+    @_translated
+    def checkpoint_rounds(self) -> dict[int, list[int]]:
+        """Each shard's complete checkpoint rounds, as it last published them."""
+        return {int(k): CheckpointRounds.decode(v).rounds
+                for k, v in self._redis.hgetall(self._key("checkpoints")).items()}
+
+    @_translated
+    def report_failure(self, report: FailureReport) -> None:
+        self._redis.rpush(self._key("failures", "queue"), report.encode())
+
+    @_translated
+    def pop_report(self, timeout_s: float) -> WorkerDone | FailureReport | None:
+        """The next report (a worker finished, or a process saw a failure), or None within ``timeout_s``."""
+        item = self._redis.blpop([self._key("failures", "queue"), self._key("done", "queue")],
+                                 timeout=_slice(timeout_s))
+        if item is None:
+            return None
+        if item[0] == self._key("done", "queue"):
+            return WorkerDone(int(item[1]))
+        return FailureReport.decode(item[1])

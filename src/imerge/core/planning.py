@@ -1,0 +1,321 @@
+"""The plan: model layout, units and blocks, fusion groups, and placement on shards.
+
+Pure policy: imports neither grpc nor redis.
+
+* The **layout** lists the trainable parameters in backward order; the worker
+  keeps all of them in one flat buffer in that order, so every unit, block and
+  group below is a contiguous range of it.
+* A **unit** is one module's parameters. A unit larger than the partition cap
+  is split into near-equal **partitions**; each partition (or whole unit) is a
+  **block**: the shard-side unit of aggregation and optimizer state, stable for
+  the job.
+* A **group** is a run of consecutive units that travel together (fusion);
+  its phase under interleave period T is ``(-index) mod T`` (see schedule).
+* **Placement** puts each block on a shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from imerge.core.dtypes import BLOCK_DTYPE
+from imerge.core.errors import LayoutMismatchError, PlanError
+from imerge.core.schedule import phase
+
+FUSIONS = ("none", "size", "cost")
+PLACEMENTS = ("lpt", "round-robin")
+BYTES_PER_ELEMENT = BLOCK_DTYPE.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    module: str  # qualified name of the module that owns the parameter
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The trainable parameters of a model, in backward order (first ready first)."""
+
+    params: tuple[ParamInfo, ...]
+
+    def to_json(self) -> str:
+        return json.dumps([[p.name, list(p.shape), p.module] for p in self.params])
+
+    @classmethod
+    def from_json(cls, text: str) -> "Layout":
+        return cls(tuple(ParamInfo(name, tuple(shape), module) for name, shape, module in json.loads(text)))
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def check_same(self, other: "Layout", self_rank: int, other_rank: int) -> None:
+        """Raise LayoutMismatchError naming the first parameter where the two differ."""
+        for index, (mine, theirs) in enumerate(zip(self.params, other.params)):
+            if mine != theirs:
+                raise LayoutMismatchError(
+                    f"worker {other_rank} disagrees with worker {self_rank} at parameter #{index}: "
+                    f"{theirs.name} {list(theirs.shape)} vs {mine.name} {list(mine.shape)}")
+        if len(self.params) != len(other.params):
+            longer, rank = (self, self_rank) if len(self.params) > len(other.params) else (other, other_rank)
+            extra = longer.params[min(len(self.params), len(other.params))]
+            raise LayoutMismatchError(
+                f"workers {self_rank} and {other_rank} have {len(self.params)} and "
+                f"{len(other.params)} parameters; first extra one (worker {rank}): {extra.name}")
+
+
+def layout_of(model: Any) -> Layout:
+    """A torch module's trainable parameters in backward order (the reverse of registration
+    order, as DDP assumes); a shared parameter belongs to the first module that holds it."""
+    owner: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            owner.setdefault(id(param), module_name)
+    params = [ParamInfo(name, tuple(p.shape), owner[id(p)])
+              for name, p in model.named_parameters() if p.requires_grad]
+    return Layout(tuple(reversed(params)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One module's parameters: a range of the flat buffer."""
+
+    index: int
+    module: str
+    offset: int
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A contiguous range of the flat buffer, owned by one shard."""
+
+    block_id: str
+    unit: int
+    offset: int
+    numel: int
+    shard: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Consecutive units that travel together; ``blocks`` indexes Plan.blocks."""
+
+    index: int
+    units: tuple[int, ...]
+    offset: int
+    numel: int
+    blocks: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    version: int
+    num_workers: int
+    period: int
+    shard_addresses: tuple[str, ...]
+    units: tuple[Unit, ...]
+    blocks: tuple[Block, ...]
+    groups: tuple[Group, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        raw = json.loads(text)
+        return cls(version=raw["version"], num_workers=raw["num_workers"], period=raw["period"],
+                   shard_addresses=tuple(raw["shard_addresses"]),
+                   units=tuple(Unit(**u) for u in raw["units"]),
+                   blocks=tuple(Block(**b) for b in raw["blocks"]),
+                   groups=tuple(Group(g["index"], tuple(g["units"]), g["offset"], g["numel"], tuple(g["blocks"]))
+                                for g in raw["groups"]))
+
+    def group_blocks(self, group: Group) -> list[Block]:
+        return [self.blocks[i] for i in group.blocks]
+
+    def shard_bytes(self, shard: int) -> int:
+        """Parameter bytes the mapping table assigns to ``shard``."""
+        return sum(b.numel for b in self.blocks if b.shard == shard) * BYTES_PER_ELEMENT
+
+    def shard_load(self) -> list[list[int]]:
+        """Bytes each shard receives from one worker, per interleave phase: load[shard][phase]."""
+        load = [[0] * self.period for _ in self.shard_addresses]
+        for group in self.groups:
+            for block in self.group_blocks(group):
+                load[block.shard][phase(group.index, self.period)] += block.numel * BYTES_PER_ELEMENT
+        return load
+
+
+# -- units and blocks -----------------------------------------------------------------
+def make_units(layout: Layout) -> list[Unit]:
+    """One unit per module, in backward order (a module's parameters are adjacent)."""
+    units: list[Unit] = []
+    offset = 0
+    for param in layout.params:
+        if units and units[-1].module == param.module and units[-1].offset + units[-1].numel == offset:
+            last = units[-1]
+            units[-1] = Unit(last.index, last.module, last.offset, last.numel + param.numel)
+        else:
+            units.append(Unit(len(units), param.module, offset, param.numel))
+        offset += param.numel
+    return units
+
+
+def partition(units: Sequence[Unit], cap_bytes: int) -> list[Block]:
+    """Blocks: each unit, split into near-equal partitions of at most ``cap_bytes``."""
+    if cap_bytes < BYTES_PER_ELEMENT:
+        raise PlanError(f"partition cap {cap_bytes} B is below one element")
+    cap = cap_bytes // BYTES_PER_ELEMENT
+    blocks: list[Block] = []
+    for unit in units:
+        parts = -(-unit.numel // cap)
+        bounds = [unit.offset + unit.numel * i // parts for i in range(parts + 1)]
+        for start, end in zip(bounds, bounds[1:]):
+            blocks.append(Block(f"b{len(blocks)}", unit.index, start, end - start))
+    return blocks
+
+
+# -- fusion -----------------------------------------------------------------------------
+def fuse_none(unit_bytes: Sequence[int]) -> list[list[int]]:
+    """One group per module (WFBP)."""
+    return [[i] for i in range(len(unit_bytes))]
+
+
+def fuse_size(unit_bytes: Sequence[int], cap_bytes: int, first_cap_bytes: int) -> list[list[int]]:
+    """DDP-style buckets in backward order: a small first group, then groups up to ``cap_bytes``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index, nbytes in enumerate(unit_bytes):
+        cap = first_cap_bytes if not groups else cap_bytes
+        if current and size + nbytes > cap:
+            groups.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def predicted_end(groups: Sequence[Sequence[int]], ready_s: Sequence[float], unit_bytes: Sequence[int],
+                  alpha_s: float, beta_s_per_byte: float) -> float:
+    """When the last transfer ends: a group starts once its last unit is ready and the link is free."""
+    link_free = 0.0
+    for group in groups:
+        start = max(link_free, max(ready_s[i] for i in group))
+        link_free = start + alpha_s + beta_s_per_byte * sum(unit_bytes[i] for i in group)
+    return link_free
+
+
+def fuse_cost(ready_s: Sequence[float], unit_bytes: Sequence[int], alpha_s: float,
+              beta_s_per_byte: float) -> list[list[int]]:
+    """The grouping of consecutive units with the smallest predicted end of the last transfer.
+
+    ``ready_s[i]`` is when backward has produced unit i's gradient (non-decreasing).
+    Dynamic programming over prefixes: the best end of a prefix only matters
+    through that end time, and an earlier end is never worse.
+    """
+    count = len(unit_bytes)
+    if count == 0:
+        return []
+    best_end = [0.0] + [math.inf] * count
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        size = 0
+        for start in range(end, 0, -1):  # group = units start-1 .. end-1
+            size += unit_bytes[start - 1]
+            finish = max(best_end[start - 1], ready_s[end - 1]) + alpha_s + beta_s_per_byte * size
+            if finish < best_end[end] - 1e-15:
+                best_end[end], cut[end] = finish, start - 1
+    groups: list[list[int]] = []
+    end = count
+    while end > 0:
+        groups.append(list(range(cut[end], end)))
+        end = cut[end]
+    return groups[::-1]
+
+
+# -- placement --------------------------------------------------------------------------
+def place(block_bytes: Sequence[int], block_phases: Sequence[int], num_shards: int, period: int,
+          policy: str = "lpt") -> list[int]:
+    """Shard of each block. ``lpt``: largest first onto the shard least loaded in the block's
+    phase (ties: least loaded overall, then lowest index). ``round-robin``: block i on shard i mod S."""
+    if num_shards < 1:
+        raise PlanError("placement needs at least one shard")
+    if policy == "round-robin":
+        return [i % num_shards for i in range(len(block_bytes))]
+    if policy != "lpt":
+        raise PlanError(f"unknown placement {policy!r}; choose from {', '.join(PLACEMENTS)}")
+    load = [[0] * period for _ in range(num_shards)]
+    shard_of = [0] * len(block_bytes)
+    for item in sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i)):
+        p = block_phases[item]
+        target = min(range(num_shards), key=lambda s: (load[s][p], sum(load[s]), s))
+        shard_of[item] = target
+        load[target][p] += block_bytes[item]
+    return shard_of
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """The job-level scheduling options the plan depends on (all workers must agree)."""
+
+    fusion: str = "none"
+    size_cap_bytes: int = 25 << 20
+    first_cap_bytes: int = 1 << 20
+    partition_bytes: int = 4 << 20
+    placement: str = "lpt"
+    period: int = 1
+
+    def validate(self) -> "PlanOptions":
+        if self.fusion not in FUSIONS:
+            raise PlanError(f"unknown fusion {self.fusion!r}; choose from {', '.join(FUSIONS)}")
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"unknown placement {self.placement!r}")
+        if self.period < 1 or min(self.size_cap_bytes, self.first_cap_bytes, self.partition_bytes) < 4:
+            raise PlanError("period must be >= 1 and every cap at least 4 bytes")
+        return self
+
+
+def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], version: int,
+              options: PlanOptions = PlanOptions(), groups: Sequence[Sequence[int]] | None = None,
+              placement_of: Sequence[int] | None = None) -> Plan:
+    """The plan for ``layout``. ``groups`` overrides the fusion (the cost planner's result);
+    ``placement_of`` keeps an earlier plan's block placement (blocks are stable for the job)."""
+    options.validate()
+    if not layout.params:
+        raise PlanError("the model has no trainable parameters")
+    units = make_units(layout)
+    blocks = partition(units, options.partition_bytes)
+    unit_bytes = [u.numel * BYTES_PER_ELEMENT for u in units]
+    if groups is None:
+        groups = (fuse_size(unit_bytes, options.size_cap_bytes, options.first_cap_bytes)
+                  if options.fusion == "size" else fuse_none(unit_bytes))
+    group_of_unit = {u: g for g, members in enumerate(groups) for u in members}
+    if sorted(group_of_unit) != list(range(len(units))):
+        raise PlanError("groups must cover every unit exactly once")
+    if placement_of is None:
+        placement_of = place([b.numel * BYTES_PER_ELEMENT for b in blocks],
+                             [phase(group_of_unit[b.unit], options.period) for b in blocks],
+                             len(shard_addresses), options.period, options.placement)
+    blocks = [dataclasses.replace(b, shard=s) for b, s in zip(blocks, placement_of)]
+    plan_groups = []
+    for index, members in enumerate(groups):
+        if list(members) != list(range(members[0], members[-1] + 1)):
+            raise PlanError(f"group {index} is not a run of consecutive units: {list(members)}")
+        first, last = units[members[0]], units[members[-1]]
+        plan_groups.append(Group(index, tuple(members), first.offset, last.offset + last.numel - first.offset,
+                                 tuple(i for i, b in enumerate(blocks) if group_of_unit[b.unit] == index)))
+    return Plan(version, num_workers, options.period, tuple(shard_addresses), tuple(units), tuple(blocks),
+                tuple(plan_groups))

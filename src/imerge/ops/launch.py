@@ -1,0 +1,396 @@
+"""``imerge launch``: a whole job on one host, with no manual setup.
+
+Starts Redis (unless ``--redis-url`` names one), the coordinator, S shards and
+W workers as child processes on loopback, shows worker 0's progress, and
+stops every child on success, on failure (naming the role that failed) and on
+Ctrl-C or SIGTERM. Each child runs in its own process group and is killed by
+the kernel if the launcher itself dies, so no process is left behind.
+
+A shard or worker that dies before the job is done, or a coordinator killed by
+a signal, is restarted, up to ``--max-restarts`` times per role, with the same
+address and options; the shards write checkpoints into the log folder, so the
+job recovers from them. (A coordinator that exits with an error ended the job
+on purpose: it is not restarted.)
+A worker that exits with code 75 (the job recovered, it rejoins) is restarted
+without counting; one that exits with code 76 (a fatal error, which a restart
+would repeat) fails the job at once. ``roles.json`` in the log folder names each role's pid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from imerge.ops import proc
+from imerge.core.config import option, redacted, require
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ChildFailed, IMergeError
+from imerge.telemetry.metrics import prometheus_config, rules_file
+from imerge.telemetry.progress import PROGRESS_FD_ENV
+from imerge.ops.redis_server import RedisServer, free_port
+
+log = logging.getLogger(__name__)
+METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
+MAX_REJOINS = 50  # exits with code 75 tolerated per worker (each follows a recovery of the job)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    workers: int = option(2, "number of workers")
+    shards: int = option(2, "number of PS shards")
+    job: str = option("", "job id (default: a fresh one per launch)")
+    redis_url: str = option("", "Redis to use (default: start an embedded redis-server)")
+    log_dir: str = option("", "folder for each role's log (default: runs/<job>)")
+    log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    stop_grace_s: float = option(10.0, "seconds a role gets to exit after SIGTERM before SIGKILL")
+    summary_json: str = option("", "also write the run's summary to this JSON file")
+    max_restarts: int = option(2, "restarts of a shard or worker that died before the job finished, or of a "
+                                  "coordinator killed by a signal (per role; past them the job fails naming the "
+                                  "role)")
+
+    def __post_init__(self) -> None:
+        require(1 <= self.workers <= 256, "workers", "must lie in 1..256")
+        require(1 <= self.shards <= 256, "shards", "must lie in 1..256")
+        require(self.stop_grace_s > 0, "stop_grace_s", "must be positive")
+        require(0 <= self.max_restarts <= 100, "max_restarts", "must lie in 0..100")
+
+
+def _figure(event: dict[str, Any], key: str, digits: int) -> str:
+    value = event.get(key)
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
+
+
+class LocalHosts:
+    """Every role on this host, on loopback; a shard keeps its port across restarts."""
+
+    def __init__(self) -> None:
+        self._ports: dict[int, int] = {}
+
+    def prefix(self, role: str) -> list[str]:
+        return []
+
+    def shard_env(self, index: int) -> dict[str, str]:
+        port = self._ports.setdefault(index, free_port())
+        return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": str(port)}
+
+    def metrics_target(self, role: str) -> tuple[int, str]:
+        """The metrics port ``role`` serves on, and the address Prometheus scrapes."""
+        port = free_port()
+        return port, f"127.0.0.1:{port}"
+
+    def role_env(self, role: str) -> dict[str, str]:
+        return {}
+
+
+class TestbedHosts:
+    """Every role in its own network namespace of a testbed, reached by its role name."""
+
+    SHARD_PORT = 50051
+
+    def __init__(self, testbed: Any):
+        self.testbed = testbed
+
+    def prefix(self, role: str) -> list[str]:
+        return self.testbed.exec_prefix(role)
+
+    def shard_env(self, index: int) -> dict[str, str]:
+        return {"IMERGE_HOST": "0.0.0.0", "IMERGE_PORT": str(self.SHARD_PORT),
+                "IMERGE_ADVERTISE": f"ps{index}:{self.SHARD_PORT}"}
+
+    def metrics_target(self, role: str) -> tuple[int, str]:
+        return METRICS_PORT, f"{role}:{METRICS_PORT}"
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """The role's link capacity, so its metrics report utilization against the shaped rate."""
+        return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}"}
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Child:
+    role: str
+    process: Any
+    log_path: Path
+    is_worker: bool
+    argv: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    restarts: int = 0   # after deaths
+    rejoins: int = 0    # after exit code 75 (the job recovered)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
+                 console: Console | None = None, schedule_env: dict[str, str] | None = None,
+                 hosts: LocalHosts | TestbedHosts | None = None, workers_only: bool = False, quiet: bool = False):
+        self.config = config
+        self.workers_only = workers_only
+        self.quiet = quiet
+        self.hosts = hosts or LocalHosts()
+        self.job_env = job_env
+        self.schedule_env = schedule_env or {}
+        self.command = command or []
+        self.console = console or Console(stderr=True)
+        self.job = config.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.log_dir = Path(config.log_dir or Path("runs") / self.job)
+        self.children: list[Child] = []
+        self.redis: RedisServer | None = None
+        self.events: list[dict[str, Any]] = []
+        self.summary: dict[str, Any] = {}
+        self.metrics_targets: dict[str, str] = {}  # role -> host:port of its /metrics
+
+    # -- children -----------------------------------------------------------------
+    def _env(self, redis_url: str, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(IMERGE_JOB=self.job, IMERGE_REDIS_URL=redis_url, IMERGE_LOG_LEVEL=self.config.log_level,
+                   PYTHONUNBUFFERED="1")
+        env.update(extra)
+        return env
+
+    def _start(self, role: str, argv: list[str], env: dict[str, str], is_worker: bool = False,
+               pass_fds: tuple[int, ...] = ()) -> None:
+        env.update(self.hosts.role_env(role))
+        if not self.workers_only and env.get("IMERGE_METRICS_PORT", "0") == "0":
+            port, self.metrics_targets[role] = self.hosts.metrics_target(role)
+            env["IMERGE_METRICS_PORT"] = str(port)
+        log_path = self.log_dir / f"{role}.log"
+        with open(log_path, "wb") as log_file:
+            process = proc.spawn(self.hosts.prefix(role) + argv, env=env, stdout=log_file, pass_fds=pass_fds)
+        self.children.append(Child(role, process, log_path, is_worker, argv, env, pass_fds))
+        self._write_roles()
+
+    def _restart(self, child: Child, why: str) -> None:
+        log.warning("%s %s; restarting it", child.role, why)
+        if not self.quiet:
+            self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
+        with open(child.log_path, "ab") as log_file:
+            child.process = proc.spawn(self.hosts.prefix(child.role) + child.argv, env=child.env, stdout=log_file,
+                                       pass_fds=child.pass_fds)
+        self._write_roles()
+
+    def _write_roles(self) -> None:
+        roles = {child.role: child.process.pid for child in self.children}
+        (self.log_dir / "roles.json").write_text(json.dumps(roles, indent=1))
+
+    def _start_roles(self, redis_url: str, progress_fd: int) -> None:
+        cfg, role = self.config, [sys.executable, "-m", "imerge"]
+        if self.workers_only:
+            self._start_workers(redis_url, progress_fd, role)
+            return
+        self._start("coordinator", role + ["coordinator"],
+                    self._env(redis_url, {"IMERGE_NUM_WORKERS": str(cfg.workers),
+                                          "IMERGE_NUM_SHARDS": str(cfg.shards)}))
+        for index in range(cfg.shards):
+            self._start(f"ps{index}", role + ["ps"],
+                        self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "OMP_NUM_THREADS": "1",
+                                              "IMERGE_CHECKPOINT_DIR": os.environ.get("IMERGE_CHECKPOINT_DIR")
+                                              or str(self.log_dir / "checkpoints"),
+                                              **self.hosts.shard_env(index)}))
+        self._start_workers(redis_url, progress_fd, role)
+
+    def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
+        cfg = self.config
+        threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+        for rank in range(cfg.workers):
+            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
+            argv = self.command or role + ["worker"]
+            extra.update(self.job_env)
+            if not self.command or self.workers_only:
+                if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
+                    extra["IMERGE_TORCH_THREADS"] = threads
+            fds = ()
+            if rank == 0:
+                extra[PROGRESS_FD_ENV] = str(progress_fd)
+                fds = (progress_fd,)
+            self._start(f"worker{rank}", argv, self._env(redis_url, extra), is_worker=True, pass_fds=fds)
+
+    def _check_children(self) -> bool:
+        """True once every worker exited 0; restarts dead roles; ChildFailed for a role that cannot go on."""
+        workers_done = True
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                workers_done = workers_done and not child.is_worker
+            elif code == 0 and (child.is_worker or child.role == "coordinator"):
+                continue
+            elif code == EXIT_FATAL and child.is_worker:
+                raise ChildFailed(child.role, f"failed with a fatal error (exit code {code}: not restarted); "
+                                              f"last lines of {child.log_path}:\n{child.tail()}")
+            elif code == EXIT_REJOIN and child.is_worker and child.rejoins < MAX_REJOINS:
+                child.rejoins += 1
+                self._restart(child, "left to rejoin the recovered job")
+                workers_done = False
+            elif (child.role != "coordinator" or code < 0) and child.restarts < self.config.max_restarts:
+                child.restarts += 1
+                self._restart(child, f"exited with code {code} (restart {child.restarts} of "
+                                     f"{self.config.max_restarts})")
+                workers_done = workers_done and not child.is_worker
+            else:
+                why = "exited before the workers finished" if code == 0 else f"exited with code {code}"
+                if child.role != "coordinator" or code < 0:
+                    why += f" after {child.restarts} restarts (--max-restarts {self.config.max_restarts})"
+                raise ChildFailed(child.role, f"{why}; last lines of {child.log_path}:\n{child.tail()}")
+        return workers_done
+
+    def _stop_all(self) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                proc.signal_group(child.process, signal.SIGTERM)
+        for child in reversed(self.children):
+            proc.stop(child.process, self.config.stop_grace_s)
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    # -- progress -------------------------------------------------------------------
+    def _read_events(self, stream: Any, buffer: list[str], timeout_s: float) -> list[dict[str, Any]]:
+        ready, _, _ = select.select([stream], [], [], timeout_s)
+        if not ready:
+            return []
+        data = os.read(stream.fileno(), 65536).decode(errors="replace")
+        buffer.append(data)
+        *lines, rest = "".join(buffer).split("\n")
+        buffer[:] = [rest]
+        events = []
+        for line in lines:
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                log.warning("ignored a malformed progress line: %r", line[:200])
+        return events
+
+    def _supervise(self, read_fd: int) -> None:
+        columns = [TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[itime]} s/it"),
+                   TimeElapsedColumn()]
+        buffer: list[str] = []
+        with os.fdopen(read_fd, "rb", buffering=0) as stream, \
+                Progress(*columns, console=self.console, disable=self.quiet or not self.console.is_terminal) as bar:
+            task = bar.add_task("train", total=None, loss="-", itime="-")
+            last_note = 0.0
+            while not self._check_children():
+                for event in self._read_events(stream, buffer, 0.2):
+                    event["received"] = time.time()
+                    self.events.append(event)
+                    if event.get("event") == "iteration":
+                        loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
+                        bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),
+                                   loss=loss, itime=itime)
+                        if not (self.quiet or self.console.is_terminal) and time.monotonic() - last_note > 5:
+                            last_note = time.monotonic()
+                            self.console.print(f"iteration {event.get('iteration')}/{event.get('total', '?')} "
+                                               f"loss {loss} {itime} s/it")
+            for event in self._read_events(stream, buffer, 0.0):
+                self.events.append(event)
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self) -> int:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        read_fd, write_fd = os.pipe()
+        try:
+            redis_url = self.config.redis_url
+            if not redis_url:
+                self.redis = RedisServer()
+                redis_url = self.redis.url
+            if not self.quiet:
+                self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
+                                   f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
+            self._start_roles(redis_url, write_fd)
+            self._write_prometheus_config()
+            os.close(write_fd)
+            write_fd = -1
+            self._supervise(read_fd)
+            self._finish_roles()
+        except Interrupted as exc:
+            self.console.print(f"[yellow]{exc}: stopping every role[/yellow]")
+            return 128 + exc.signum
+        except ChildFailed as exc:
+            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
+            return 1
+        except IMergeError as exc:
+            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
+            return 1
+        finally:
+            if write_fd >= 0:
+                os.close(write_fd)
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self._summarize(time.monotonic() - started)
+        return 0
+
+    def _write_prometheus_config(self) -> None:
+        """``prometheus.yml`` in the log folder: scrapes every role, with IMerge's recording rules."""
+        if not self.metrics_targets:
+            return
+        path = self.log_dir / "prometheus.yml"
+        path.write_text(prometheus_config(self.metrics_targets, self.job, rules_file()))
+        if not self.quiet:
+            self.console.print(f"metrics: {', '.join(f'{r} {a}' for r, a in self.metrics_targets.items())}; "
+                               f"Prometheus configuration in {path}")
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        raise Interrupted(signum)
+
+    def _finish_roles(self) -> None:
+        """After the workers: the coordinator exits by itself; shards are stopped gracefully."""
+        coordinator = next((c for c in self.children if c.role == "coordinator"), None)
+        if coordinator is None:
+            return
+        try:
+            coordinator.process.wait(self.config.stop_grace_s)
+        except Exception:  # noqa: BLE001 - stopped below either way
+            log.warning("the coordinator did not exit after the workers finished")
+        for child in self.children:
+            if child.role.startswith("ps"):
+                code = proc.stop(child.process, self.config.stop_grace_s)
+                if code not in (0, -signal.SIGTERM):
+                    raise ChildFailed(child.role, f"exited with code {code} on SIGTERM")
+
+    def _summarize(self, wall_s: float) -> None:
+        iterations = [e for e in self.events if e.get("event") == "iteration"]
+        times = [e["seconds"] for e in iterations if "seconds" in e]
+        steady = times[1:] or times
+        final = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
+        self.summary = {"job": self.job, "workers": self.config.workers, "shards": self.config.shards,
+                        "iterations": len(iterations), "wall_seconds": round(wall_s, 3),
+                        "median_iteration_seconds": statistics.median(steady) if steady else None,
+                        "mean_iteration_seconds": statistics.fmean(steady) if steady else None,
+                        "final_loss": final.get("loss", iterations[-1].get("loss") if iterations else None), "test_accuracy": final.get("test_accuracy"),
+                        "log_dir": str(self.log_dir)}
+        if self.config.summary_json:
+            Path(self.config.summary_json).write_text(json.dumps(self.summary, indent=2))
+        if self.quiet:
+            return
+        table = Table(title=f"job {self.job} finished")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for key, value in self.summary.items():
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+        Console().print(table)
+

@@ -1,1 +1,0 @@
-"""Generated gRPC code (python -m imerge.protogen); never edit by hand."""

@@ -1,0 +1,113 @@
+"""What every role's Prometheus endpoint shares: serving, link capacity, interface counters, scrape config.
+
+Each role keeps its metrics in a registry of its own (several shards may share a
+process in tests) and serves it on its own port. Names follow the Prometheus
+conventions: base units, ``_bytes``, ``_seconds``, ``_total``, and low-cardinality
+labels (``shard``, ``worker``, ``group``, ``interface``).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+PROC_NET_DEV = Path("/proc/net/dev")
+# Buckets for the latencies of an iteration's parts: 1 ms .. 60 s.
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REPO_DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
+
+
+def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
+    """Interface name -> (received bytes, transmitted bytes), from the text of ``/proc/net/dev``
+    (other text around it, such as ``/proc/net/snmp``, is skipped)."""
+    found = {}
+    for line in text.splitlines():
+        name, _, fields = line.partition(":")
+        values = fields.split()
+        if len(values) >= 9 and values[0].isdigit() and values[8].isdigit():
+            found[name.strip()] = (int(values[0]), int(values[8]))
+    return found
+
+
+class InterfaceCollector(Collector):
+    """The kernel's byte counters of every interface in this process's namespace or container."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        received = CounterMetricFamily("imerge_network_receive_bytes", "Bytes received by the interface "
+                                       "(kernel counter of this namespace)", labels=["interface"])
+        sent = CounterMetricFamily("imerge_network_transmit_bytes", "Bytes transmitted by the interface "
+                                   "(kernel counter of this namespace)", labels=["interface"])
+        try:
+            interfaces = parse_net_dev(PROC_NET_DEV.read_text())
+        except OSError:
+            interfaces = {}
+        for name, (rx, tx) in sorted(interfaces.items()):
+            received.add_metric([name], rx)
+            sent.add_metric([name], tx)
+        yield received
+        yield sent
+
+
+def role_registry(link_mbps: float) -> CollectorRegistry:
+    """A fresh registry holding what every role exports: link capacity and interface counters."""
+    registry = CollectorRegistry(auto_describe=True)
+    Gauge("imerge_link_capacity_bytes_per_second", "Configured capacity of this host's network link",
+          registry=registry).set(link_mbps * 1e6 / 8)
+    registry.register(InterfaceCollector())
+    return registry
+
+
+class MetricsServer:
+    """Serves one registry's /metrics on its own port; ``port`` -1 means off."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, what: str, host: str = "0.0.0.0"):
+        self.port = -1
+        self._server: Any = None
+        if port < 0:
+            return
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            from imerge.core.errors import IMergeError
+
+            raise IMergeError(f"{what}: cannot serve metrics on {host}:{port}: {exc}; "
+                              "choose another with --metrics-port (-1: off)") from exc
+        self.port = self._server.server_port
+        log.info("%s: metrics on http://%s:%d/metrics", what, host, self.port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def rules_file() -> Path | None:
+    """The recording rules that ship with IMerge: ``deploy/prometheus/rules.yml`` of a source checkout,
+    or ``share/prometheus/rules.yml`` under the environment's prefix (the container image)."""
+    for path in (REPO_DEPLOY / "prometheus" / "rules.yml", Path(sys.prefix) / "share" / "prometheus" / "rules.yml"):
+        if path.is_file():
+            return path
+    return None
+
+
+def prometheus_config(targets: dict[str, str], job: str, rules: Path | None, interval_s: float = 1.0) -> str:
+    """A Prometheus configuration scraping ``targets`` (role -> host:port); JSON, which is valid YAML."""
+    config = {
+        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
+        "rule_files": [str(rules)] if rules else [],
+        "scrape_configs": [{
+            "job_name": "imerge",
+            "static_configs": [{"targets": [address], "labels": {"role": role, "imerge_job": job}}
+                               for role, address in targets.items()],
+        }],
+    }
+    return json.dumps(config, indent=2) + "\n"

@@ -1,0 +1,1 @@
+"""Generated gRPC code (python -m imerge.wire.protogen); never edit by hand."""

@@ -1,0 +1,44 @@
+"""Errors across the wire: a :class:`RequestError` becomes a gRPC status and comes back as the same class.
+
+The shard aborts a call with the class's status code and names the class in
+the trailing metadata (``imerge-error``); the client rebuilds that class, so
+``StaleGeneration`` (recoverable) and a malformed request (a fatal
+``ProtocolError``) stay apart even where they share a status code. A failure
+that gRPC itself reports, without the metadata (an unreachable shard, a
+deadline, a message too large), becomes the class of its status code.
+"""
+from __future__ import annotations
+
+import grpc
+
+from imerge.core.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
+                                NotFound, RequestError, ResourceExhausted, Unavailable, request_error_classes)
+
+ERROR_KEY = "imerge-error"
+_BY_CLASS = request_error_classes()
+_BY_STATUS: dict[grpc.StatusCode, type[RequestError]] = {
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.INTERNAL: Internal,
+}
+
+
+def status_of(exc: RequestError) -> tuple[grpc.StatusCode, tuple[tuple[str, str], ...]]:
+    """The status code ``exc`` travels as, and the trailing metadata naming its class."""
+    return grpc.StatusCode[exc.status], ((ERROR_KEY, type(exc).__name__),)
+
+
+def error_from(exc: grpc.RpcError, address: str) -> RequestError:
+    """The IMerge error a failed call stands for, naming the shard at ``address``."""
+    code = exc.code()
+    details = exc.details() or code.name
+    named = dict(exc.trailing_metadata() or ()).get(ERROR_KEY)
+    cls = _BY_CLASS.get(named) if named else None
+    if cls is None or cls.status != code.name:  # no (or a foreign) class name: go by the status code
+        cls = _BY_STATUS.get(code, RequestError)
+    return cls(details, address=address)

@@ -1,0 +1,30 @@
+"""TLS for the gRPC channels: server and channel credentials from PEM files.
+
+Plaintext stays the one-host default. A shard given ``--tls-cert`` and
+``--tls-key`` serves TLS; with ``--tls-ca`` as well it requires client
+certificates signed by that CA (mutual TLS). A worker (or ``imerge health``)
+given ``--tls-ca`` verifies the shards against it, and presents its own
+``--tls-cert``/``--tls-key`` when it has them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from imerge.core.config import TlsConfig
+
+
+def _read(path: str) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(config: TlsConfig) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(_read(config.tls_key), _read(config.tls_cert))],
+                                       root_certificates=_read(config.tls_ca),
+                                       require_client_auth=bool(config.tls_ca))
+
+
+def channel_credentials(config: TlsConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=_read(config.tls_ca), private_key=_read(config.tls_key),
+                                        certificate_chain=_read(config.tls_cert))

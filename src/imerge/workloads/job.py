@@ -1,0 +1,52 @@
+"""The built-in training job's options, shared by the IMerge worker and the DDP baseline of the benchmarks."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from imerge.core.config import option, require
+from imerge.core.optim import OPTIMIZERS, OptimizerSpec
+from imerge.workloads.data import DATASETS
+from imerge.workloads.models import MODELS
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    model: str = option("digits-cnn", "built-in model", choices=MODELS)
+    data: str = option("synthetic", "built-in data set", choices=DATASETS)
+    iters: int = option(0, "iterations to train (0: run --epochs epochs)")
+    epochs: int = option(1, "epochs to train when --iters is 0")
+    batch_size: int = option(32, "batch size per worker")
+    seed: int = option(0, "seed of the model's initialization and of the data order")
+    samples: int = option(512, "size of the synthetic training set")
+    evaluate: bool = option(True, "measure test accuracy at the end (worker 0)")
+    torch_threads: int = option(0, "torch intra-op threads per worker (0: torch's default)")
+    optimizer: str = option("sgd", "optimizer run on the shards", choices=OPTIMIZERS)
+    lr: float = option(0.05, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(5e-4, "weight decay")
+    nesterov: bool = option(False, "SGD Nesterov momentum")
+    save: str = option("", "worker 0 saves the trained parameters to this safetensors file")
+
+    def __post_init__(self) -> None:
+        require(self.iters >= 0, "iters", "must be >= 0")
+        require(self.epochs >= 1, "epochs", "must be >= 1")
+        require(self.batch_size >= 1, "batch_size", "must be >= 1")
+        require(self.samples >= 1, "samples", "must be >= 1")
+        require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
+        require(self.lr > 0, "lr", "must be positive")
+        require(self.data != "digits" or self.model == "digits-cnn", "data", "digits needs --model digits-cnn")
+
+    def optimizer_spec(self) -> OptimizerSpec:
+        return OptimizerSpec(self.optimizer, lr=self.lr, momentum=self.momentum if self.optimizer == "sgd" else 0.0,
+                             weight_decay=self.weight_decay, nesterov=self.nesterov)
+
+
+def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        inputs, labels = dataset.tensors
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in zip(inputs.split(256), labels.split(256)))
+    model.train()
+    return correct / len(labels)
