@@ -16,8 +16,8 @@ import threading
 import time
 import uuid
 
-from imerge.control.messages import (FIRST_PLAN, FailureReport, GenerationEvent, LayoutSubmission, PlanPublished,
-                                     WorkerDone)
+from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, LayoutSubmission,
+                                     PlanPublished, WorkerDone)
 from imerge.control.store import Store
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
@@ -102,7 +102,7 @@ class Coordinator:
         """Regroup the blocks of ``first`` from worker 0's profile (fusion cost)."""
         profile = self.store.wait_profile(self.config.wait_timeout_s)
         groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
-        plan = make_plan(layout, first.num_workers, first.shard_addresses, first.version + 1, options,
+        plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
                          groups=groups, placement_of=[b.shard for b in first.blocks])
         log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
                  profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))

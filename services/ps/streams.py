@@ -77,7 +77,8 @@ async def receive_exact(chunks: AsyncIterator[bytes], numel: int, what: str) -> 
             raise InvalidArgument(f"{what}: stream carries more than the declared {numel} elements")
         pieces.append(data)
     if received != expected:
-        raise InvalidArgument(f"{what}: stream truncated: {received // BLOCK_DTYPE.itemsize} of {numel} declared elements arrived")
+        raise InvalidArgument(f"{what}: stream truncated: {received // BLOCK_DTYPE.itemsize} of {numel} declared "
+                              f"elements arrived")
     tensor = torch.empty(numel)
     assembler = ChunkAssembler(tensor, what)
     for data in pieces:

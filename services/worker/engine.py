@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from imerge.control.messages import BlocksReady
+from imerge.control.messages import COST_PLAN, BlocksReady
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
@@ -136,7 +136,7 @@ class SyncEngine:
             raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(rounds)}, "
                               f"expected {round_} for every block")
         self.hooks.iteration = round_
-        if self.hooks.profiler is not None and self.plan.version > 1:
+        if self.hooks.profiler is not None and self.plan.version == COST_PLAN:
             self._stop_profiling()
             self.hooks.schedule_start = self.config.profile_iters
 

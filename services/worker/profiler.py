@@ -12,7 +12,7 @@ import statistics
 import threading
 from typing import Any
 
-from imerge.control.messages import Profile
+from imerge.control.messages import COST_PLAN, Profile
 from imerge.core.errors import IMergeError
 from imerge.core.planning import BYTES_PER_ELEMENT, Plan
 
@@ -79,8 +79,7 @@ def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_tim
         log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", profile.alpha_s,
                  profile.beta_s_per_byte, profile.ready_s[-1])
         store.submit_profile(profile)
-    version = current.version + 1
-    plan = store.wait_plan(version, wait_timeout_s, f"the coordinator's cost plan (v{version})").result()
+    plan = store.wait_plan(COST_PLAN, wait_timeout_s, f"the coordinator's cost plan (v{COST_PLAN})").result()
     if plan.blocks != current.blocks:
         raise IMergeError("the cost plan changed the blocks; only the groups may change")
     return plan

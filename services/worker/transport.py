@@ -101,7 +101,8 @@ class ShardClient:
         if assembler is not None:
             assembler.finish()
         if len(rounds) != len(targets):
-            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks", address=self.address)
+            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks",
+                                  address=self.address)
         return rounds
 
     @_translated

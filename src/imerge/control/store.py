@@ -70,8 +70,9 @@ import redis
 from imerge.core.config import redacted
 from imerge.core.errors import GenerationChanged, StoreError, WaitTimeout
 
-from .messages import (FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant, GenerationEvent,
-                       LayoutSubmission, PlanPublished, Profile, Restored, WorkerDone, WorkerInfo, WorkerPosition)
+from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant,
+                       GenerationEvent, LayoutSubmission, PlanPublished, Profile, Restored, WorkerDone, WorkerInfo,
+                       WorkerPosition)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -209,7 +210,7 @@ class Store:
         first = self.read_plan(FIRST_PLAN)
         if first is None or first.plan is None:
             return first
-        return self.read_plan(first.plan.version + 1) or first
+        return self.read_plan(COST_PLAN) or first
 
     @_translated
     def announce_blocks_ready(self, version: int, message: BlocksReady) -> None:
