@@ -93,8 +93,12 @@ def test_round_that_is_not_current_is_failed_precondition(stub):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "current round is 0" in details
     code, details = status_of(lambda: pull(stub, round_=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    code, details = status_of(lambda: pull(stub, worker=1))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "has not pushed" in details
+    # a pull may come before the puller's own push (pipelining): it waits for it, and names who is missing
+    code, details = status_of(lambda: pull(stub, worker=1, timeout_s=0.3))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "workers [0, 1] have not pushed" in details
+    code, details = status_of(lambda: list(stub.Pull(ps_pb2.PullRequest(block_ids=["b", "b"], worker=0),
+                                                     timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "asked for twice" in details
 
 
 def test_non_finite_gradient_is_rejected_and_not_counted(stub):

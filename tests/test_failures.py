@@ -111,7 +111,7 @@ def test_shards_only_accept_blocks_the_mapping_table_gives_them(cluster):
 
 def test_late_release_by_an_old_holder_cannot_free_a_newer_holders_flag(redis_url):
     store = Store(redis_url, new_job())
-    flag = Flag(1, 0)
+    flag = Flag(1, 0, 0)
     contended, old_fence = dataclasses.astuple(store.acquire_flag(flag, "old", lease_s=0.3, timeout_s=5))
     assert contended is False
     started = time.monotonic()
@@ -120,7 +120,7 @@ def test_late_release_by_an_old_holder_cannot_free_a_newer_holders_flag(redis_ur
     assert 0.1 < time.monotonic() - started < 2.0
     assert new_fence > old_fence  # the fencing token grows with every grant
     assert store.release_flag(flag, "old") is False  # the old holder wakes up late
-    with pytest.raises(WaitTimeout, match=r"slot flag 1:0 \(held by new\)"):
+    with pytest.raises(WaitTimeout, match=r"slot flag 1:0:0 \(held by new\)"):
         store.acquire_flag(flag, "third", lease_s=1, timeout_s=0.5)
     assert store.release_flag(flag, "new") is True
     assert store.acquire_flag(flag, "third", lease_s=1, timeout_s=0.5).contended is False

@@ -99,13 +99,13 @@ def test_a_recovery_fails_waiting_pulls_and_rejects_the_old_generation(cluster, 
 def test_sigstopped_flag_holder_is_fenced_off_after_its_lease(cluster, tmp_path):
     c, block = joined_cluster(cluster, tmp_path, slots="ack")
     address, metrics = c.addresses[0], f"127.0.0.1:{c.shards[0].server.metrics.port}"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0", address, block.block_id,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0:0", address, block.block_id,
                                str(block.numel), str(Path(__file__).parent)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         old_fence = int(holder.stdout.readline())
         os.kill(holder.pid, signal.SIGSTOP)
-        grant = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0), "w1", lease_s=10, timeout_s=10)
+        grant = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0, 0), "w1", lease_s=10, timeout_s=10)
         new_fence = grant.fence
         assert grant.contended and new_fence > old_fence  # granted once the stopped holder's lease expired
         assert push(address, block.block_id, block.numel, 1, 0, 0, new_fence) == ("OK", "")
@@ -117,7 +117,7 @@ def test_sigstopped_flag_holder_is_fenced_off_after_its_lease(cluster, tmp_path)
         assert counter(metrics, "imerge_shard_fenced_pushes_total") == 1
         current = {b.block_id: b for b in stats(address).blocks}[block.block_id]
         assert current.pushed == 1 and current.round == 0  # the late push was not applied
-        retry_fence = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0), "w0-again", lease_s=10, timeout_s=15).fence
+        retry_fence = Store(c.redis_url, c.job).acquire_flag(Flag(1, 0, 0), "w0-again", lease_s=10, timeout_s=15).fence
         assert push(address, block.block_id, block.numel, 0, 0, 0, retry_fence) == ("OK", "")
         deadline = time.monotonic() + 10
         while {b.block_id: b for b in stats(address).blocks}[block.block_id].round != 1:  # the round completes

@@ -130,7 +130,7 @@ time.sleep(600)
 def test_a_killed_flag_holder_releases_after_its_lease(cluster):
     c = cluster(2, 1)
     lease = 3.0
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0", str(lease)],
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0:0", str(lease)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
     held_at = time.time()

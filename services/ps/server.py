@@ -183,16 +183,27 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.TensorChunk(data=data)
             self.shard.counters.bytes_sent += nbytes
 
+    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple[str, int, list]:
+        round_, snapshot = await self.shard.pull(block_id, request.worker, request.round, timeout,
+                                                 request.generation)
+        return block_id, round_, snapshot
+
     @_streaming
     async def Pull(self, request, context):
+        """Each block is sent as soon as its round completes (pipelined), not when all of them have."""
         if not request.block_ids:
             raise InvalidArgument("Pull: no block_ids")
+        if len(set(request.block_ids)) != len(request.block_ids):
+            raise InvalidArgument("Pull: a block is asked for twice")
         timeout = self._pull_timeout(request, context)
-        replies = await asyncio.gather(*(self.shard.pull(block_id, request.worker, request.round, timeout,
-                                                         request.generation)
-                                         for block_id in request.block_ids))
-        async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
-            yield chunk
+        waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
+        try:
+            for completed in asyncio.as_completed(waits):
+                async for chunk in self._send([await completed]):
+                    yield chunk
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     @_streaming
     async def Fetch(self, request, context):

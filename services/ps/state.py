@@ -333,7 +333,8 @@ class Shard:
     # -- pull -----------------------------------------------------------------
     async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float,
                    generation: int = 0) -> tuple[int, list[bytes]]:
-        """Wait until every worker pushed ``round_``; return (new round, parameters)."""
+        """Wait until every worker pushed ``round_`` (this one's push may come later: a worker pulls while it
+        pushes); return (new round, parameters)."""
         what = f"pull of block {block_id} by worker {worker} for round {round_}"
         self.check_generation(generation, what)
         block = self.block(block_id)
@@ -343,9 +344,7 @@ class Shard:
             return block.round, block.snapshot
         if round_ != block.round:
             raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-        if worker not in block.pushed and worker not in block.receiving:
-            raise FailedPrecondition(f"{what}: worker {worker} has not pushed this round")
-        try:
+        try:  # the puller's own push may still be on its way: it is one of the pushes waited for
             with self.metrics.pull_wait.time():
                 async with block.changed:
                     await asyncio.wait_for(block.changed.wait_for(

@@ -69,7 +69,8 @@ class GroupRuntime:
             self.by_shard.setdefault(block.shard, []).append(block)
         self.seen: set[int] = set()  # parameters whose gradient arrived in this backward
         self.done_this_backward = False
-        self.future: concurrent.futures.Future | None = None
+        self.future: concurrent.futures.Future | None = None  # the latest sync: every block back in place
+        self.block_futures: dict[str, concurrent.futures.Future] = {}  # the latest sync, block by block
         self.push_done = threading.Event()
         self.push_done.set()
         self.pull_task = None
@@ -98,6 +99,7 @@ class GroupTable:
         self.groups: list[GroupRuntime] = []
         self.group_of: dict[int, GroupRuntime] = {}  # id(param) -> its group
         self.unit_of: dict[int, int] = {}            # id(param) -> its unit's index
+        self.blocks_of: dict[int, list[str]] = {}    # id(param) -> the blocks that hold it
         for group in plan.groups:
             members = {id(p) for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel}
             blocks = plan.group_blocks(group)
@@ -107,6 +109,10 @@ class GroupTable:
             runtime = GroupRuntime(group, blocks, members, rounds.pop())
             self.groups.append(runtime)
             self.group_of.update({pid: runtime for pid in members})
+            for pid in members:
+                start, numel = flat.range[pid]
+                self.blocks_of[pid] = [b.block_id for b in blocks
+                                       if b.offset < start + numel and start < b.offset + b.numel]
         for unit in plan.units:
             for p in params:
                 if unit.offset <= flat.range[id(p)][0] < unit.offset + unit.numel:

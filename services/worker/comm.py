@@ -1,17 +1,21 @@
 """The worker's comm thread: the queue of complete groups, their pushes and pulls, and the groups' Futures.
 
 The comm loop (an asyncio loop in its own thread) takes groups off the queue
-(highest priority first), holds the group's slot (see
-:mod:`imerge.core.slots`), pushes the group's blocks (one stream per shard)
-and starts the pull without waiting for it; the pull writes the parameters in
-place and resolves the group's Future, shared by all its members. A push
-fenced off (its flag's lease had passed to another holder) takes the slot
-again and is retried.
+(highest priority first), starts the group's pull (one stream per shard) and
+pushes the group's blocks (one stream per shard, in the plan's order on every
+worker) while holding the group's slot (see :mod:`imerge.core.slots`). The
+shard answers each pulled block as soon as its round completes, so pulls of
+early blocks overlap pushes of later ones; each block is written in place as
+it arrives and resolves its own Future (a forward waits only for the blocks
+that hold its parameters); the group's Future resolves when all are back. A
+push fenced off (its flag's lease had passed to another holder) takes the
+slot again and is retried.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +35,22 @@ from .transport import ShardClient
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
 _STOP = 1 << 30     # queue priority of the item that stops the consumer
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """One sync of a group: its Futures (the whole group's, and each block's) and the iteration it is of."""
+
+    group: GroupRuntime
+    future: concurrent.futures.Future
+    block_futures: dict[str, concurrent.futures.Future]
+    iteration: int
+
+    def fail(self, exc: BaseException) -> None:
+        """Route a failed sync to whoever waits on the group or on any of its blocks."""
+        for waiting in (self.future, *self.block_futures.values()):
+            if not waiting.done():
+                waiting.set_exception(exc)
 
 
 class CommLoop:
@@ -76,10 +96,12 @@ class Communicator:
 
     # -- the queue (called from the training thread) -------------------------------------
     def enqueue(self, group: GroupRuntime, iteration: int) -> None:
-        """Put a complete group on the queue; its Future resolves once its new parameters are in place."""
+        """Put a complete group on the queue; its Futures resolve once its new parameters are in place."""
         group.push_done.clear()
         group.future = concurrent.futures.Future()
-        self.comm.loop.call_soon_threadsafe(self._put, group.index, (group, group.future, iteration))
+        group.block_futures = {b.block_id: concurrent.futures.Future() for b in group.blocks}
+        sync = Sync(group, group.future, group.block_futures, iteration)
+        self.comm.loop.call_soon_threadsafe(self._put, group.index, sync)
 
     def _put(self, index: int, item: Any) -> None:
         self._queue.put(index, item)
@@ -90,44 +112,50 @@ class Communicator:
             while not len(self._queue):
                 await self._queued.wait()
                 self._queued.clear()
-            group, future, iteration = self._queue.pop()
-            if group is None:
+            sync = self._queue.pop()
+            if sync is None:
                 return
+            group = sync.group
+            if group.pull_task is not None:  # the previous round's pull of this group
+                await asyncio.wait([group.pull_task])
+            group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(sync))
             try:
-                if group.pull_task is not None:
-                    await asyncio.wait([group.pull_task])
-                await self._push_group(group, iteration)
+                await self._push_group(group, sync.iteration)
             except Exception as exc:  # routed to whoever waits on the group
-                future.set_exception(exc)
-                continue
+                group.pull_task.cancel()
+                sync.fail(exc)
             finally:
                 group.push_done.set()
-            group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(group, future))
 
     # -- push ----------------------------------------------------------------------------------
     async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
+        spans = await asyncio.gather(*(self._push_shard_in_slot(group, shard, blocks)
+                                       for shard, blocks in group.by_shard.items()))
+        self.timeline.record(f"push {group.index}", "push", min(s for s, _ in spans), max(e for _, e in spans),
+                             group=group.index, iteration=iteration, round=group.round, bytes=group.nbytes)
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+
+    async def _push_shard_in_slot(self, group: GroupRuntime, shard: int, blocks: list) -> tuple[float, float]:
+        """Push the group's blocks of one shard holding the slot of (group, shard); retry when fenced off.
+        Returns when the push started (its slot granted) and when the shard acknowledged it (wall clock)."""
         for attempt in range(FENCED_RETRIES + 1):
             try:
-                await self._push_in_slot(group, iteration)
-                break
+                async with self.slots.hold(Flag(self.plan_version, group.index, shard),
+                                           group.shard_bytes(shard)) as slot:
+                    if self.slots.holds_flags:
+                        self.timeline.record(f"flag {group.index}:{shard}", "flag-wait", slot.requested,
+                                             slot.acquired, group=group.index, shard=shard,
+                                             contended=slot.contended)
+                        self.metrics.flag_wait.observe(slot.waited_s)
+                    await self._push_shard(group, shard, blocks, slot.fence)
+                    acknowledged = time.time()
+                if self.slots.holds_flags:
+                    self.metrics.flag_held(group.index, slot.held_s)
+                return slot.acquired, acknowledged
             except Fenced as exc:
                 if attempt == FENCED_RETRIES:
                     raise
                 log.warning("worker %d: %s; taking the flag again", self.rank, exc)
-        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
-
-    async def _push_in_slot(self, group: GroupRuntime, iteration: int) -> None:
-        async with self.slots.hold(Flag(self.plan_version, group.index), group.nbytes) as slot:
-            if self.slots.holds_flags:
-                self.timeline.record(f"flag {group.index}", "flag-wait", slot.requested, slot.acquired,
-                                     group=group.index, contended=slot.contended)
-                self.metrics.flag_wait.observe(slot.waited_s)
-            with self.timeline.span(f"push {group.index}", "push", group=group.index, iteration=iteration,
-                                    round=group.round, bytes=group.nbytes):
-                await asyncio.gather(*(self._push_shard(group, shard, blocks, slot.fence)
-                                       for shard, blocks in group.by_shard.items()))
-        if self.slots.holds_flags:
-            self.metrics.flag_held(group.index, slot.held_s)
 
     async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list, fence: int) -> None:
         started = time.monotonic()
@@ -140,31 +168,40 @@ class Communicator:
             self.on_push(nbytes, seconds)
 
     # -- pull ----------------------------------------------------------------------------------
-    async def _pull_group(self, group: GroupRuntime, future: concurrent.futures.Future) -> None:
+    async def _pull_group(self, sync: Sync) -> None:
+        group = sync.group
         try:
             with self.timeline.span(f"pull {group.index}", "pull", group=group.index, round=group.round):
-                replies = await asyncio.gather(*(
-                    self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
-                                                  self.rank, group.round, self.pull_timeout_s, self.generation)
-                    for shard, blocks in group.by_shard.items()))
-            rounds = {r for reply in replies for r in reply}
-            if rounds != {group.round + 1}:
-                raise IMergeError(f"{group}: expected round {group.round + 1}, shards answered {sorted(rounds)}")
-            self.flat.load_from_host(group.group.offset, group.group.numel)
-            for shard in group.by_shard:
-                self.metrics.pulled(shard, group.shard_bytes(shard))
+                await asyncio.gather(*(self._pull_shard(sync, shard, blocks)
+                                       for shard, blocks in group.by_shard.items()))
             self.metrics.group_synced(group.group.index)
             group.round += 1
-            future.set_result(group.round)
+            sync.future.set_result(group.round)
         except Exception as exc:
-            future.set_exception(exc)
+            sync.fail(exc)
+
+    async def _pull_shard(self, sync: Sync, shard: int, blocks: list) -> None:
+        group = sync.group
+        by_id = {b.block_id: b for b in blocks}
+
+        def arrived(block_id: str, round_: int) -> None:  # in place as soon as the shard completed it
+            if round_ != group.round + 1:
+                raise IMergeError(f"{group}: block {block_id} came back at round {round_}, expected "
+                                  f"{group.round + 1}")
+            block = by_id[block_id]
+            self.flat.load_from_host(block.offset, block.numel)
+            sync.block_futures[block_id].set_result(round_)
+
+        await self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks], self.rank,
+                                            group.round, self.pull_timeout_s, self.generation, on_block=arrived)
+        self.metrics.pulled(shard, group.shard_bytes(shard))
 
     # -- closing -------------------------------------------------------------------------------
     def close(self, groups: list[GroupRuntime]) -> None:
         """Stop the consumer, cancel pulls still in flight, close the shard channels."""
         if not self.comm.loop.is_running():
             return
-        self.comm.loop.call_soon_threadsafe(self._put, _STOP, (None, None, 0))
+        self.comm.loop.call_soon_threadsafe(self._put, _STOP, None)
         try:
             self._consumer.result(10)
         except Exception:  # noqa: BLE001 - closing anyway

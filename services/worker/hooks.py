@@ -6,7 +6,8 @@
   group that does not sync (interleave period T > 1) takes a local SGD step.
 * At the end of backward, groups some of whose parameters got no gradient
   count them as zero, and the iteration is counted.
-* A module's forward pre-hook waits on the Futures of its parameters' groups.
+* A module's forward pre-hook waits on the Futures of the blocks that hold its
+  parameters (pulled blocks arrive one by one), not on whole groups.
 """
 from __future__ import annotations
 
@@ -147,22 +148,30 @@ class Hooks:
                               f"waiting for {group} {what}")
         return result
 
-    def wait_groups(self, groups: list[GroupRuntime]) -> None:
-        for group in groups:
-            future = group.future
-            if future is None:
-                continue
-            if not future.done():
-                started = time.time()
-                with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
-                    self._wait(future.result, group, f"round {group.round + 1} to be pulled")
-                self._waited_s += time.time() - started
+    def _wait_futures(self, group: GroupRuntime, futures: list[concurrent.futures.Future], what: str) -> None:
+        if not all(f.done() for f in futures):
+            started = time.time()
+            with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
+                for future in futures:
+                    self._wait(future.result, group, what)
+            self._waited_s += time.time() - started
+        for future in futures:
             future.result()  # re-raise a failed sync
 
     def wait_params(self, param_ids: list[int]) -> None:
-        groups = {id(self.table.group_of[p]): self.table.group_of[p] for p in param_ids}
-        self.wait_groups(sorted(groups.values(), key=lambda g: g.index))
+        """Wait until the blocks holding these parameters are back from their latest sync."""
+        needed: dict[int, tuple[GroupRuntime, set[str]]] = {}
+        for pid in param_ids:
+            group = self.table.group_of[pid]
+            needed.setdefault(group.index, (group, set()))[1].update(self.table.blocks_of[pid])
+        for index in sorted(needed):
+            group, block_ids = needed[index]
+            if group.future is not None:
+                self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
+                                   f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")
 
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""
-        self.wait_groups(self.table.groups)
+        for group in self.table.groups:
+            if group.future is not None:
+                self._wait_futures(group, [group.future], f"round {group.round + 1} to be pulled")

@@ -24,6 +24,8 @@ from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials
 
+BlockArrived = Callable[[str, int], None]  # (block id, its new round), as soon as a pulled block is in place
+
 
 def _translated(method: Callable) -> Callable:
     @functools.wraps(method)
@@ -76,43 +78,60 @@ class ShardClient:
 
         return await self._stub.Push(segments(), timeout=timeout_s)
 
-    async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str) -> list[int]:
-        """Read (meta, data...) per block into its target, in order; return each block's round."""
-        rounds: list[int] = []
-        assembler: ChunkAssembler | None = None
+    async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str,
+                            on_block: BlockArrived | None = None) -> list[int]:
+        """Read (meta, data...) per block into its target, in whatever order the shard answers them (a pull
+        sends each block as soon as its round completes); call ``on_block(block_id, round)`` as each block
+        is complete. Return each target's round, in the targets' order."""
+        pending = dict(targets)
+        rounds: dict[str, int] = {}
+        current: tuple[str, ChunkAssembler] | None = None
+
+        def finish() -> None:
+            block_id, assembler = current
+            assembler.finish()
+            if on_block is not None:
+                on_block(block_id, rounds[block_id])
+
         async for chunk in call:
             if chunk.WhichOneof("part") == "meta":
-                if assembler is not None:
-                    assembler.finish()
-                if len(rounds) == len(targets) or chunk.meta.block_id != targets[len(rounds)][0]:
-                    raise InvalidArgument(f"{what}: the shard sent block {chunk.meta.block_id!r} out of order",
-                                          address=self.address)
-                block_id, target = targets[len(rounds)]
+                if current is not None:
+                    finish()
+                block_id = chunk.meta.block_id
+                target = pending.pop(block_id, None)
+                if target is None:
+                    raise InvalidArgument(f"{what}: the shard sent block {block_id!r}, which was not asked for "
+                                          f"or came twice", address=self.address)
                 if chunk.meta.numel != target.numel():
                     raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
                                           f"expected {target.numel()}", address=self.address)
-                assembler = ChunkAssembler(target, f"{what}: block {block_id}")
-                rounds.append(chunk.meta.round)
-            elif assembler is None:
+                current = block_id, ChunkAssembler(target, f"{self.address}: {what}: block {block_id}")
+                rounds[block_id] = chunk.meta.round
+            elif current is None:
                 raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta",
                                       address=self.address)
             else:
-                assembler.feed(chunk.data)
-        if assembler is not None:
-            assembler.finish()
-        if len(rounds) != len(targets):
-            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks",
-                                  address=self.address)
-        return rounds
+                current[1].feed(chunk.data)
+        if current is not None:
+            finish()
+        if pending:
+            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks; missing "
+                                  f"{sorted(pending)}", address=self.address)
+        return [rounds[block_id] for block_id, _ in targets]
 
     @_translated
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int,
-                        timeout_s: float, generation: int = 0) -> list[int]:
-        """Wait for ``round_`` of every block, write the parameters into the targets; return new rounds."""
+                        timeout_s: float, generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
+        """Wait for ``round_`` of the blocks, writing each block's parameters into its target as soon as the shard
+        completes it (``on_block`` is told); return the new rounds. May be issued while the push is in flight."""
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
                                      timeout_s=timeout_s, generation=generation)
         call = self._stub.Pull(request, timeout=timeout_s + 5.0)
-        return await self._receive_into(call, targets, "pull")
+        try:
+            return await self._receive_into(call, targets, "pull", on_block)
+        except BaseException:  # refused, or cancelled: the shard stops waiting for it too
+            call.cancel()
+            raise
 
     @_translated
     async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float,

@@ -105,13 +105,15 @@ class Restored(Message):
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """The slot flag of one fusion group of one plan version."""
+    """The slot flag of one fusion group's pushes to one shard, in one plan version: it serializes exactly the
+    pushes that compete for that shard's port (a group spread over every shard serializes nobody)."""
 
     plan_version: int
     group: int
+    shard: int
 
     def __str__(self) -> str:
-        return f"{self.plan_version}:{self.group}"
+        return f"{self.plan_version}:{self.group}:{self.shard}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,9 +27,9 @@ key                         type     meaning
 ``done``                    hash     rank -> 1 once the worker finished (read by a restarted coordinator)
 ``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
 ``profile:queue``           list     a token, pushed when the profile is submitted
-``flag:{v}:{g}``            string   holder token of group g's slot flag (plan v, :class:`Flag`), with
-                                     the lease as its expiry; absent = free
-``flag:{v}:{g}:wake``       list     one token pushed by each release, to wake a waiter
+``flag:{v}:{g}:{s}``        string   holder token of the slot flag of group g's pushes to shard s (plan v,
+                                     :class:`Flag`), with the lease as its expiry; absent = free
+``flag:{v}:{g}:{s}:wake``   list     one token pushed by each release, to wake a waiter
 ``flags:stats``             hash     granted / contended (granted after a wait) / expired
                                      (released after the lease had passed) flag counts
 ``fence``                   string   the last fencing token handed out with a flag (INCR)
