@@ -129,8 +129,17 @@ class Communicator:
 
     # -- push ----------------------------------------------------------------------------------
     async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
-        spans = await asyncio.gather(*(self._push_shard_in_slot(group, shard, blocks)
-                                       for shard, blocks in group.by_shard.items()))
+        """Push the group to every shard that holds some of it. Without slots the streams go at once (the uplink
+        is shared); with slots, one shard after another, worker w starting at its w-th shard, so the workers
+        take the shards' ports in turn instead of all queueing for the same one."""
+        shards = list(group.by_shard)
+        if self.slots.holds_flags:
+            start = self.rank % len(shards)
+            spans = [await self._push_shard_in_slot(group, shard, group.by_shard[shard])
+                     for shard in shards[start:] + shards[:start]]
+        else:
+            spans = await asyncio.gather(*(self._push_shard_in_slot(group, shard, group.by_shard[shard])
+                                           for shard in shards))
         self.timeline.record(f"push {group.index}", "push", min(s for s, _ in spans), max(e for _, e in spans),
                              group=group.index, iteration=iteration, round=group.round, bytes=group.nbytes)
         self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
