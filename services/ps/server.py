@@ -25,6 +25,7 @@ from imerge.core.errors import FailedPrecondition, InvalidArgument, RequestError
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
+from imerge.wire.frames import frame_payload_bytes, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import status_of
 from imerge.wire.tls import server_credentials
@@ -74,7 +75,7 @@ def method_handlers(servicer: Any) -> grpc.GenericRpcHandler:
         request, reply = (getattr(ps_pb2, t.name) for t in (method.input_type, method.output_type))
         factory = factories[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=parser(request),
-                                        response_serializer=reply.SerializeToString)
+                                        response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
@@ -175,12 +176,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     async def _send(self, blocks: list[tuple[str, int, list[bytes]]]) -> AsyncIterator[ps_pb2.TensorChunk]:
         for block_id, round_, snapshot in blocks:
-            nbytes = sum(len(chunk) for chunk in snapshot)
+            nbytes = sum(frame_payload_bytes(frame) for frame in snapshot)
             yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
                                                             numel=nbytes // BLOCK_DTYPE.itemsize,
                                                             round=round_))
-            for data in snapshot:
-                yield ps_pb2.TensorChunk(data=data)
+            for frame in snapshot:  # encoded TensorChunk data messages, sent as they are
+                yield frame
             self.shard.counters.bytes_sent += nbytes
 
     async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple[str, int, list]:

@@ -23,15 +23,17 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 
 import torch
 
-from imerge.core.codec import ChunkAssembler, digest, iter_chunks, tensor_view
+from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, digest, tensor_view
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration)
 from imerge.core.optim import OptimizerSpec
+from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
@@ -39,9 +41,16 @@ from .metrics import ShardCounters, ShardMetrics
 log = logging.getLogger(__name__)
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum proves it (a NaN or an infinity makes the sum NaN or
+    infinite) in one pass without allocating; only a sum that overflowed or is not finite is checked
+    element by element."""
+    return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
+
+
 def snapshot_of(param: torch.Tensor) -> list[bytes]:
-    """The parameters as the wire chunks every pull sends (one copy, shared by all pulls)."""
-    return list(iter_chunks(tensor_view(param)))
+    """The parameters as the encoded data frames every pull sends (one copy, shared by all pulls)."""
+    return list(data_frames(tensor_view(param), CHUNK_BYTES))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +308,7 @@ class Shard:
                 async for chunk in data:
                     assembler.feed(chunk)
                 assembler.finish()
-                if self.check_finite and not bool(torch.isfinite(block.grads[worker]).all()):
+                if self.check_finite and not all_finite(block.grads[worker]):
                     raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
             finally:
                 block.receiving.discard(worker)

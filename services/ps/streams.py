@@ -14,6 +14,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from imerge.core.codec import ChunkAssembler
+from imerge.wire.frames import deserializer
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import InvalidArgument
 
@@ -26,9 +27,13 @@ class Undecodable:
 
 
 def parser(message_type: Any) -> Callable[[bytes], Any]:
+    """The method's deserializer: data frames as views (no copy), other messages by protobuf, garbage as an
+    Undecodable."""
+    parse_message = deserializer(message_type)
+
     def parse(data: bytes) -> Any:
         try:
-            return message_type.FromString(data)
+            return parse_message(data)
         except DecodeError as exc:
             return Undecodable(message_type.DESCRIPTOR.full_name, exc)
 

@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 import torch
 
-from imerge.core.codec import ChunkAssembler, iter_chunks, tensor_view
+from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, tensor_view
 from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
-from imerge.wire.channel import CHANNEL_OPTIONS
+from imerge.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME
+from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials
@@ -45,6 +46,17 @@ class ShardClient:
                          if tls is not None and tls.tls_client
                          else grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = ps_pb2_grpc.ParameterServerStub(self._channel)
+        # the data-carrying methods with the lean data path (imerge.wire.frames): same messages on the wire
+        method = f"/{SERVICE_NAME}/"
+        self._init = self._channel.stream_unary(method + "InitBlock", request_serializer=serialize,
+                                                response_deserializer=ps_pb2.InitBlockReply.FromString)
+        self._push = self._channel.stream_unary(method + "Push", request_serializer=serialize,
+                                                response_deserializer=ps_pb2.PushReply.FromString)
+        tensor_chunks = deserializer(ps_pb2.TensorChunk)
+        self._pull = self._channel.unary_stream(method + "Pull", request_serializer=serialize,
+                                                response_deserializer=tensor_chunks)
+        self._fetch = self._channel.unary_stream(method + "Fetch", request_serializer=serialize,
+                                                 response_deserializer=tensor_chunks)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -56,27 +68,27 @@ class ShardClient:
                                 num_workers=num_workers,
                                 optimizer=ps_pb2.OptimizerSpec(**dataclasses.asdict(optimizer)))
 
-        async def chunks() -> AsyncIterator[ps_pb2.InitBlockChunk]:
+        async def chunks() -> AsyncIterator[ps_pb2.InitBlockChunk | bytes]:
             yield ps_pb2.InitBlockChunk(spec=spec)
-            for piece in iter_chunks(tensor_view(init)):
-                yield ps_pb2.InitBlockChunk(data=piece)
+            for frame in data_frames(tensor_view(init), CHUNK_BYTES):
+                yield frame
 
-        return await self._stub.InitBlock(chunks(), timeout=timeout_s)
+        return await self._init(chunks(), timeout=timeout_s)
 
     @_translated
     async def push(self, blocks: list[tuple[str, torch.Tensor]], worker: int, round_: int,
                    timeout_s: float, generation: int = 0, fence: int = 0) -> ps_pb2.PushReply:
         """Push several blocks' gradients in one stream: a header, then the data, per block."""
 
-        async def segments() -> AsyncIterator[ps_pb2.PushChunk]:
+        async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
             for block_id, grad in blocks:
                 yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
                                                                  dtype=ps_pb2.FLOAT32, numel=grad.numel(),
                                                                  generation=generation, fence=fence))
-                for piece in iter_chunks(tensor_view(grad)):
-                    yield ps_pb2.PushChunk(data=piece)
+                for frame in data_frames(tensor_view(grad), CHUNK_BYTES):  # PushChunk data, encoded once
+                    yield frame
 
-        return await self._stub.Push(segments(), timeout=timeout_s)
+        return await self._push(segments(), timeout=timeout_s)
 
     async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str,
                             on_block: BlockArrived | None = None) -> list[int]:
@@ -126,7 +138,7 @@ class ShardClient:
         completes it (``on_block`` is told); return the new rounds. May be issued while the push is in flight."""
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
                                      timeout_s=timeout_s, generation=generation)
-        call = self._stub.Pull(request, timeout=timeout_s + 5.0)
+        call = self._pull(request, timeout=timeout_s + 5.0)
         try:
             return await self._receive_into(call, targets, "pull", on_block)
         except BaseException:  # refused, or cancelled: the shard stops waiting for it too
@@ -137,8 +149,8 @@ class ShardClient:
     async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float,
                          generation: int = 0) -> list[int]:
         """The blocks' current parameters; waits up to ``timeout_s`` for an unreachable shard to come back."""
-        call = self._stub.Fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets], generation=generation),
-                                timeout=timeout_s, wait_for_ready=True)
+        call = self._fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets], generation=generation),
+                           timeout=timeout_s, wait_for_ready=True)
         return await self._receive_into(call, targets, "fetch")
 
     @_translated

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -23,13 +22,6 @@ def tensor_view(flat: torch.Tensor) -> memoryview:
     if flat.device.type != "cpu" or not flat.is_contiguous():
         raise ValueError("tensor_view needs a contiguous CPU tensor")
     return memoryview(flat.detach().numpy()).cast("B")
-
-
-def iter_chunks(data: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Slices of ``data`` of at most ``chunk_bytes`` each (one copy per slice)."""
-    view = memoryview(data)
-    for start in range(0, len(view), chunk_bytes):
-        yield bytes(view[start:start + chunk_bytes])
 
 
 def digest(data: bytes | memoryview) -> str:
