@@ -89,6 +89,7 @@ class Communicator:
         self.rpc_timeout_s, self.pull_timeout_s = rpc_timeout_s, pull_timeout_s
         self.metrics, self.timeline = metrics, timeline
         self.plan_version = 0
+        self.priority = priority
         self.on_push: Callable[[int, float], None] | None = None  # (bytes, seconds) of each shard's push
         self._queue = CommQueue(priority)
         self._queued = asyncio.Event()
@@ -167,6 +168,11 @@ class Communicator:
                 log.warning("worker %d: %s; taking the flag again", self.rank, exc)
 
     async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list, fence: int) -> None:
+        """With priority, a group's blocks go in the order the next forward needs them (the reverse of backward
+        order; every worker the same), so the shard completes, and answers the pulls of, the earliest layers'
+        blocks first and the forward can start while the later blocks are still on the wire."""
+        if self.priority:
+            blocks = sorted(blocks, key=lambda block: -block.offset)
         started = time.monotonic()
         await self.clients[shard].push([(b.block_id, self.flat.grad_slice(b)) for b in blocks], self.rank,
                                        group.round, self.rpc_timeout_s, self.generation, fence)
