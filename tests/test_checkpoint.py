@@ -101,3 +101,26 @@ def test_checkpoints_of_an_earlier_run_are_ignored_refused_and_removed(tmp_path)
         current.read(200)
     current.write(0, [image("g0", 10, 2)])  # the new run's first checkpoint removes the earlier run's
     assert current.rounds() == [0] and CheckpointStore(tmp_path, shard=0).rounds() == [0]
+
+
+def test_no_checkpoint_follows_a_final_one(tmp_path):
+    """A draining shard answers in-flight calls after its final checkpoint; a periodic checkpoint then would
+    evict the older round the other shards hold in common with it (keep 2), and no recovery could start."""
+    import asyncio
+
+    from imerge.ps.state import BlockMeta, Shard
+
+    async def drain() -> list[int]:
+        shard = Shard(0)
+        shard.checkpoints, shard.checkpoint_every = CheckpointStore(tmp_path, shard=0, keep=2), 4
+        shard.expected = {"b"}
+        shard.create_block(BlockMeta("b", "float32", 4, 1, SGD), torch.zeros(4))  # round 0: periodic
+        block = shard.blocks["b"]
+        block.round = 3  # the blocks reached round 3 when SIGTERM came
+        assert await shard.final_checkpoint() == 3
+        block.round = 4  # a round completed during the grace period: due, but not written
+        assert shard.maybe_checkpoint() is None
+        shard.close()
+        return shard.checkpoints.rounds()
+
+    assert asyncio.run(drain()) == [0, 3]

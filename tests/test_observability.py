@@ -89,11 +89,13 @@ def test_metrics_agree_with_the_truth(redis_url):
             assert registry.get_sample_value("imerge_worker_iterations_total", worker) == steps
             assert registry.get_sample_value("imerge_worker_samples_total", worker) == steps * batch
             assert registry.get_sample_value("imerge_worker_iteration_seconds_count", worker) == steps - 1
+            flags = sum(len({block.shard for block in plan.group_blocks(group)}) for group in plan.groups)
             assert registry.get_sample_value("imerge_worker_flag_wait_seconds_count", worker) == \
-                steps * len(plan.groups)
+                steps * flags  # one slot per (group, shard) and iteration
             assert ("imerge_link_capacity_bytes_per_second", ()) in over_http
         stats = cluster.coordinator.store.flag_stats()
-        assert stats["granted"] == workers * steps * len(plan.groups)
+        flags = sum(len({block.shard for block in plan.group_blocks(group)}) for group in plan.groups)
+        assert stats["granted"] == workers * steps * flags
         assert 0 <= stats["contended"] <= stats["granted"] and stats["expired"] == 0
     finally:
         cluster.close()

@@ -197,13 +197,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if len(set(request.block_ids)) != len(request.block_ids):
             raise InvalidArgument("Pull: a block is asked for twice")
         timeout = self._pull_timeout(request, context)
-        waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
+        pending = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
         try:
-            for completed in asyncio.as_completed(waits):
-                async for chunk in self._send([await completed]):
+            while pending:  # the blocks completed meanwhile go out in the order they were asked for
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                ready = [wait for wait in pending if wait in done]
+                pending = [wait for wait in pending if wait not in done]
+                async for chunk in self._send([wait.result() for wait in ready]):
                     yield chunk
         finally:
-            for wait in waits:
+            for wait in pending:
                 wait.cancel()
 
     @_streaming

@@ -133,6 +133,7 @@ class Shard:
         self._writing: concurrent.futures.Future | None = None
         self._last_checkpoint = -1
         self._final: asyncio.Future | None = None  # a final checkpoint awaited at the next common round
+        self._final_written = False
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -161,8 +162,9 @@ class Shard:
         round_ = self.common_round()
         if self.checkpoints is None or round_ is None or round_ <= self._last_checkpoint:
             return None
-        if not final and round_ % max(self.checkpoint_every, 1) != 0:
-            return None
+        if not final and (self._final_written or round_ % max(self.checkpoint_every, 1) != 0):
+            return None  # after a final checkpoint none follows: a later one would evict the round the other
+            # shards hold in common with this one, while the draining shard still answers in-flight calls
         if self._writing is not None and not self._writing.done():
             if not final:
                 log.warning("shard %d: checkpoint of round %d skipped: the previous one is still being written",
@@ -187,6 +189,7 @@ class Shard:
             await self._final
         round_ = self.common_round()
         writing = self.maybe_checkpoint(final=True)
+        self._final_written = True
         if writing is not None:
             await asyncio.wrap_future(writing)
         elif self._writing is not None:
