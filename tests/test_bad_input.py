@@ -189,6 +189,10 @@ def test_one_stream_carries_several_blocks(stub):
     reply = stub.Push(iter([header("x", 3), ps_pb2.PushChunk(data=floats([10, 10, 10])),
                             header("y", 2), ps_pb2.PushChunk(data=floats([10])), ps_pb2.PushChunk(data=floats([10]))]))
     assert [(r.block_id, r.duplicate, r.pushed) for r in reply.results] == [("x", False, 1), ("y", False, 1)]
+    deadline = time.monotonic() + 10
+    while stub.Stats(ps_pb2.StatsRequest()).rounds_completed < 2:  # both aggregated: none completes during the
+        assert time.monotonic() < deadline                         # pull, so they come in the order asked
+        time.sleep(0.01)
     chunks = list(stub.Pull(ps_pb2.PullRequest(block_ids=["y", "x"], worker=0, round=0), timeout=10))
     assert [c.meta.block_id for c in chunks if c.WhichOneof("part") == "meta"] == ["y", "x"]
     values = np.frombuffer(b"".join(c.data for c in chunks if c.WhichOneof("part") == "data"), dtype="<f4")

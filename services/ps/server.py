@@ -197,7 +197,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if len(set(request.block_ids)) != len(request.block_ids):
             raise InvalidArgument("Pull: a block is asked for twice")
         timeout = self._pull_timeout(request, context)
-        pending = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
+        waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
+        pending = list(waits)
         try:
             while pending:  # the blocks completed meanwhile go out in the order they were asked for
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -205,9 +206,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 pending = [wait for wait in pending if wait not in done]
                 async for chunk in self._send([wait.result() for wait in ready]):
                     yield chunk
-        finally:
-            for wait in pending:
-                wait.cancel()
+        finally:  # the first failure is the answer; the others are dropped, not logged as never retrieved
+            for wait in waits:
+                if not wait.done():
+                    wait.cancel()
+                elif not wait.cancelled():
+                    wait.exception()
 
     @_streaming
     async def Fetch(self, request, context):
