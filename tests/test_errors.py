@@ -33,7 +33,7 @@ def call(coro):
 async def push(address: str, grad: torch.Tensor, round_: int = 0, generation: int = 0) -> None:
     client = ShardClient(address, WorkerConfig())
     try:
-        await client.push([("b0", grad)], 0, round_, 5.0, generation)
+        await client.push([("b0", grad, round_)], 0, 5.0, generation)
     finally:
         await client.close()
 

@@ -40,6 +40,18 @@ def test_equivalence_for_every_scheduler_combination(cluster, fusion, priority, 
             torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("scope, width", [("group", 1), ("shard", 1), ("shard", 2)])
+def test_equivalence_for_every_slot_scope_and_width(cluster, scope, width):
+    data = eq.batches()
+    c = cluster(eq.WORKERS, eq.SHARDS)
+    results = eq.distributed_run(c, eq.OPTIMIZERS["adam"], data, fusion="cost", slots="ack", slot_scope=scope,
+                                 slot_width=width, **SMALL_CAPS)
+    expected = eq.reference_run(eq.OPTIMIZERS["adam"], data)
+    for params in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def run_job(c, make_model, steps: int, batch=lambda step, rank: (torch.randn(4, 32), None), **options):
     """Train ``steps`` iterations on every worker; return each worker's engine (closed)."""
     models = [make_model() for _ in range(c.num_workers)]
@@ -116,6 +128,27 @@ def test_slots_serialize_pushes_of_a_group_with_bounded_redis_commands(cluster, 
     assert per_worker_iteration <= 8 * 6  # acquire + release, plus a bounded number of wake-ups
 
 
+def most_at_once(intervals) -> int:
+    edges = sorted([(i.start, 1) for i in intervals] + [(i.end, -1) for i in intervals], key=lambda e: (e[0], e[1]))
+    return max(itertools.accumulate(delta for _, delta in edges))
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_port_slots_admit_width_senders_at_once_without_fencing_each_other(cluster, width):
+    """Scope shard: every push to the shard's port takes the port's flag; with width k, worker w takes lane
+    w mod k, so at most k workers push at once, and lanes' fencing tokens do not fence each other off."""
+    workers, steps = 4, 6
+    c = cluster(workers, 1)
+    engines = run_job(c, equal_layers, steps, slots="ack", slot_scope="shard", slot_width=width)
+    pushes = [i for e in engines for i in e.timeline.of("push")]
+    streams = {(i.start, i.end) for i in pushes}  # a stream carrying several groups is one interval per group
+    at_once = most_at_once([type("Span", (), {"start": a, "end": b}) for a, b in streams])
+    assert at_once == width, f"{at_once} pushes into the port at once with width {width}"
+    waits = [i for e in engines for i in e.timeline.of("flag-wait")]
+    assert any(i.args["contended"] for i in waits), "no flag was ever contended: the test shows nothing"
+    assert c.shards[0].shard.counters.fenced_pushes == 0
+
+
 HOLDER = """
 import sys, time
 from imerge.control.messages import Flag
@@ -127,19 +160,20 @@ time.sleep(600)
 """
 
 
-def test_a_killed_flag_holder_releases_after_its_lease(cluster):
+@pytest.mark.parametrize("scope, flag", [("group", "1:0:0"), ("shard", "1:-1:0")])
+def test_a_killed_flag_holder_releases_after_its_lease(cluster, scope, flag):
     c = cluster(2, 1)
     lease = 3.0
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, "1:0:0", str(lease)],
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, c.redis_url, c.job, flag, str(lease)],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "holding"
     held_at = time.time()
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(10)
-    engines = run_job(c, equal_layers, 2, slots="ack", flag_lease_s=lease)
+    engines = run_job(c, equal_layers, 2, slots="ack", slot_scope=scope, slot_width=1, flag_lease_s=lease)
     first_push = min(i.start for e in engines for i in e.timeline.of("push") if i.args["group"] == 0)
     assert first_push >= held_at + lease - 0.5, "group 0 was pushed while the dead holder's lease ran"
-    waits = [i for e in engines for i in e.timeline.of("flag-wait") if i.args["group"] == 0]
+    waits = [i for e in engines for i in e.timeline.of("flag-wait") if i.args["group"] == int(flag.split(":")[1])]
     assert any(i.args["contended"] for i in waits)
     assert time.time() - held_at < 60
 

@@ -74,6 +74,22 @@ def test_partitions_split_large_units_evenly():
     assert all(a.offset + a.numel == b.offset for a, b in zip(blocks, blocks[1:]))
 
 
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_a_split_unit_lies_evenly_on_every_shard(shards):
+    """Two 16 MB layers in 4 MiB partitions were 8 blocks, which 3 shards held 3/3/2; now each split unit is a
+    multiple of the shard count, and the busiest shard holds at most the largest unsplit unit above the mean."""
+    layout = layout_of(build_model("vgg"))
+    units = make_units(layout)
+    blocks = partition(units, 4 * MIB, shards)
+    for unit in units:
+        parts = [b for b in blocks if b.unit == unit.index]
+        assert len(parts) == 1 or len(parts) % shards == 0
+    plan = make_plan(layout, 2, [f"s{i}" for i in range(shards)], 1, PlanOptions(partition_bytes=4 * MIB))
+    load = [plan.shard_bytes(s) for s in range(shards)]
+    largest_unsplit = max(u.numel * 4 for u in units if u.numel * 4 <= 4 * MIB)
+    assert max(load) - sum(load) / shards <= largest_unsplit
+
+
 def test_interleave_schedule():
     for period in (1, 2, 4):
         for group in range(9):

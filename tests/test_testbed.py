@@ -81,6 +81,8 @@ def test_hosts_reach_each_other_by_name():
                                        "import socket; print(socket.gethostbyname('ps0'), "
                                        "socket.gethostbyname('redis'))"]).split()
         assert resolved == [bed.address["ps0"], bed.address["redis"]]
+        congestion = bed.run("worker0", ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"]).strip()
+        assert congestion == "cubic"  # pinned, whatever the host runs
     assert leftovers() == []
 
 

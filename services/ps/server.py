@@ -163,7 +163,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             what = f"push of block {header.block_id} by worker {header.worker}"
             duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                       dtype_name(header.dtype, what), header.numel,
-                                                      segments.data(), header.generation, header.fence)
+                                                      segments.data(), header.generation, header.fence,
+                                                      header.lane)
             results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate, pushed=pushed))
         return ps_pb2.PushReply(results=results)
 

@@ -75,7 +75,7 @@ class BlockState:
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
         self.snapshot = snapshot_of(self.param)
         self.changed = asyncio.Condition()
-        self.fence = 0              # newest slot-flag fencing token seen in a push
+        self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
 
     @classmethod
@@ -277,7 +277,8 @@ class Shard:
 
     # -- push -----------------------------------------------------------------
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
-                   data: AsyncIterator[bytes], generation: int = 0, fence: int = 0) -> tuple[bool, int]:
+                   data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
+                   lane: int = 0) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
@@ -299,11 +300,12 @@ class Shard:
                 return True, len(block.pushed)
             if round_ != block.round:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-            if fence and fence < block.fence:
+            newest = block.fence.get(lane, 0)
+            if fence and fence < newest:
                 self.counters.fenced_pushes += 1
                 raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
-                             f"{block.fence} already seen (the lease passed to another holder)")
-            block.fence = max(block.fence, fence)
+                             f"{newest} already seen in lane {lane} (the lease passed to another holder)")
+            block.fence[lane] = max(newest, fence)
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
             try:

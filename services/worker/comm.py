@@ -19,11 +19,12 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from imerge.control.messages import Flag
+from imerge.control.messages import PORT, Flag
 from imerge.core.errors import Fenced, IMergeError, WaitTimeout
+from imerge.core.planning import BYTES_PER_ELEMENT
 from imerge.core.queue import CommQueue
 from imerge.core.slots import NoSlots
 from imerge.telemetry.timeline import Timeline
@@ -35,6 +36,8 @@ from .transport import ShardClient
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
 _STOP = 1 << 30     # queue priority of the item that stops the consumer
+SEND_CREDIT = 4 << 20  # without slots, a push stream to a shard carries the queued blocks up to this many bytes
+PUSHES_IN_FLIGHT = 2   # without slots, push streams to one shard whose reply is awaited
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,44 @@ class Sync:
         for waiting in (self.future, *self.block_futures.values()):
             if not waiting.done():
                 waiting.set_exception(exc)
+
+
+class ShardPushes:
+    """The pushes of one sync's blocks, spread over the shards' senders: done when the last block is pushed."""
+
+    def __init__(self, sync: Sync, blocks: int):
+        self.sync, self.remaining = sync, blocks
+        self.failed = False
+
+    def block_pushed(self) -> bool:
+        self.remaining -= 1
+        return self.remaining == 0
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        group = self.sync.group
+        if group.pull_task is not None:
+            group.pull_task.cancel()
+        self.sync.fail(exc)
+        group.push_done.set()
+
+
+@dataclasses.dataclass(eq=False)
+class ShardSender:
+    """One shard's queue of blocks to push (a comparator, as the group queue) and the task that drains it."""
+
+    shard: int
+    priority: dataclasses.InitVar[bool]
+    in_flight: asyncio.Semaphore  # push streams to the shard not yet answered
+    queue: CommQueue = dataclasses.field(init=False)
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    pushes: set = dataclasses.field(default_factory=set)  # the push streams not yet answered
+    task: asyncio.Task | None = None
+
+    def __post_init__(self, priority: bool) -> None:
+        self.queue = CommQueue(priority)
 
 
 class CommLoop:
@@ -83,9 +124,11 @@ class Communicator:
 
     def __init__(self, comm: CommLoop, clients: list[ShardClient], flat: FlatParams, slots: NoSlots, *,
                  rank: int, priority: bool, rpc_timeout_s: float, pull_timeout_s: float, generation: int,
-                 metrics: WorkerMetrics, timeline: Timeline):
+                 metrics: WorkerMetrics, timeline: Timeline, slot_scope: str = "group", slot_width: int = 1):
         self.comm, self.clients, self.flat, self.slots = comm, clients, flat, slots
         self.rank, self.generation = rank, generation
+        self.slot_scope = slot_scope
+        self.lane = rank % (slot_width or len(clients))  # with width k, worker w takes lane w mod k
         self.rpc_timeout_s, self.pull_timeout_s = rpc_timeout_s, pull_timeout_s
         self.metrics, self.timeline = metrics, timeline
         self.plan_version = 0
@@ -93,6 +136,7 @@ class Communicator:
         self.on_push: Callable[[int, float], None] | None = None  # (bytes, seconds) of each shard's push
         self._queue = CommQueue(priority)
         self._queued = asyncio.Event()
+        self._senders: dict[int, ShardSender] = {}  # without slots: one per shard
         self._consumer = comm.submit(self._consume())
 
     # -- the queue (called from the training thread) -------------------------------------
@@ -120,63 +164,142 @@ class Communicator:
             if group.pull_task is not None:  # the previous round's pull of this group
                 await asyncio.wait([group.pull_task])
             group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(sync))
-            try:
-                await self._push_group(group, sync.iteration)
-            except Exception as exc:  # routed to whoever waits on the group
-                group.pull_task.cancel()
-                sync.fail(exc)
-            finally:
-                group.push_done.set()
+            if self.slots.holds_flags and self.slot_scope == "group":
+                try:
+                    await self._push_group(group, sync.iteration)
+                except Exception as exc:  # routed to whoever waits on the group
+                    group.pull_task.cancel()
+                    sync.fail(exc)
+                finally:
+                    group.push_done.set()
+            else:
+                self._dispatch(sync)
 
-    # -- push ----------------------------------------------------------------------------------
+    # -- push without slots: one sender per shard ------------------------------------------------
+    def _dispatch(self, sync: Sync) -> None:
+        """Queue the group's blocks at each shard's sender; the senders drain their queues independently, so
+        one shard's share of a group never waits for another shard's (a group split unevenly over the shards
+        would otherwise leave the lighter shards' links idle until the heaviest is done)."""
+        group = sync.group
+        pending = ShardPushes(sync, len(group.blocks))
+        for shard, blocks in group.by_shard.items():
+            sender = self._senders.get(shard)
+            if sender is None:
+                in_flight = 1 if self.slots.holds_flags else PUSHES_IN_FLIGHT  # a flag is held until the reply
+                sender = self._senders[shard] = ShardSender(shard, self.priority, asyncio.Semaphore(in_flight))
+                sender.task = asyncio.get_running_loop().create_task(self._send_to(sender))
+            for block in (sorted(blocks, key=lambda b: -b.offset) if self.priority else blocks):
+                sender.queue.put(group.index, (pending, block))
+            sender.wake.set()
+
+    async def _send_to(self, sender: "ShardSender") -> None:
+        """Push the queued blocks to one shard, highest priority first, up to SEND_CREDIT bytes per stream."""
+        while True:
+            while not len(sender.queue):
+                await sender.wake.wait()
+                sender.wake.clear()
+            batch, nbytes = [], 0
+            while len(sender.queue) and (not batch or nbytes < SEND_CREDIT):
+                pending, block = sender.queue.pop()
+                if pending.failed:
+                    continue
+                batch.append((pending, block))
+                nbytes += block.numel * BYTES_PER_ELEMENT
+            if batch:
+                await self._start_batch(sender, batch, nbytes)
+
+    async def _start_batch(self, sender: "ShardSender", batch: list, nbytes: int) -> None:
+        """Start a push stream and return once its data is written, so the next stream's data follows without
+        waiting for this one's reply (the round trip through the link's queue would leave the stream idle);
+        at most PUSHES_IN_FLIGHT streams per shard are unanswered."""
+        await sender.in_flight.acquire()
+        written = asyncio.Event()
+        push = asyncio.get_running_loop().create_task(self._send_batch(sender.shard, batch, nbytes, written))
+        sender.pushes.add(push)
+        push.add_done_callback(sender.pushes.discard)
+        push.add_done_callback(lambda _: sender.in_flight.release())
+        all_written = asyncio.ensure_future(written.wait())
+        await asyncio.wait([push, all_written], return_when=asyncio.FIRST_COMPLETED)
+        all_written.cancel()
+
+    async def _send_batch(self, shard: int, batch: list, nbytes: int, written: asyncio.Event) -> None:
+        """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
+        holding the port's flag."""
+        items = [(b.block_id, self.flat.grad_slice(b), p.sync.group.round) for p, b in batch]
+        try:
+            if self.slots.holds_flags:
+                span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
+                                           lambda fence: self._timed_push(shard, items, nbytes, fence, written))
+            else:
+                started = time.time()
+                await self._timed_push(shard, items, nbytes, 0, written)
+                span = started, time.time()
+        except Exception as exc:
+            for pending, _ in batch:
+                pending.fail(exc)
+            return
+        per_sync: dict[int, list] = {}
+        for pending, block in batch:
+            per_sync.setdefault(id(pending), [pending, 0])[1] += block.numel * BYTES_PER_ELEMENT
+        for pending, sync_bytes in per_sync.values():
+            self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
+                              iteration=pending.sync.iteration)
+        for pending, block in batch:
+            self.flat.grad_slice(block).zero_()
+            if pending.block_pushed():
+                pending.sync.group.push_done.set()
+
+    def _record_push(self, shard: int, span: tuple[float, float], nbytes: int, **args: object) -> None:
+        """A push stream (its bytes of one group) on the timeline: from its slot's grant (its start, without
+        slots) to the shard's reply."""
+        self.timeline.record(f"push ps{shard}", "push", span[0], span[1], shard=shard, bytes=nbytes, **args)
+
+    # -- push with slots -------------------------------------------------------------------------
     async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
-        """Push the group to every shard that holds some of it. Without slots the streams go at once (the uplink
-        is shared); with slots, one shard after another, worker w starting at its w-th shard, so the workers
-        take the shards' ports in turn instead of all queueing for the same one."""
+        """Push the group to every shard that holds some of it, one shard after another, worker w starting at its
+        w-th shard, so the workers take the shards' ports in turn instead of all queueing for the same one."""
         shards = list(group.by_shard)
-        if self.slots.holds_flags:
-            start = self.rank % len(shards)
-            spans = [await self._push_shard_in_slot(group, shard, group.by_shard[shard])
-                     for shard in shards[start:] + shards[:start]]
-        else:
-            spans = await asyncio.gather(*(self._push_shard_in_slot(group, shard, group.by_shard[shard])
-                                           for shard in shards))
-        self.timeline.record(f"push {group.index}", "push", min(s for s, _ in spans), max(e for _, e in spans),
-                             group=group.index, iteration=iteration, round=group.round, bytes=group.nbytes)
+        start = self.rank % len(shards)
+        for shard in shards[start:] + shards[:start]:
+            span = await self._push_shard_in_slot(group, shard, group.by_shard[shard])
+            self._record_push(shard, span, group.shard_bytes(shard), group=group.index, iteration=iteration)
         self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
 
     async def _push_shard_in_slot(self, group: GroupRuntime, shard: int, blocks: list) -> tuple[float, float]:
-        """Push the group's blocks of one shard holding the slot of (group, shard); retry when fenced off.
-        Returns when the push started (its slot granted) and when the shard acknowledged it (wall clock)."""
+        """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the
+        order the next forward needs them (the reverse of backward order; every worker the same), so the shard
+        completes, and answers the pulls of, the earliest layers' blocks first."""
+        if self.priority:
+            blocks = sorted(blocks, key=lambda block: -block.offset)
+        items = [(b.block_id, self.flat.grad_slice(b), group.round) for b in blocks]
+        nbytes = group.shard_bytes(shard)
+        return await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
+                                   lambda fence: self._timed_push(shard, items, nbytes, fence))
+
+    async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
+        """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
+        when the push started (its slot granted) and when the shard acknowledged it (wall clock)."""
         for attempt in range(FENCED_RETRIES + 1):
             try:
-                async with self.slots.hold(Flag(self.plan_version, group.index, shard),
-                                           group.shard_bytes(shard)) as slot:
-                    if self.slots.holds_flags:
-                        self.timeline.record(f"flag {group.index}:{shard}", "flag-wait", slot.requested,
-                                             slot.acquired, group=group.index, shard=shard,
-                                             contended=slot.contended)
-                        self.metrics.flag_wait.observe(slot.waited_s)
-                    await self._push_shard(group, shard, blocks, slot.fence)
+                async with self.slots.hold(flag, nbytes) as slot:
+                    self.timeline.record(f"flag {flag}", "flag-wait", slot.requested, slot.acquired,
+                                         group=flag.group, shard=flag.shard, contended=slot.contended)
+                    self.metrics.flag_wait.observe(slot.waited_s)
+                    await push(slot.fence)
                     acknowledged = time.time()
-                if self.slots.holds_flags:
-                    self.metrics.flag_held(group.index, slot.held_s)
+                self.metrics.flag_held(flag.group, slot.held_s)
                 return slot.acquired, acknowledged
             except Fenced as exc:
                 if attempt == FENCED_RETRIES:
                     raise
                 log.warning("worker %d: %s; taking the flag again", self.rank, exc)
 
-    async def _push_shard(self, group: GroupRuntime, shard: int, blocks: list, fence: int) -> None:
-        """With priority, a group's blocks go in the order the next forward needs them (the reverse of backward
-        order; every worker the same), so the shard completes, and answers the pulls of, the earliest layers'
-        blocks first and the forward can start while the later blocks are still on the wire."""
-        if self.priority:
-            blocks = sorted(blocks, key=lambda block: -block.offset)
+    async def _timed_push(self, shard: int, items: list, nbytes: int, fence: int,
+                          written: asyncio.Event | None = None) -> None:
         started = time.monotonic()
-        await self.clients[shard].push([(b.block_id, self.flat.grad_slice(b)) for b in blocks], self.rank,
-                                       group.round, self.rpc_timeout_s, self.generation, fence)
-        seconds, nbytes = time.monotonic() - started, group.shard_bytes(shard)
+        await self.clients[shard].push(items, self.rank, self.rpc_timeout_s, self.generation, fence, self.lane,
+                                       written=written)
+        seconds = time.monotonic() - started
         self.metrics.pushed(shard, nbytes)
         self.slots.observe(nbytes, seconds)
         if self.on_push is not None:
@@ -224,6 +347,10 @@ class Communicator:
         self.comm.run(self._close_clients(groups), 10, "the shard channels to close")
 
     async def _close_clients(self, groups: list[GroupRuntime]) -> None:
+        for sender in self._senders.values():
+            for task in (sender.task, *sender.pushes):
+                if task is not None:
+                    task.cancel()
         for group in groups:
             if group.pull_task is not None and not group.pull_task.done():
                 group.pull_task.cancel()

@@ -5,7 +5,7 @@ import dataclasses
 
 from imerge.core.config import CommonConfig, TlsConfig, check_choices, option, require
 from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
-from imerge.core.slots import SLOTS
+from imerge.core.slots import SLOT_SCOPES, SLOTS
 
 MIB = 1 << 20
 
@@ -27,6 +27,12 @@ class ScheduleConfig:
     priority: bool = option(True, "send first the groups the next forward needs first")
     slots: str = option("off", "intra-iteration interleave: off, fixed (hold a group's flag for its slot "
                                "time) or ack (until the shard acknowledged the push)", choices=SLOTS)
+    slot_scope: str = option("shard", "what a slot flag guards: shard (every push to the shard's port) or "
+                                      "group (a group's pushes to one shard; the workers take a group's "
+                                      "shards in turn)", choices=SLOT_SCOPES)
+    slot_width: int = option(0, "workers that may hold the same slot at once (worker w takes lane w mod k); "
+                                "0: as many as there are shards (a worker's uplink is spread over the "
+                                "shards, so a port takes that many senders at full rate)")
     slot_bandwidth_mbps: float = option(0.0, "shard ingress bandwidth for fixed slots, Mbit/s "
                                              "(0: measured online from the pushes)")
     flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")
@@ -38,6 +44,7 @@ class ScheduleConfig:
         for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
             require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
+        require(self.slot_width >= 0, "slot_width", "must be >= 0 (0: the number of shards)")
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
         require(self.flag_lease_s > 0, "flag_lease_s", "must be positive")
         require(self.profile_iters >= 2, "profile_iters", "must be at least 2")

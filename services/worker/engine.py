@@ -56,7 +56,8 @@ class SyncEngine:
                            bandwidth_mbps=config.slot_bandwidth_mbps)
         self.comm = Communicator(self.loop, clients, self.flat, slots, rank=config.rank, priority=config.priority,
                                  rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
-                                 generation=generation, metrics=self.metrics, timeline=self.timeline)
+                                 generation=generation, metrics=self.metrics, timeline=self.timeline,
+                                 slot_scope=config.slot_scope, slot_width=config.slot_width)
         self.hooks = Hooks(self.flat, self.comm, config, self.optimizer.lr, self.metrics, self.timeline)
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
         if config.fusion == "cost":

@@ -47,4 +47,4 @@ class WorkerMetrics:
         self._group_syncs.labels(worker=self.rank, group=str(group)).inc()
 
     def flag_held(self, group: int, seconds: float) -> None:
-        self._flag_held.labels(worker=self.rank, group=str(group)).inc(seconds)
+        self._flag_held.labels(worker=self.rank, group=str(group) if group >= 0 else "port").inc(seconds)

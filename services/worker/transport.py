@@ -7,6 +7,7 @@ shard's address.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable
@@ -76,17 +77,22 @@ class ShardClient:
         return await self._init(chunks(), timeout=timeout_s)
 
     @_translated
-    async def push(self, blocks: list[tuple[str, torch.Tensor]], worker: int, round_: int,
-                   timeout_s: float, generation: int = 0, fence: int = 0) -> ps_pb2.PushReply:
-        """Push several blocks' gradients in one stream: a header, then the data, per block."""
+    async def push(self, blocks: list[tuple[str, torch.Tensor, int]], worker: int, timeout_s: float,
+                   generation: int = 0, fence: int = 0, lane: int = 0,
+                   written: asyncio.Event | None = None) -> ps_pb2.PushReply:
+        """Push several blocks' gradients, each (block id, gradient, round), in one stream: a header, then the
+        data, per block. ``written`` is set once the last data has been handed to gRPC."""
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
-            for block_id, grad in blocks:
+            for block_id, grad, round_ in blocks:
                 yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
                                                                  dtype=ps_pb2.FLOAT32, numel=grad.numel(),
-                                                                 generation=generation, fence=fence))
+                                                                 generation=generation, fence=fence,
+                                                                 lane=lane))
                 for frame in data_frames(tensor_view(grad), CHUNK_BYTES):  # PushChunk data, encoded once
                     yield frame
+            if written is not None:
+                written.set()
 
         return await self._push(segments(), timeout=timeout_s)
 

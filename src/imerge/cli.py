@@ -91,7 +91,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
     schedule = from_namespace(ScheduleConfig, args)
     with Testbed(testbed.links(job_roles(config.shards, config.workers)), testbed.subnet,
-                 mtu=testbed.mtu) as bed:
+                 mtu=testbed.mtu, tcp_congestion=testbed.tcp_congestion) as bed:
         redis_url = start_redis(bed)
         config = dataclasses.replace(config, redis_url=redis_url)
         return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule),

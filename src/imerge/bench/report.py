@@ -25,7 +25,7 @@ def markdown(report: dict[str, Any]) -> str:
     scenario = report["scenario"]
     lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, {scenario['workers']} workers, "
              f"{scenario['shards']} shards, {scenario['rate_mbit']:g} Mbit/s links"
-             + f", MTU {scenario['mtu']}"
+             + f", MTU {scenario['mtu']}, TCP {scenario.get('tcp_congestion', 'host default')}"
              + (f", shard port queue {scenario['shard_queue_kb']:g} kB" if scenario["shard_queue_kb"] else "")
              + f"; compute {report['compute_s']:.3f} s per iteration.", "",
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
@@ -121,7 +121,8 @@ def scaling_markdown(report: dict[str, Any]) -> str:
     scenario = report["scenario"]
     names = list(next(iter(sizes.values()))["strategies"])
     lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, shards = workers, "
-             f"{scenario['rate_mbit']:g} Mbit/s links, MTU {scenario['mtu']}. Each cell: median s/it, "
+             f"{scenario['rate_mbit']:g} Mbit/s links, MTU {scenario['mtu']}, "
+             f"TCP {scenario.get('tcp_congestion', 'host default')}. Each cell: median s/it, "
              "samples/s, x bound, x ddp.", "",
              "| strategy | " + " | ".join(f"W={w}" for w in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for name in names:

@@ -25,7 +25,7 @@ from rich.console import Console
 from imerge.core.config import option, require
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
-from imerge.bench.testbed import SHALLOW, Testbed, TestbedConfig, job_roles, start_redis
+from imerge.bench.testbed import SHALLOW, TCP_CONGESTION, Testbed, TestbedConfig, job_roles, start_redis
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {},
@@ -34,10 +34,13 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "size": dict(fusion="size", priority=False, slots="off"),
     "imerge": dict(fusion="cost", priority=True, slots="ack"),
     "imerge-fixed": dict(fusion="cost", priority=True, slots="fixed"),
+    "imerge-group": dict(fusion="cost", priority=True, slots="ack", slot_scope="group", slot_width=1),
+    "imerge-noslots": dict(fusion="cost", priority=True, slots="off"),
     "imerge-T2": dict(fusion="cost", priority=True, slots="ack", interleave_period=2),
     "imerge-T4": dict(fusion="cost", priority=True, slots="ack", interleave_period=4),
 }
 INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
+INCAST["slots-ack-group"] = STRATEGIES["imerge-group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Scenario:
     iters: int = 12
     shard_queue_kb: float = 0.0
     mtu: int = 9000
+    tcp_congestion: str = TCP_CONGESTION
     strategies: tuple[str, ...] = tuple(STRATEGIES)
     sizes: tuple[int, ...] = ()  # scaling: run at each worker count, shards = workers
 
@@ -72,6 +76,8 @@ class BenchConfig:
     sizes: str = option("", "B4: comma-separated worker counts to scale over (default: 1,2,3,4,5,6)")
     rate_mbit: float = option(0.0, "override the scenario's link rate, Mbit/s")
     mtu: int = option(0, "override the scenario's link MTU (default 9000; 1500 for B3)")
+    tcp_congestion: str = option(TCP_CONGESTION, "TCP congestion control of every testbed host (cubic: Linux's "
+                                 "default)")
     out: str = option("", "output folder (default: runs/bench-<scenario>-<time>)")
 
     def __post_init__(self) -> None:
@@ -167,15 +173,18 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
            "IMERGE_DDP_MASTER": "worker0:29500"}
     config = LaunchConfig(workers=scenario.workers, shards=scenario.shards, log_dir=str(run_dir),
                           log_level="WARNING")
-    with Testbed(links, log_sink=lambda line: None, mtu=scenario.mtu) as bed:
+    with Testbed(links, log_sink=lambda line: None, mtu=scenario.mtu,
+                 tcp_congestion=scenario.tcp_congestion) as bed:
         if not ddp:
             config = dataclasses.replace(config, redis_url=start_redis(bed))
         hosts = [f"worker{r}" for r in range(scenario.workers)] + [f"ps{s}" for s in range(scenario.shards)]
         launcher = Launcher(config, job, [sys.executable, "-m", "imerge.bench.ddp_baseline"] if ddp else None,
                             console=Console(file=io.StringIO()), schedule_env=schedule, hosts=TestbedHosts(bed),
                             workers_only=ddp, quiet=True)
-        with CounterSampler(bed, hosts) as sampler:
+        with CounterSampler(bed, hosts, 0.1) as sampler:
             code = launcher.run()
+        import json as _j
+        (run_dir / "samples.json").write_text(_j.dumps([(t, {h: [c.tx_bytes, c.rx_bytes] for h, c in d.items()}) for t, d in sampler.samples]))
     if code != 0:
         raise IMergeError(f"strategy {name} failed (exit code {code}); logs in {run_dir}")
     return measure(name, scenario, launcher.events, sampler, run_dir, iters)
@@ -258,6 +267,7 @@ def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
         scenario = dataclasses.replace(scenario, mtu=config.mtu)
     if config.iters:
         scenario = dataclasses.replace(scenario, iters=config.iters)
+    scenario = dataclasses.replace(scenario, tcp_congestion=config.tcp_congestion)
     chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or list(scenario.strategies)
     unknown = [s for s in chosen if s not in scenario.strategies]
     if unknown:

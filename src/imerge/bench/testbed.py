@@ -59,6 +59,7 @@ class LinkSpec:
                 "limit", f"{limit_kb:g}kb"]
 
 
+TCP_CONGESTION = "cubic"  # Linux's default; the host's own setting (some hosts run bbr) is not inherited
 SHALLOW = 16.0  # kB: a shallow switch port queue that drops under incast
 
 
@@ -77,10 +78,20 @@ def _run(argv: Sequence[str], what: str) -> str:
     return result.stdout
 
 
-def preflight(subnet: ipaddress.IPv4Network) -> None:
+def _set_sysctl(ns: str, key: str, value: str, host: str) -> None:
+    """Write one of a namespace's own sysctls (a new namespace otherwise takes some of them from the host)."""
+    _run(["ip", "netns", "exec", ns, sys.executable, "-c",
+          f"open('/proc/sys/{key}', 'w').write({value!r})"], f"setting {key} = {value} for {host}")
+
+
+def preflight(subnet: ipaddress.IPv4Network, tcp_congestion: str = TCP_CONGESTION) -> None:
     """Clear errors before anything is created."""
     if os.geteuid() != 0:
         raise TestbedError("the testbed needs root (it creates network namespaces and tc qdiscs)")
+    available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split()
+    if tcp_congestion not in available:
+        raise TestbedError(f"TCP congestion control {tcp_congestion!r} is not available on this kernel "
+                           f"(available: {' '.join(available)})")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise TestbedError(f"the testbed needs '{tool}' (Debian package iproute2) on PATH")
@@ -138,12 +149,14 @@ class Testbed:
     __test__ = False
 
     def __init__(self, links: dict[str, LinkSpec], subnet: str = "10.213.0.0/24",
-                 log_sink: Callable[[str], None] | None = None, mtu: int = MTU):
+                 log_sink: Callable[[str], None] | None = None, mtu: int = MTU,
+                 tcp_congestion: str = TCP_CONGESTION):
         if not links:
             raise TestbedError("a testbed needs at least one host")
         if not 576 <= mtu <= 65000:
             raise TestbedError(f"MTU {mtu} is outside 576..65000")
         self.mtu = mtu
+        self.tcp_congestion = tcp_congestion
         self.subnet = ipaddress.IPv4Network(subnet)
         if len(links) > self.subnet.num_addresses - 2:
             raise TestbedError(f"{len(links)} hosts do not fit in {subnet}")
@@ -168,7 +181,7 @@ class Testbed:
         self.teardown()
 
     def setup(self) -> None:
-        preflight(self.subnet)
+        preflight(self.subnet, self.tcp_congestion)
         reap_stale()
         MARKERS.mkdir(parents=True, exist_ok=True)
         self._marker.write_text(json.dumps({"pid": os.getpid(),
@@ -204,6 +217,7 @@ class Testbed:
                  f"addressing {host}")
             for dev in ("eth0", "lo"):
                 _run(["ip", "-n", ns, "link", "set", dev, "up"], f"raising {host}'s {dev}")
+            _set_sysctl(ns, "net/ipv4/tcp_congestion_control", self.tcp_congestion, host)
             _run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *link.tbf(link.limit_kb)],
                  f"shaping {host}'s uplink")
             _run(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root",
@@ -276,6 +290,9 @@ class TestbedConfig:
     mtu: int = dataclasses.field(default=MTU, metadata={
         "help": "MTU of every link (9000: jumbo frames, fewer packets for the kernel to move)",
         "choices": None, "aliases": ()})
+    tcp_congestion: str = dataclasses.field(default=TCP_CONGESTION, metadata={
+        "help": "TCP congestion control of every host (the kernel's tcp_available_congestion_control lists the "
+                "choices)", "choices": None, "aliases": ()})
     subnet: str = dataclasses.field(default="10.213.0.0/24", metadata={"help": "address range of the hosts",
                                                                         "choices": None, "aliases": ()})
     cleanup: bool = dataclasses.field(default=False, metadata={

@@ -105,15 +105,23 @@ class Restored(Message):
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """The slot flag of one fusion group's pushes to one shard, in one plan version: it serializes exactly the
-    pushes that compete for that shard's port (a group spread over every shard serializes nobody)."""
+    """A slot flag, in one plan version. Scope ``group``: the flag of one fusion group's pushes to one shard
+    (it serializes exactly the pushes of that group that compete for that shard's port; a group spread over
+    every shard serializes nobody). Scope ``shard`` (``group`` is PORT): the flag of the shard's port, taken
+    by every push to that shard. ``lane``: with a slot width k, worker w takes lane w mod k, so that up to k
+    workers hold the same slot at once."""
 
     plan_version: int
     group: int
     shard: int
+    lane: int = 0
 
     def __str__(self) -> str:
-        return f"{self.plan_version}:{self.group}:{self.shard}"
+        where = "port" if self.group == PORT else str(self.group)
+        return f"{self.plan_version}:{where}:{self.shard}" + (f":{self.lane}" if self.lane else "")
+
+
+PORT = -1  # Flag.group of a flag scoped to a shard's port
 
 
 @dataclasses.dataclass(frozen=True)

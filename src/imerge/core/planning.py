@@ -171,14 +171,19 @@ def make_units(layout: Layout) -> list[Unit]:
     return units
 
 
-def partition(units: Sequence[Unit], cap_bytes: int) -> list[Block]:
-    """Blocks: each unit, split into near-equal partitions of at most ``cap_bytes``."""
+def partition(units: Sequence[Unit], cap_bytes: int, num_shards: int = 1) -> list[Block]:
+    """Blocks: each unit, split into near-equal partitions of at most ``cap_bytes``. A unit that needs splitting
+    is split into a multiple of ``num_shards`` partitions, so that it can lie evenly on every shard (two 16 MB
+    layers cut into 4 MiB partitions are 8 blocks, which 3 shards can only hold 3/3/2: the busiest shard
+    would receive a third more than the others)."""
     if cap_bytes < BYTES_PER_ELEMENT:
         raise PlanError(f"partition cap {cap_bytes} B is below one element")
     cap = cap_bytes // BYTES_PER_ELEMENT
     blocks: list[Block] = []
     for unit in units:
         parts = -(-unit.numel // cap)
+        if parts > 1:
+            parts = min(unit.numel, -(-parts // num_shards) * num_shards)
         bounds = [unit.offset + unit.numel * i // parts for i in range(parts + 1)]
         for start, end in zip(bounds, bounds[1:]):
             blocks.append(Block(f"b{len(blocks)}", unit.index, start, end - start))
@@ -297,7 +302,7 @@ def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], 
     if not layout.params:
         raise PlanError("the model has no trainable parameters")
     units = make_units(layout)
-    blocks = partition(units, options.partition_bytes)
+    blocks = partition(units, options.partition_bytes, len(shard_addresses))
     unit_bytes = [u.numel * BYTES_PER_ELEMENT for u in units]
     if groups is None:
         groups = (fuse_size(unit_bytes, options.size_cap_bytes, options.first_cap_bytes)

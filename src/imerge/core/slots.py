@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 SLOTS = ("off", "fixed", "ack")
+SLOT_SCOPES = ("group", "shard")
 
 
 class Grant(Protocol):

@@ -69,7 +69,7 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class PushHeader(_message.Message):
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
@@ -84,7 +85,8 @@ class PushHeader(_message.Message):
     numel: int
     generation: int
     fence: int
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ...) -> None: ...
+    lane: int
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
