@@ -18,7 +18,8 @@ class ScheduleConfig:
                                  "cost (profiled cost model)", choices=FUSIONS)
     size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
     first_cap_mib: float = option(1.0, "byte cap of the first group with --fusion size, MiB")
-    partition_mib: float = option(4.0, "blocks larger than this are split into partitions, MiB")
+    partition_mib: float = option(1.0, "blocks larger than this are split into partitions (a multiple of the "
+                                       "shard count per split layer), MiB")
     placement: str = option("lpt", "block placement: lpt (balanced per interleave phase) or round-robin",
                             choices=PLACEMENTS)
     interleave_period: int = option(1, "T: each group syncs every T iterations (local SGD in between)")

@@ -105,6 +105,12 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     config = from_namespace(BenchConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge bench: %(message)s")
+    if args.scenario == "datapath":  # on loopback: no testbed, no root
+        from imerge.bench.datapath import run_datapath
+        from imerge.bench.report import datapath_markdown
+
+        print(datapath_markdown(run_datapath(config, Console(stderr=True))))
+        return 0
     report = run_bench(args.scenario, config, Console(stderr=True))
     from imerge.bench.report import markdown
 
@@ -176,7 +182,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             add_options(sub, config)
         sub.set_defaults(run=runner, command=[])
         if name == "bench":
-            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling over --sizes) or tiny")
+            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling over --sizes), tiny, or datapath "
+                                              "(PS against DDP on loopback: s/it, GB/s and CPU s/GB per process)")
         subparsers[name] = sub
     return parser, subparsers
 

@@ -157,3 +157,28 @@ def write_scaling_report(report: dict[str, Any], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "scaling.png", dpi=100)
     plt.close(figure)
+
+
+DATAPATH_COLUMNS = [("median_iteration_s", "median s/it", "{:.3f}"), ("ratio_to_ddp", "x ddp", "{:.2f}"),
+                    ("worker_gb_per_s", "worker GB/s", "{:.2f}"), ("worker_cpu_s_per_gb", "worker CPU s/GB", "{:.2f}"),
+                    ("shard_gb_per_s", "shard GB/s", "{:.2f}"), ("shard_cpu_s_per_gb", "shard CPU s/GB", "{:.2f}")]
+
+
+def datapath_markdown(report: dict[str, Any]) -> str:
+    scenario = report["scenario"]
+    lines = [f"{scenario['model']} ({scenario['model_bytes'] / 1e6:.1f} MB), batch 1, {scenario['workers']} workers, "
+             f"{scenario['shards']} shards (DDP: {scenario['workers']} ranks), loopback, {scenario['iters']} "
+             f"iterations x {scenario['rounds']} rounds. GB/s and CPU s/GB count payload bytes sent plus "
+             "received by one process (DDP: a rank, in the worker columns).", "",
+             "| strategy | " + " | ".join(title for _, title, _ in DATAPATH_COLUMNS) + " |",
+             "|---|" + "---|" * len(DATAPATH_COLUMNS)]
+    for name, result in report["strategies"].items():
+        lines.append(f"| {name} | " + " | ".join(_cell(result.get(key), fmt, key) for key, _, fmt in DATAPATH_COLUMNS)
+                     + " |")
+    if report.get("command"):
+        lines += ["", f"Command: `{report['command']}`"]
+    return "\n".join(lines) + "\n"
+
+
+def write_datapath_report(report: dict[str, Any], out: Path) -> None:
+    (out / "results.md").write_text(datapath_markdown(report))

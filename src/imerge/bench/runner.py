@@ -231,6 +231,13 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
     }
 
 
+def model_size(model: str) -> int:
+    """Bytes of the model's trainable parameters."""
+    from imerge.workloads.models import build_model
+
+    return sum(p.numel() for p in build_model(model).parameters() if p.requires_grad) * 4
+
+
 def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Merge rounds per strategy; add the bound and the ratios."""
     rate_bps = scenario.rate_mbit * 1e6 / 8
@@ -242,8 +249,11 @@ def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict
                         "p90_iteration_s": percentile(iteration_s, 0.9)}
     computes = [m["compute_s"] for m in merged.values() if m["compute_s"]]
     compute = statistics.median(computes) if computes else 0.0
-    for m in merged.values():
-        m["bound_s"] = max(compute, m["worker_bytes_per_iteration"] / rate_bps, m["shard_bytes_per_iteration"] / rate_bps)
+    model_bytes = model_size(scenario.model)
+    even_ps = max(model_bytes, scenario.workers * model_bytes / scenario.shards) / rate_bps
+    ring = 2 * (scenario.workers - 1) / scenario.workers * model_bytes / rate_bps
+    for name, m in merged.items():  # from the model's bytes, spread evenly: an unbalanced placement is not forgiven
+        m["bound_s"] = max(compute, ring if name == "ddp" else even_ps)
         m["ratio_to_bound"] = m["median_iteration_s"] / m["bound_s"] if m["bound_s"] else None
         m["ratio_to_ddp"] = (m["median_iteration_s"] / merged["ddp"]["median_iteration_s"]) if "ddp" in merged else None
     return {"scenario": dataclasses.asdict(scenario), "compute_s": compute, "strategies": merged}

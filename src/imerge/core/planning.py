@@ -279,7 +279,7 @@ class PlanOptions:
     fusion: str = "none"
     size_cap_bytes: int = 25 << 20
     first_cap_bytes: int = 1 << 20
-    partition_bytes: int = 4 << 20
+    partition_bytes: int = 1 << 20
     placement: str = "lpt"
     period: int = 1
 

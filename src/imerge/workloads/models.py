@@ -1,4 +1,5 @@
-"""Built-in models: ResNet-18 (CIFAR shapes), a communication-bound VGG-style net, a digits CNN."""
+"""Built-in models: ResNet-18 (CIFAR shapes), a communication-bound VGG-style net, a digits CNN, and a
+communication-only stack of linear layers (for ``imerge bench datapath``)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +7,7 @@ import threading
 import torch
 from torch import nn
 
-MODELS = ("resnet18", "vgg", "digits-cnn")
+MODELS = ("resnet18", "vgg", "digits-cnn", "linear4")
 
 
 class DigitsCNN(nn.Module):
@@ -78,8 +79,15 @@ class VGGStyle(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
+class Linear4(nn.Sequential):
+    """4 x Linear(2048, 2048): 67 MB of parameters and almost no compute at batch 1 (the data path alone)."""
+
+    def __init__(self, width: int = 2048):
+        super().__init__(*[nn.Linear(width, width) for _ in range(4)])
+
+
 _BUILD_LOCK = threading.Lock()
-INPUT_SHAPES = {"resnet18": (3, 32, 32), "vgg": (3, 32, 32), "digits-cnn": (1, 8, 8)}
+INPUT_SHAPES = {"resnet18": (3, 32, 32), "vgg": (3, 32, 32), "digits-cnn": (1, 8, 8), "linear4": (2048,)}
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
@@ -88,4 +96,4 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     with _BUILD_LOCK, torch.random.fork_rng():  # seeding the global RNG is not thread-safe
         torch.manual_seed(seed)
-        return {"resnet18": ResNet18, "vgg": VGGStyle, "digits-cnn": DigitsCNN}[name]()
+        return {"resnet18": ResNet18, "vgg": VGGStyle, "digits-cnn": DigitsCNN, "linear4": Linear4}[name]()

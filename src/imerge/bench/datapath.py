@@ -1,0 +1,161 @@
+"""``imerge bench datapath``: the cost of moving bytes, PS against DDP (gloo), on loopback.
+
+A communication-only model (4 x Linear(2048, 2048), 67 MB, batch 1) trained by
+W workers and W shards on this host, against DDP with W ranks, strategies
+alternating over ``--rounds``. Reported per strategy: seconds per iteration,
+and for a worker and a shard (DDP: a rank) the payload moved per second and the
+CPU seconds per GB moved. Payload bytes per iteration are the model's (M),
+not socket counters (loopback has none per process): a PS worker sends and
+receives M; a shard sends and receives W x its share of M; a DDP rank sends
+and receives 2 (W - 1) / W x M (ring all-reduce). CPU is each process's
+utime + stime over the timed iterations, read from ``/proc``; a worker's
+includes its (small) compute, a DDP rank's its local optimizer step.
+"""
+from __future__ import annotations
+
+import io
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from imerge.core.errors import IMergeError
+from imerge.ops.launch import LaunchConfig, Launcher
+
+MODEL = "linear4"
+DEFAULT_ITERS = 30
+CLOCK_TICKS = 100  # USER_HZ: /proc's unit of CPU time on Linux
+
+
+def model_bytes() -> int:
+    from imerge.workloads.models import build_model
+
+    return sum(p.numel() for p in build_model(MODEL).parameters()) * 4
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of a live process (all its threads), from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CpuSampler:
+    """Samples the CPU time of every child of a running launcher."""
+
+    def __init__(self, launcher: Launcher, interval_s: float = 0.1):
+        self.launcher, self.interval_s = launcher, interval_s
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            taken = {child.role: cpu_seconds(child.process.pid) for child in list(self.launcher.children)}
+            self.samples.append((time.time(), {role: cpu for role, cpu in taken.items() if cpu is not None}))
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def used(self, role: str, start: float, end: float) -> float:
+        """CPU seconds ``role`` used between the samples nearest to ``start`` and ``end``."""
+        mine = [(t, cpu[role]) for t, cpu in self.samples if role in cpu]
+        if len(mine) < 2:
+            raise IMergeError(f"datapath: too few CPU samples of {role}; run more --iters")
+        first = min(mine, key=lambda s: abs(s[0] - start))
+        last = min(mine, key=lambda s: abs(s[0] - end))
+        return last[1] - first[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> dict[str, Any]:
+    """One run of ``strategy`` on loopback; its s/it and per-role throughput and CPU cost."""
+    from imerge.bench.runner import warmup_iterations
+
+    ddp = strategy == "ddp"
+    skip = 2 if ddp else warmup_iterations(iters)
+    job = {"IMERGE_MODEL": MODEL, "IMERGE_DATA": "synthetic", "IMERGE_ITERS": str(iters),
+           "IMERGE_BATCH_SIZE": "1", "IMERGE_EVALUATE": "0", "IMERGE_SAMPLES": str(max(64, 4 * workers)),
+           "IMERGE_PROFILE_ITERS": str(skip), "IMERGE_DDP_MASTER": f"127.0.0.1:{free_port()}"}
+    schedule = {f"IMERGE_{k.upper()}": ("1" if v else "0") if isinstance(v, bool) else str(v)
+                for k, v in options.items()}
+    config = LaunchConfig(workers=workers, shards=workers, log_dir=str(out), log_level="WARNING")
+    launcher = Launcher(config, job, [sys.executable, "-m", "imerge.bench.ddp_baseline"] if ddp else None,
+                        console=Console(file=io.StringIO()), schedule_env=schedule, workers_only=ddp, quiet=True)
+    with CpuSampler(launcher) as sampler:
+        code = launcher.run()
+    if code != 0:
+        raise IMergeError(f"datapath: strategy {strategy} failed (exit code {code}); logs in {out}")
+    steps = [e for e in launcher.events if e.get("event") == "iteration" and e.get("rank", 0) == 0]
+    timed = [e for e in steps if e["iteration"] > skip]
+    if len(timed) < 3:
+        raise IMergeError(f"datapath: only {len(timed)} timed iterations; run more --iters")
+    start, end = timed[0]["received"], timed[-1]["received"]
+    iterations = timed[-1]["iteration"] - timed[0]["iteration"]
+    seconds = statistics.median(e["seconds"] for e in timed)
+    size = model_bytes()
+    moved = {"worker": 4 * (workers - 1) / workers * size if ddp else 2 * size, "shard": 2 * size}
+    roles = {"worker": "worker0"} if ddp else {"worker": "worker0", "shard": "ps0"}
+    result: dict[str, Any] = {"strategy": strategy, "median_iteration_s": seconds, "iterations": len(timed)}
+    for kind, role in roles.items():
+        window_bytes = moved[kind] * iterations
+        cpu = sampler.used(role, start, end)
+        result[f"{kind}_gb_per_s"] = window_bytes / (end - start) / 1e9
+        result[f"{kind}_cpu_s_per_gb"] = cpu / (window_bytes / 1e9)
+    return result
+
+
+def run_datapath(config: Any, console: Console) -> dict[str, Any]:
+    """Every chosen strategy (default: ddp and imerge), alternating over ``config.rounds``."""
+    from imerge.bench.report import write_datapath_report
+    from imerge.bench.runner import STRATEGIES
+
+    workers = config.workers or 2
+    iters = config.iters or DEFAULT_ITERS
+    chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or ["ddp", "imerge"]
+    unknown = [s for s in chosen if s not in STRATEGIES]
+    if unknown:
+        raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(STRATEGIES)}")
+    out = Path(config.out or f"runs/bench-datapath-{time.strftime('%Y%m%d-%H%M%S')}")
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    for round_ in range(config.rounds):
+        for strategy in chosen:
+            console.print(f"datapath round {round_ + 1}: {strategy}")
+            result = run_once(strategy, STRATEGIES[strategy], workers, iters, out / f"round{round_ + 1}" / strategy)
+            console.print(f"    median {result['median_iteration_s']:.3f} s/it")
+            runs[strategy].append(result)
+    merged = {name: {key: (statistics.median(r[key] for r in results) if isinstance(value, float) else value)
+                     for key, value in results[0].items()} for name, results in runs.items()}
+    if "ddp" in merged:
+        for result in merged.values():
+            result["ratio_to_ddp"] = result["median_iteration_s"] / merged["ddp"]["median_iteration_s"]
+    command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
+    report = {"scenario": {"model": MODEL, "model_bytes": model_bytes(), "workers": workers, "shards": workers,
+                           "iters": iters, "rounds": config.rounds, "network": "loopback"},
+              "command": command, "strategies": merged, "runs": runs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    write_datapath_report(report, out)
+    console.print(f"results in {out}/ (results.json, results.md)")
+    return report
+
+
+

@@ -1,0 +1,31 @@
+"""``imerge bench datapath``: PS against DDP on loopback, with throughput and CPU cost per process."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "8",
+                             "--strategies", "ddp,imerge", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["scenario"]["model_bytes"] == 4 * (2048 * 2048 + 2048) * 4
+    ddp, ps = report["strategies"]["ddp"], report["strategies"]["imerge"]
+    assert ddp["ratio_to_ddp"] == 1.0 and ps["ratio_to_ddp"] > 0
+    for result_of in (ddp, ps):
+        assert result_of["median_iteration_s"] > 0
+        assert 0 < result_of["worker_gb_per_s"] < 100 and 0 < result_of["worker_cpu_s_per_gb"] < 100
+    assert 0 < ps["shard_gb_per_s"] < 100 and 0 < ps["shard_cpu_s_per_gb"] < 100
+    assert "shard_gb_per_s" not in ddp  # a DDP rank is reported in the worker columns only
+    table = (tmp_path / "results.md").read_text()
+    assert "| ddp |" in table and "| imerge |" in table and "worker CPU s/GB" in table
+
+
+def test_datapath_names_an_unknown_strategy(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--strategies", "ddp,nope",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "--strategies: nope" in result.stderr and "Traceback" not in result.stderr
