@@ -110,3 +110,13 @@ def test_fixed_measures_the_bandwidth_from_the_pushes_when_none_is_given():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown slot policy 'random'"):
         make_slots("random", FakeFlags(), **OPTIONS)
+
+
+def test_slot_width_auto_and_slots_that_guard_nothing():
+    from imerge.core.slots import effective_policy, resolve_width
+
+    assert resolve_width("shard", 0, 3) == 3 and resolve_width("group", 0, 3) == 1
+    assert resolve_width("shard", 2, 3) == 2 and resolve_width("group", 2, 3) == 2
+    assert effective_policy("ack", resolve_width("shard", 0, 3), 3) == "off"   # B2: 3 workers, 3 shards
+    assert effective_policy("ack", resolve_width("shard", 0, 1), 6) == "ack"   # B3: 6 workers, 1 shard
+    assert effective_policy("fixed", 2, 4) == "fixed" and effective_policy("fixed", 4, 4) == "off"

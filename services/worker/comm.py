@@ -128,7 +128,7 @@ class Communicator:
         self.comm, self.clients, self.flat, self.slots = comm, clients, flat, slots
         self.rank, self.generation = rank, generation
         self.slot_scope = slot_scope
-        self.lane = rank % (slot_width or len(clients))  # with width k, worker w takes lane w mod k
+        self.lane = rank % slot_width  # with width k, worker w takes lane w mod k
         self.rpc_timeout_s, self.pull_timeout_s = rpc_timeout_s, pull_timeout_s
         self.metrics, self.timeline = metrics, timeline
         self.plan_version = 0

@@ -32,8 +32,9 @@ class ScheduleConfig:
                                       "group (a group's pushes to one shard; the workers take a group's "
                                       "shards in turn)", choices=SLOT_SCOPES)
     slot_width: int = option(0, "workers that may hold the same slot at once (worker w takes lane w mod k); "
-                                "0: as many as there are shards (a worker's uplink is spread over the "
-                                "shards, so a port takes that many senders at full rate)")
+                                "0: with scope shard as many as there are shards (a worker's uplink is spread "
+                                "over the shards, so a port takes that many senders at full rate), with scope "
+                                "group 1; no flags at all where the width admits every worker")
     slot_bandwidth_mbps: float = option(0.0, "shard ingress bandwidth for fixed slots, Mbit/s "
                                              "(0: measured online from the pushes)")
     flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")

@@ -23,7 +23,7 @@ from imerge.control.messages import COST_PLAN, BlocksReady
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
-from imerge.core.slots import make_slots
+from imerge.core.slots import effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams, GroupTable
@@ -51,13 +51,18 @@ class SyncEngine:
         self.flat = FlatParams(self.params)
         self.loop = CommLoop(f"imerge-comm-{config.rank}")
         clients = self.loop.run(self._connect(plan), 30, "the shard channels to open")
-        slots = make_slots(config.slots, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
+        width = resolve_width(config.slot_scope, config.slot_width, len(plan.shard_addresses))
+        policy = effective_policy(config.slots, width, plan.num_workers)
+        if policy != config.slots:
+            log.info("worker %d: slots %s with width %d >= %d workers guard nothing; pushing without flags",
+                     config.rank, config.slots, width, plan.num_workers)
+        slots = make_slots(policy, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
                            timeout_s=config.pull_timeout_s, generation=generation,
                            bandwidth_mbps=config.slot_bandwidth_mbps)
         self.comm = Communicator(self.loop, clients, self.flat, slots, rank=config.rank, priority=config.priority,
                                  rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
                                  generation=generation, metrics=self.metrics, timeline=self.timeline,
-                                 slot_scope=config.slot_scope, slot_width=config.slot_width)
+                                 slot_scope=config.slot_scope, slot_width=width)
         self.hooks = Hooks(self.flat, self.comm, config, self.optimizer.lr, self.metrics, self.timeline)
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
         if config.fusion == "cost":

@@ -141,6 +141,20 @@ class FixedSlots(AckSlots):
         await asyncio.sleep(max(0.0, slot.granted_at + self.slot_time(nbytes) - time.monotonic()))
 
 
+def resolve_width(scope: str, width: int, num_shards: int) -> int:
+    """The slot width: ``width``, or with 0 (auto) the shard count for scope ``shard`` (a worker's uplink is
+    spread over the shards, so a port takes that many senders at full rate) and 1 for scope ``group``."""
+    if width:
+        return width
+    return num_shards if scope == "shard" else 1
+
+
+def effective_policy(name: str, width: int, num_workers: int) -> str:
+    """``off`` where a slot of ``width`` lanes cannot be contended (every worker alone in its lane): taking its
+    flags would only add round trips to the store."""
+    return name if width < num_workers else "off"
+
+
 def make_slots(name: str, store: FlagStore, *, owner: str, lease_s: float, timeout_s: float, generation: int,
                bandwidth_mbps: float = 0.0) -> NoSlots:
     """The slot policy ``name`` (one of SLOTS)."""
