@@ -8,6 +8,7 @@ INTERNAL with the error logged, so one bad request never harms the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -21,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.dtypes import BLOCK_DTYPE
-from imerge.core.errors import FailedPrecondition, InvalidArgument, RequestError
+from imerge.core.errors import FailedPrecondition, IMergeError, InvalidArgument, RequestError
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
@@ -38,6 +39,7 @@ from .streams import Segments, data_parts, decoded, first_part, parser, receive_
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {ps_pb2.FLOAT32: "float32"}
+PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
 
 
 def dtype_name(value: int, what: str) -> str:
@@ -159,13 +161,19 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_unary
     async def Push(self, request_iterator, context):
         segments, results = Segments(request_iterator), []
-        while (header := await segments.next_header()) is not None:
-            what = f"push of block {header.block_id} by worker {header.worker}"
-            duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
-                                                      dtype_name(header.dtype, what), header.numel,
-                                                      segments.data(), header.generation, header.fence,
-                                                      header.lane)
-            results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate, pushed=pushed))
+        try:
+            while (header := await segments.next_header()) is not None:
+                what = f"push of block {header.block_id} by worker {header.worker}"
+                duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
+                                                          dtype_name(header.dtype, what), header.numel,
+                                                          segments.data(), header.generation, header.fence,
+                                                          header.lane)
+                results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
+                                                      pushed=pushed))
+        except IMergeError:  # refused: let the client finish writing, so that it reads this refusal
+            with contextlib.suppress(Exception):  # a stream that breaks meanwhile: the refusal is still the answer
+                await segments.drain(PUSH_DRAIN_BYTES)
+            raise
         return ps_pb2.PushReply(results=results)
 
     def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:

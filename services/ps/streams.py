@@ -117,3 +117,12 @@ class Segments:
                 self._pending = message
                 return
             yield message.data
+
+    async def drain(self, limit_bytes: int) -> None:
+        """Read (and drop) what the client still sends, up to ``limit_bytes``: a client still writing when the
+        call ends sees a broken write (gRPC's INTERNAL "Internal error from Core"), not the status we answer."""
+        seen = 0
+        async for message in self._messages:
+            seen += len(message.data) if message.WhichOneof("part") == "data" else 64
+            if seen > limit_bytes:
+                return

@@ -1,15 +1,18 @@
 """The worker's comm thread: the queue of complete groups, their pushes and pulls, and the groups' Futures.
 
 The comm loop (an asyncio loop in its own thread) takes groups off the queue
-(highest priority first), starts the group's pull (one stream per shard) and
-pushes the group's blocks (one stream per shard, in the plan's order on every
-worker) while holding the group's slot (see :mod:`imerge.core.slots`). The
-shard answers each pulled block as soon as its round completes, so pulls of
-early blocks overlap pushes of later ones; each block is written in place as
-it arrives and resolves its own Future (a forward waits only for the blocks
-that hold its parameters); the group's Future resolves when all are back. A
-push fenced off (its flag's lease had passed to another holder) takes the
-slot again and is retried.
+(highest priority first) and starts the group's pull (one stream per shard).
+Its blocks join the queues of the shards' senders, one sender per shard, which
+push the queued blocks of any groups, highest priority first, a few MiB per
+stream, two streams in flight (with slots scoped to the shard port, each stream
+holds the port's flag). With slots scoped to (group, shard), the loop instead
+pushes the group's shards one after another, each under its flag (see
+:mod:`imerge.core.slots`). The shard answers each pulled block as soon as its
+round completes, so pulls of early blocks overlap pushes of later ones; each
+block is written in place as it arrives and resolves its own Future (a forward
+waits only for the blocks that hold its parameters); the group's Future
+resolves when all are back. A push fenced off (its flag's lease had passed to
+another holder) takes the slot again and is retried.
 """
 from __future__ import annotations
 
@@ -175,7 +178,7 @@ class Communicator:
             else:
                 self._dispatch(sync)
 
-    # -- push without slots: one sender per shard ------------------------------------------------
+    # -- push: one sender per shard (no slots, or slots scoped to the shard port) ----------------
     def _dispatch(self, sync: Sync) -> None:
         """Queue the group's blocks at each shard's sender; the senders drain their queues independently, so
         one shard's share of a group never waits for another shard's (a group split unevenly over the shards
@@ -254,7 +257,7 @@ class Communicator:
         slots) to the shard's reply."""
         self.timeline.record(f"push ps{shard}", "push", span[0], span[1], shard=shard, bytes=nbytes, **args)
 
-    # -- push with slots -------------------------------------------------------------------------
+    # -- push with slots scoped to (group, shard) ---------------------------------------------------
     async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
         """Push the group to every shard that holds some of it, one shard after another, worker w starting at its
         w-th shard, so the workers take the shards' ports in turn instead of all queueing for the same one."""
