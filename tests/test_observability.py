@@ -59,7 +59,8 @@ def test_metrics_agree_with_the_truth(redis_url):
         def body(rank: int):
             model = imerge.distribute(build_model("digits-cnn", seed=0), OptimizerSpec("sgd", lr=0.05),
                                       cluster.worker_config(rank, fusion="size", size_cap_mib=0.02,
-                                                            first_cap_mib=0.005, partition_mib=0.02, slots="ack"))
+                                                            first_cap_mib=0.005, partition_mib=0.02, slots="ack",
+                                                            slot_scope="group", slot_width=1))
             registry = model.engine.metrics.registry
             over_http = scrape(f"127.0.0.1:{model.metrics_port}", 5)
             for x, y in data:
@@ -160,7 +161,7 @@ def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5):
 def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_path):
     launch = subprocess.Popen(IMERGE + ["launch", "--shards", "2", "--workers", "2", "--model", "digits-cnn",
                                         "--data", "digits", "--iters", "100000", "--fusion", "size",
-                                        "--slots", "ack", "--log-dir", str(tmp_path / "job")],
+                                        "--slots", "ack", "--slot-width", "1", "--log-dir", str(tmp_path / "job")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     prometheus = None
     try:
