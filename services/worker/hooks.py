@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from imerge.core.errors import WaitTimeout
+from imerge.core.errors import UnsupportedUse, WaitTimeout
 from imerge.core.schedule import syncs
 from imerge.telemetry.timeline import Timeline
 
@@ -42,6 +42,7 @@ class Hooks:
         self._handles: list[Any] = []
         self._callback_queued = False
         self._forward_started = 0.0
+        self._forward_seen = False  # a forward ran since the last backward ended
         self._waited_s = 0.0        # this iteration's forward waits
         self._groups_enqueued = 0   # this iteration's groups sent
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
@@ -65,6 +66,7 @@ class Hooks:
 
     # -- iteration boundaries -------------------------------------------------------------
     def _forward_started_now(self, args: tuple) -> None:
+        self._forward_seen = True
         now = time.time()
         if self._forward_started:
             self.metrics.iteration.observe(now - self._forward_started)
@@ -84,7 +86,13 @@ class Hooks:
     # -- backward ---------------------------------------------------------------------------
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         group = self.table.group_of[id(param)]
-        if not group.push_done.is_set():  # two backwards without a forward: let the push finish
+        if not self._callback_queued and not self._forward_seen and self.iteration > 0:
+            raise UnsupportedUse(
+                f"worker {self.config.rank}: a second backward after iteration {self.iteration} without a forward "
+                "of the wrapped model in between: every backward is one optimizer step on the shards, so it would "
+                "step twice (or, on one rank only, desynchronize the job); run the wrapped model's forward before "
+                "each backward")
+        if not group.push_done.is_set():  # the previous push of this group is still going out
             self._wait(group.push_done.wait, group, "its previous push to finish")
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -122,6 +130,7 @@ class Hooks:
         if not self.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
             self.synchronize()
         self._callback_queued = False
+        self._forward_seen = False
         ended = time.time()
         self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, ended,
                              iteration=self.iteration)

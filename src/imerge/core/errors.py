@@ -38,6 +38,10 @@ class ConfigError(IMergeError):
         self.option = option
 
 
+class UnsupportedUse(IMergeError):
+    """A use of the wrapped model that IMerge does not support, refused where it would train wrongly."""
+
+
 class WaitTimeout(IMergeError, TimeoutError):
     """A blocking wait for another role ran out of time; the message says what it waited for.
 
