@@ -128,8 +128,9 @@ def test_slots_serialize_pushes_of_a_group_with_bounded_redis_commands(cluster, 
     assert per_worker_iteration <= 8 * 6  # acquire + release, plus a bounded number of wake-ups
 
 
-def most_at_once(intervals) -> int:
-    edges = sorted([(i.start, 1) for i in intervals] + [(i.end, -1) for i in intervals], key=lambda e: (e[0], e[1]))
+def most_at_once(spans) -> int:
+    """The most (start, end) spans open at one instant (an end before a start at the same instant)."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     return max(itertools.accumulate(delta for _, delta in edges))
 
 
@@ -142,7 +143,7 @@ def test_port_slots_admit_width_senders_at_once_without_fencing_each_other(clust
     engines = run_job(c, equal_layers, steps, slots="ack", slot_scope="shard", slot_width=width)
     pushes = [i for e in engines for i in e.timeline.of("push")]
     streams = {(i.start, i.end) for i in pushes}  # a stream carrying several groups is one interval per group
-    at_once = most_at_once([type("Span", (), {"start": a, "end": b}) for a, b in streams])
+    at_once = most_at_once(streams)
     assert at_once == width, f"{at_once} pushes into the port at once with width {width}"
     waits = [i for e in engines for i in e.timeline.of("flag-wait")]
     assert any(i.args["contended"] for i in waits), "no flag was ever contended: the test shows nothing"

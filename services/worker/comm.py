@@ -39,8 +39,8 @@ from .transport import ShardClient
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
 _STOP = 1 << 30     # queue priority of the item that stops the consumer
-SEND_CREDIT = 4 << 20  # without slots, a push stream to a shard carries the queued blocks up to this many bytes
-PUSHES_IN_FLIGHT = 2   # without slots, push streams to one shard whose reply is awaited
+SEND_CREDIT = 4 << 20  # a sender's push stream carries the queued blocks up to this many bytes
+PUSHES_IN_FLIGHT = 2   # a sender's push streams whose reply is awaited (1 while slots hold a flag until the reply)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +191,14 @@ class Communicator:
                 in_flight = 1 if self.slots.holds_flags else PUSHES_IN_FLIGHT  # a flag is held until the reply
                 sender = self._senders[shard] = ShardSender(shard, self.priority, asyncio.Semaphore(in_flight))
                 sender.task = asyncio.get_running_loop().create_task(self._send_to(sender))
-            for block in (sorted(blocks, key=lambda b: -b.offset) if self.priority else blocks):
+            for block in self._push_order(blocks):
                 sender.queue.put(group.index, (pending, block))
             sender.wake.set()
+
+    def _push_order(self, blocks: list) -> list:
+        """With priority, a group's blocks in the order the next forward needs them (the reverse of backward
+        order), the same on every worker, so the shard completes the earliest layers' blocks first."""
+        return sorted(blocks, key=lambda block: -block.offset) if self.priority else blocks
 
     async def _send_to(self, sender: "ShardSender") -> None:
         """Push the queued blocks to one shard, highest priority first, up to SEND_CREDIT bytes per stream."""
@@ -272,9 +277,7 @@ class Communicator:
         """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the
         order the next forward needs them (the reverse of backward order; every worker the same), so the shard
         completes, and answers the pulls of, the earliest layers' blocks first."""
-        if self.priority:
-            blocks = sorted(blocks, key=lambda block: -block.offset)
-        items = [(b.block_id, self.flat.grad_slice(b), group.round) for b in blocks]
+        items = [(b.block_id, self.flat.grad_slice(b), group.round) for b in self._push_order(blocks)]
         nbytes = group.shard_bytes(shard)
         return await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -27,6 +26,7 @@ from rich.console import Console
 
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher
+from imerge.ops.redis_server import free_port
 
 MODEL = "linear4"
 DEFAULT_ITERS = 30
@@ -34,9 +34,9 @@ CLOCK_TICKS = 100  # USER_HZ: /proc's unit of CPU time on Linux
 
 
 def model_bytes() -> int:
-    from imerge.workloads.models import build_model
+    from imerge.bench.runner import model_size
 
-    return sum(p.numel() for p in build_model(MODEL).parameters()) * 4
+    return model_size(MODEL)
 
 
 def cpu_seconds(pid: int) -> float | None:
@@ -78,12 +78,6 @@ class CpuSampler:
         first = min(mine, key=lambda s: abs(s[0] - start))
         last = min(mine, key=lambda s: abs(s[0] - end))
         return last[1] - first[1]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> dict[str, Any]:
