@@ -106,6 +106,7 @@ def test_failed_role_is_named_and_exit_is_nonzero(tmp_path):
     (["ps", "--", "python"], {}, "only accepted by 'imerge launch'"),
     (["bench", "B4", "--sizes", "1,x"], {}, "--sizes: must be comma-separated worker counts"),
     (["testbed", "--mtu", "100"], {}, "--mtu: must be within 576..65000"),
+    (["launch", "--model", "resnet18", "--", "python", "s.py"], {}, "--model: is an option of the built-in job"),
 ])
 def test_cli_rejects_bad_options_naming_them(args, env, message):
     result = subprocess.run(IMERGE + args, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
@@ -124,3 +125,32 @@ def test_shard_stops_gracefully_on_sigterm(redis_url):
         lines.append(shard.stdout.readline())
     shard.send_signal(signal.SIGTERM)
     assert shard.wait(15) == 0
+
+
+SCRIPT = """
+import torch, imerge
+spec = imerge.OptimizerSpec.from_env(imerge.OptimizerSpec("sgd", lr=0.05, momentum=0.9)) if {from_env} else \\
+    imerge.OptimizerSpec("sgd", lr=0.05, momentum=0.9)
+model = imerge.distribute(torch.nn.Linear(4, 2), spec)
+print("trains with", model.engine.optimizer.name, model.engine.optimizer.lr, flush=True)
+model(torch.ones(1, 4)).sum().backward()
+model.close()
+"""
+
+
+def test_launch_flags_reach_a_script_that_reads_them_and_its_output_is_prefixed_with_its_rank(tmp_path):
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--optimizer", "adam", "--lr", "0.3", "--",
+                 sys.executable, "-c", SCRIPT.format(from_env=True))
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 0, output
+    assert "[rank0]: trains with adam 0.3" in output and "[rank1]: trains with adam 0.3" in output
+    assert "trains with adam 0.3" in (tmp_path / "logs" / "worker1.log").read_text()
+
+
+def test_launch_flags_that_a_script_overrides_are_refused_naming_them(tmp_path):
+    run = launch(tmp_path, "--shards", "1", "--workers", "1", "--max-restarts", "0", "--optimizer", "adam", "--lr",
+                 "0.3", "--", sys.executable, "-c", SCRIPT.format(from_env=False))
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1, output
+    assert "--lr 0.3 --optimizer adam: imerge launch was given these optimizer flags" in output
+    assert "trains with" not in output

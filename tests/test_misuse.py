@@ -1,6 +1,9 @@
 """Uses of the wrapped model that would train wrongly are refused at once, naming the cause."""
 from __future__ import annotations
 
+import concurrent.futures
+import copy
+import threading
 import time
 
 import pytest
@@ -39,3 +42,76 @@ def test_a_second_backward_without_a_forward_raises_at_once_on_that_rank(cluster
 
     (_, iterations0), (refused_after_s, iterations1) = c.run_workers(body)
     assert refused_after_s < 1.0 and iterations0 == iterations1 == 3  # refused, not counted as an iteration
+
+
+def test_a_second_process_claiming_a_live_rank_is_refused_and_the_job_is_untouched(cluster):
+    """A duplicate of rank 1, started while the job runs, gets RankInUse within 10 s (the holder's next lease
+    renewal proves it alive) before it writes anything of the job; the job trains exactly as it would alone."""
+    from loop_reference import make_data, params_of
+    from imerge.core.errors import RankInUse
+
+    c = cluster(2, 1)
+    data = make_data(14, 2, 8, 8, 4)
+    rank1_training = threading.Event()
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    make = lambda: copy.deepcopy(initial)  # noqa: E731
+
+    def train(rank: int, slow: bool):
+        model = imerge.distribute(make(), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank, heartbeat_ttl_s=6))
+        for index, step in enumerate(data):
+            x, y = step[rank]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if slow:
+                time.sleep(0.4)
+            if index == 1 and rank == 1:
+                rank1_training.set()
+        model.close()
+        return params_of(model.module)
+
+    def duplicate():
+        assert rank1_training.wait(60)
+        started = time.monotonic()
+        with pytest.raises(RankInUse, match=r"rank 1 of job .* is held by a live process"):
+            imerge.distribute(make(), OptimizerSpec("sgd", lr=0.1), c.worker_config(1, heartbeat_ttl_s=6))
+        return time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(train, rank, True) for rank in range(2)]
+        refused_after_s = pool.submit(duplicate).result(90)
+        results = [run.result(120) for run in runs]
+    assert refused_after_s < 10.0
+    c = cluster(2, 1)  # the same job alone
+    expected = c.run_workers(lambda rank: train(rank, False))
+    for name, value in expected[0].items():
+        assert torch.equal(results[0][name], value) and torch.equal(results[1][name], value), name
+
+
+def test_a_rank_whose_holder_is_gone_is_taken_at_once_and_an_expired_one_within_its_lease(redis_url):
+    """A lease left by a process of this host that no longer exists is replaced at once (a restarted worker does
+    not wait); one of another host, never renewed, is taken once it expires."""
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import new_job
+    from imerge.control.store import Store
+    from imerge.worker.lease import RankLease
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    store = Store(redis_url, new_job())
+    try:
+        assert store.claim_rank(0, f"{socket.gethostname()}:{int(gone.stdout)}:x", 30) is None
+        started = time.monotonic()
+        RankLease(store, store.job, 0, 30).claim()
+        assert time.monotonic() - started < 1.0
+        assert store.claim_rank(1, "elsewhere:1:x", 1.5) is None
+        started = time.monotonic()
+        lease = RankLease(store, store.job, 1, 1.5)
+        lease.claim()
+        assert 0.5 < time.monotonic() - started < 3.5
+        assert store.claim_rank(1, "late:2:x", 10) is not None  # now held by the new lease
+        lease.renew()
+        assert not lease.lost
+    finally:
+        store.close()

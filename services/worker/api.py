@@ -18,6 +18,7 @@ checkpoint's round (``start_iteration``: the data position to continue from).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -30,13 +31,14 @@ import torch
 
 from imerge.control.messages import FIRST_PLAN, FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import Store
-from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError, JobFailed, StoreError
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, JobFailed, StoreError
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan, layout_of
 from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
+from .lease import RankLease
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +74,20 @@ def latest_plan(store: Store, config: WorkerConfig) -> Plan:
 
 
 class Heartbeat:
-    """Refreshes this worker's liveness key and its data position until stopped."""
+    """Renews this worker's rank lease, refreshes its liveness key and its data position until stopped."""
 
-    def __init__(self, store: Store, rank: int, ttl_s: float):
+    def __init__(self, store: Store, lease: RankLease):
         self.position: Callable[[], tuple[int, int]] | None = None  # (generation, iterations done) once joined
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(store, rank, ttl_s), daemon=True,
-                                        name=f"imerge-heartbeat-{rank}")
+        self._thread = threading.Thread(target=self._run, args=(store, lease), daemon=True,
+                                        name=f"imerge-heartbeat-{lease.rank}")
         self._thread.start()
 
-    def _run(self, store: Store, rank: int, ttl_s: float) -> None:
+    def _run(self, store: Store, lease: RankLease) -> None:
+        rank, ttl_s = lease.rank, lease.ttl_s
         while not self._stop.wait(ttl_s / 3):
             try:
+                lease.renew()
                 position = self.position() if self.position is not None else None
                 store.heartbeat(rank, ttl_s, position[0] if position else -1)
                 if position is not None:
@@ -104,9 +108,15 @@ class DistributedModel(torch.nn.Module):
         self.module = module
         self.config = config
         self._store = Store(config.redis_url, config.job)
+        self._lease = RankLease(self._store, config.job, config.rank, config.heartbeat_ttl_s)
+        try:
+            self._lease.claim()
+        except BaseException:
+            self._store.close()
+            raise
         self._store.register_worker(config.rank, WorkerInfo(socket.gethostname(), os.getpid()),
                                     config.heartbeat_ttl_s)
-        self._heartbeat = Heartbeat(self._store, config.rank, config.heartbeat_ttl_s)
+        self._heartbeat = Heartbeat(self._store, self._lease)
         self._engine: SyncEngine | None = None
         self._metrics: MetricsServer | None = None
         self.generation = 0
@@ -155,6 +165,7 @@ class DistributedModel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.engine  # fail loudly once closed
+        self._lease.check()
         with self._reporting():
             return self.module(*args, **kwargs)
 
@@ -192,6 +203,10 @@ class DistributedModel(torch.nn.Module):
             self._metrics.close()
             self._metrics = None
         self._heartbeat.stop()
+        try:
+            self._lease.release()
+        except StoreError as exc:
+            log.warning("could not release rank %d's lease (it expires by itself): %s", self.config.rank, exc)
         self._store.close()
 
     def close(self) -> None:
@@ -234,8 +249,10 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
                config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
     """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``).
 
-    ``optimizer`` runs on the shards (default: plain SGD, lr 0.01). Rank 0's
-    optimizer and initial parameters are the ones the shards keep.
+    ``optimizer`` runs on the shards (default: ``OptimizerSpec.from_env()``, plain SGD at lr 0.01 unless
+    ``imerge launch`` was given optimizer flags). Rank 0's optimizer and initial parameters are the ones the
+    shards keep. Under ``imerge launch``, a flag given to the launcher that the script overrides raises
+    ConfigError naming it: launch flags are never silently ignored.
     """
     from imerge.core.config import from_env
 
@@ -245,4 +262,29 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
         config = from_env(WorkerConfig, **options)
     elif options:
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
-    return DistributedModel(module, config, optimizer or OptimizerSpec())
+    optimizer = check_launch_flags(optimizer, config)
+    return DistributedModel(module, config, optimizer)
+
+
+def check_launch_flags(optimizer: OptimizerSpec | None, config: WorkerConfig,
+                       env: dict[str, str] | None = None) -> OptimizerSpec:
+    """The optimizer to use; ConfigError if the script overrides an option ``imerge launch`` was given."""
+    from imerge.core.config import LAUNCH_FLAGS_ENV, env_name, flag_name, from_env
+
+    env = dict(os.environ) if env is None else env
+    given = {name for name in env.get(LAUNCH_FLAGS_ENV, "").split(",") if name}
+    launched = from_env(WorkerConfig, env) if given & {f.name for f in dataclasses.fields(WorkerConfig)} else None
+    for name in sorted(given):
+        if launched is not None and hasattr(launched, name) and getattr(config, name) != getattr(launched, name):
+            raise ConfigError(flag_name(name), f"imerge launch was given {getattr(launched, name)!r}, but the "
+                                               f"script sets {getattr(config, name)!r}: drop one of them")
+    if optimizer is None:
+        return OptimizerSpec.from_env(env=env)
+    flag_env = {env_name(n): env[env_name(n)] for n in given if env_name(n) in env}
+    if OptimizerSpec.from_env(optimizer, flag_env) != optimizer:
+        flags = " ".join(f"{flag_name(n)} {env[env_name(n)]}" for n in sorted(given) if env_name(n) in flag_env)
+        raise ConfigError(flags, f"imerge launch was given these optimizer flags, but the script "
+                                                  f"passes its own optimizer {optimizer}: build it with "
+                                                  "imerge.OptimizerSpec.from_env(<defaults>) so the flags reach "
+                                                  "it, or drop the flags")
+    return optimizer

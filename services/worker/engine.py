@@ -63,7 +63,8 @@ class SyncEngine:
                                  rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
                                  generation=generation, metrics=self.metrics, timeline=self.timeline,
                                  slot_scope=config.slot_scope, slot_width=width)
-        self.hooks = Hooks(self.flat, self.comm, config, self.optimizer.lr, self.metrics, self.timeline)
+        self.hooks = Hooks(self.flat, self.comm, config, self.optimizer.lr, self.metrics, self.timeline,
+                           {id(by_name[n]): n for n in names})
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
         if config.fusion == "cost":
             self._start_profiling()

@@ -8,6 +8,12 @@
   count them as zero, and the iteration is counted.
 * A module's forward pre-hook waits on the Futures of the blocks that hold its
   parameters (pulled blocks arrive one by one), not on whole groups.
+* A parameter whose gradient arrives although no forward of a module that holds
+  it ran (``F.linear(x, self.side.weight)``) is used outside its module. The
+  first backward of the engine learns such parameters (every parameter is fresh
+  then) and from then on the root module's forward waits for them first; one
+  that shows up later raises :class:`UnsupportedUse` naming it, since that
+  forward may already have read a stale value.
 """
 from __future__ import annotations
 
@@ -31,8 +37,9 @@ from .profiler import Profiler
 
 class Hooks:
     def __init__(self, flat: FlatParams, comm: Communicator, config: WorkerConfig, lr: float,
-                 metrics: WorkerMetrics, timeline: Timeline):
+                 metrics: WorkerMetrics, timeline: Timeline, names: dict[int, str]):
         self.flat, self.comm, self.config, self.lr = flat, comm, config, lr
+        self.names = names          # id(param) -> its qualified name, for messages
         self.metrics, self.timeline = metrics, timeline
         self.table: GroupTable | None = None  # the current plan's groups
         self.profiler: Profiler | None = None  # while --fusion cost profiles the first iterations
@@ -44,6 +51,9 @@ class Hooks:
         self._forward_started = 0.0
         self._forward_seen = False  # a forward ran since the last backward ended
         self._waited_s = 0.0        # this iteration's forward waits
+        self._forward_params: set[int] = set()  # parameters whose module's forward ran since the last backward
+        self.outside: list[int] = []  # parameters used outside their module: waited for at the root's forward
+        self._learning = True       # the engine's first backward: outside uses are learned, not refused
         self._groups_enqueued = 0   # this iteration's groups sent
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
 
@@ -56,7 +66,7 @@ class Hooks:
             owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self.table.group_of]
             if owned:
                 handles.append(module.register_forward_pre_hook(
-                    lambda _module, _args, owned=owned: self.wait_params(owned)))
+                    lambda _module, _args, owned=owned: self._module_forward(owned)))
         self._handles = handles
 
     def remove(self) -> None:
@@ -65,8 +75,14 @@ class Hooks:
         self._handles = []
 
     # -- iteration boundaries -------------------------------------------------------------
+    def _module_forward(self, owned: list[int]) -> None:
+        self._forward_params.update(owned)
+        self.wait_params(owned)
+
     def _forward_started_now(self, args: tuple) -> None:
         self._forward_seen = True
+        if self.outside:
+            self._module_forward(self.outside)
         now = time.time()
         if self._forward_started:
             self.metrics.iteration.observe(now - self._forward_started)
@@ -97,6 +113,8 @@ class Hooks:
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
+        if id(param) not in self._forward_params:
+            self._used_outside_its_module(param)
         grad = param.grad.detach()
         self.flat.add_grad(param, grad)
         if not self.syncs_now(group):  # local SGD step between syncs
@@ -108,6 +126,18 @@ class Hooks:
         group.seen.add(id(param))
         if len(group.seen) == len(group.param_ids):
             self._group_complete(group)
+
+    def _used_outside_its_module(self, param: torch.nn.Parameter) -> None:
+        name = self.names.get(id(param), "?")
+        if not self._learning:
+            raise UnsupportedUse(
+                f"worker {self.config.rank}: parameter {name} got a gradient in iteration {self.iteration} although "
+                "no forward of a module holding it ran: it is used outside its module (as in F.linear(x, "
+                "module.weight)). IMerge learns such uses in the first iteration and waits for them at the start "
+                "of forward; this one appeared later, so this forward may have read a stale value. Use it the same "
+                "way from the first iteration on, or call its module")
+        self.outside.append(id(param))
+        self._forward_params.add(id(param))
 
     def _group_complete(self, group: GroupRuntime) -> None:
         group.seen.clear()
@@ -131,6 +161,8 @@ class Hooks:
             self.synchronize()
         self._callback_queued = False
         self._forward_seen = False
+        self._forward_params.clear()
+        self._learning = False
         ended = time.time()
         self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, ended,
                              iteration=self.iteration)

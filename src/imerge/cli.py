@@ -12,8 +12,10 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from imerge.core.config import add_options, from_namespace, setup_logging, to_env
+from imerge.core.config import (LAUNCH_FLAGS_ENV, add_options, env_name, flag_name, from_namespace, given_options,
+                                setup_logging, to_env)
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, Rejoin
 
 log = logging.getLogger("imerge.cli")
@@ -73,7 +75,25 @@ def _run_launch(args: argparse.Namespace) -> int:
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
     schedule = from_namespace(ScheduleConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge launch: %(message)s")
-    return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule)).run()
+    return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule)).run()
+
+
+def job_env(job: Any, args: argparse.Namespace) -> dict[str, str]:
+    """The built-in job's variables; with a script, only the optimizer flags given, which the script's
+    ``imerge.distribute`` must honour (``IMERGE_LAUNCH_FLAGS`` lists every flag given, to check that):
+    the built-in job's other flags mean nothing to a script and are refused."""
+    from imerge.workloads.job import OPTIMIZER_FIELDS
+
+    if not args.command:
+        return to_env(job)
+    stray = sorted(args.given & {f.name for f in dataclasses.fields(job)} - set(OPTIMIZER_FIELDS))
+    if stray:
+        raise ConfigError(flag_name(stray[0]), "is an option of the built-in job; a script after -- builds its own "
+                                               "model, data and loop (drop the flag, or read it in the script)")
+    env = {name: value for name, value in to_env(job).items()
+           if name in {env_name(field) for field in args.given & set(OPTIMIZER_FIELDS)}}
+    env[LAUNCH_FLAGS_ENV] = ",".join(sorted(args.given))
+    return env
 
 
 def _run_testbed(args: argparse.Namespace) -> int:
@@ -94,7 +114,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
                  mtu=testbed.mtu, tcp_congestion=testbed.tcp_congestion) as bed:
         redis_url = start_redis(bed)
         config = dataclasses.replace(config, redis_url=redis_url)
-        return Launcher(config, to_env(job), args.command, schedule_env=to_env(schedule),
+        return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule),
                         hosts=TestbedHosts(bed)).run()
 
 
@@ -203,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if command and args.role not in ("launch", "testbed"):
         subparsers[args.role].error("a command after -- is only accepted by 'imerge launch' and 'imerge testbed'")
     args.command = command
+    args.given = given_options(argv[argv.index(args.role) + 1:], *role_specs()[args.role][1])
     try:
         return args.run(args)
     except ConfigError as exc:

@@ -17,6 +17,9 @@ key                         type     meaning
 ``shards``                  hash     shard index -> advertised gRPC address
 ``shards:queue``            list     shard indexes, pushed on each registration
 ``workers``                 hash     worker rank -> JSON {host, pid}
+``worker:{rank}:lease``     string   the rank lease: "<holder token> <beat>", renewed by the holder's heartbeat
+                                     (the beat counts renewals), expires after the heartbeat TTL
+``worker:{rank}:beats``     list     one token pushed by each renewal of the lease (wakes a claimant)
 ``worker:{rank}:alive``     string   heartbeat: the generation the worker serves (-1 while joining),
                                      expires after the heartbeat TTL
 ``layout:{rank}``           string   the worker's model layout (JSON, see planning)
@@ -105,10 +108,35 @@ _CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
 ROLE_COMMANDS = {
     "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
     "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop"),
-    "worker": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "del", "exists", "pttl", "hincrby", "incr",
-                             "evalsha", "eval", "script|load"),
+    "worker": _CONNECTION + ("get", "set", "hset", "hget", "rpush", "blpop", "del", "exists", "pttl", "pexpire",
+                             "hincrby", "incr", "evalsha", "eval", "script|load"),
 }
 
+# A rank lease: claim it if free (or held by ARGV[3], a holder known dead); else return the holder's lease
+# and clear the beats list, so that a beat popped afterwards proves the holder renewed it since.
+_CLAIM_RANK = """
+local current = redis.call('GET', KEYS[1])
+if current == false or current == ARGV[3] then
+  redis.call('SET', KEYS[1], ARGV[1] .. ' 0', 'PX', ARGV[2])
+  return false
+end
+redis.call('DEL', KEYS[2])
+return {current, redis.call('PTTL', KEYS[1])}
+"""
+_RENEW_RANK = """
+local current = redis.call('GET', KEYS[1])
+if current ~= false and string.sub(current, 1, #ARGV[1] + 1) ~= ARGV[1] .. ' ' then return 0 end
+redis.call('SET', KEYS[1], ARGV[1] .. ' ' .. ARGV[3], 'PX', ARGV[2])
+redis.call('DEL', KEYS[2])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+_RELEASE_RANK = """
+local current = redis.call('GET', KEYS[1])
+if current ~= false and string.sub(current, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 def _slice(seconds: float) -> float:
@@ -140,6 +168,9 @@ class Store:
                                            decode_responses=True)
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._release = self._redis.register_script(_RELEASE)
+        self._claim_rank = self._redis.register_script(_CLAIM_RANK)
+        self._renew_rank = self._redis.register_script(_RENEW_RANK)
+        self._release_rank = self._redis.register_script(_RELEASE_RANK)
 
     def _key(self, *parts: object) -> str:
         return self._prefix + ":".join(str(p) for p in parts)
@@ -246,6 +277,36 @@ class Store:
         return int(self._redis.hlen(self._key("shards")))
 
     # -- workers ------------------------------------------------------------
+    @_translated
+    def claim_rank(self, rank: int, token: str, ttl_s: float, replacing: str = "") -> tuple[str, int] | None:
+        """Take rank ``rank``'s lease for ``token`` if it is free (or its value is ``replacing``: a holder known
+        dead); else (the holder's lease value, its remaining milliseconds)."""
+        held = self._claim_rank(keys=[self._key("worker", rank, "lease"), self._key("worker", rank, "beats")],
+                                args=[token, int(ttl_s * 1000), replacing or "\x00"])
+        return None if held is None else (held[0], int(held[1]))
+
+    @_translated
+    def wait_rank_renewed(self, rank: int, timeout_s: float) -> bool:
+        """Block until the holder of rank ``rank`` renews its lease (True) or ``timeout_s`` passes (False)."""
+        return self._redis.blpop([self._key("worker", rank, "beats")], timeout=_slice(timeout_s)) is not None
+
+    @_translated
+    def renew_rank(self, rank: int, token: str, beat: int, ttl_s: float) -> bool:
+        """Renew rank ``rank``'s lease if ``token`` holds it (or take it again if it expired unclaimed); False: it
+        passed to another holder."""
+        return bool(self._renew_rank(keys=[self._key("worker", rank, "lease"), self._key("worker", rank, "beats")],
+                                     args=[token, int(ttl_s * 1000), beat]))
+
+    @_translated
+    def release_rank(self, rank: int, token: str) -> None:
+        self._release_rank(keys=[self._key("worker", rank, "lease")], args=[token])
+
+    @_translated
+    def worker_info(self, rank: int) -> WorkerInfo | None:
+        """The host and pid of the process that last registered as ``rank``."""
+        text = self._redis.hget(self._key("workers"), str(rank))
+        return WorkerInfo.decode(text) if text else None
+
     @_translated
     def register_worker(self, rank: int, info: WorkerInfo, ttl_s: float) -> None:
         pipe = self._redis.pipeline()

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from imerge.core.errors import ConfigError
 
 C = TypeVar("C")
+LAUNCH_FLAGS_ENV = "IMERGE_LAUNCH_FLAGS"  # the fields whose flags ``imerge launch`` was given with a script
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -66,13 +67,15 @@ def _env_value(field: dataclasses.Field, kind: type, env: Mapping[str, str]) -> 
     return field.default
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str] | None = None) -> None:
-    """Add one flag per field of ``cls``; defaults come from the environment."""
+def add_options(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str] | None = None,
+                suppress_defaults: bool = False) -> None:
+    """Add one flag per field of ``cls``; defaults come from the environment (``suppress_defaults``: none, so a
+    parse lists only the flags given)."""
     env = os.environ if env is None else env
     types = _field_types(cls)
     for field in dataclasses.fields(cls):
         kind = types[field.name]
-        default = _env_value(field, kind, env)
+        default = argparse.SUPPRESS if suppress_defaults else _env_value(field, kind, env)
         help_text = f"{field.metadata.get('help', '')} [env {env_name(field.name)}; default: {default!r}]"
         if kind is bool:
             parser.add_argument(flag_name(field.name), dest=field.name, default=default,
@@ -80,6 +83,14 @@ def add_options(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, st
         else:
             parser.add_argument(flag_name(field.name), dest=field.name, default=default, type=kind,
                                 choices=field.metadata.get("choices"), help=help_text)
+
+
+def given_options(argv: list[str], *classes: type) -> set[str]:
+    """The fields of ``classes`` whose flags ``argv`` gives explicitly (not from a default or the environment)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for cls in classes:
+        add_options(parser, cls, suppress_defaults=True)
+    return set(vars(parser.parse_known_args(argv)[0]))
 
 
 def from_namespace(cls: type[C], namespace: argparse.Namespace) -> C:

@@ -42,6 +42,10 @@ class UnsupportedUse(IMergeError):
     """A use of the wrapped model that IMerge does not support, refused where it would train wrongly."""
 
 
+class RankInUse(IMergeError):
+    """Another live process holds this worker's rank in the job (a rank lease it keeps renewing)."""
+
+
 class WaitTimeout(IMergeError, TimeoutError):
     """A blocking wait for another role ran out of time; the message says what it waited for.
 

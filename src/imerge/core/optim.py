@@ -6,9 +6,12 @@ is element-wise the same as applying it to the original parameters.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 
 import torch
 
+from imerge.core.config import env_name, parse_value
 from imerge.core.errors import InvalidArgument
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -25,6 +28,23 @@ class OptimizerSpec:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+
+    @classmethod
+    def from_env(cls, default: "OptimizerSpec | None" = None,
+                 env: Mapping[str, str] | None = None) -> "OptimizerSpec":
+        """``default`` (plain SGD, lr 0.01 if None) with the optimizer options of the environment:
+        ``IMERGE_OPTIMIZER``, ``IMERGE_LR``, ``IMERGE_MOMENTUM``, ``IMERGE_WEIGHT_DECAY``, ``IMERGE_NESTEROV``
+        (what ``imerge launch --optimizer adam --lr 3e-4 -- python train.py`` passes to the script). A
+        different optimizer name starts from that optimizer's defaults."""
+        env = os.environ if env is None else env
+        spec = default or cls()
+        name = env.get(env_name("optimizer"), "").strip()
+        if name and name != spec.name:
+            spec = cls(name)
+        kinds = {"lr": float, "momentum": float, "weight_decay": float, "nesterov": bool}
+        values = {field: parse_value(kind, env[env_name(field)], env_name(field)) for field, kind in kinds.items()
+                  if env.get(env_name(field), "") != ""}
+        return dataclasses.replace(spec, **values)
 
     def validate(self) -> "OptimizerSpec":
         """Return self, or raise InvalidArgument naming the bad field."""

@@ -24,7 +24,9 @@ import os
 import select
 import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -161,6 +163,7 @@ class Launcher:
         self.events: list[dict[str, Any]] = []
         self.summary: dict[str, Any] = {}
         self.metrics_targets: dict[str, str] = {}  # role -> host:port of its /metrics
+        self._tees: list[threading.Thread] = []  # copy scripts' output to their logs and the console
 
     # -- children -----------------------------------------------------------------
     def _env(self, redis_url: str, extra: dict[str, str]) -> dict[str, str]:
@@ -176,19 +179,40 @@ class Launcher:
         if not self.workers_only and env.get("IMERGE_METRICS_PORT", "0") == "0":
             port, self.metrics_targets[role] = self.hosts.metrics_target(role)
             env["IMERGE_METRICS_PORT"] = str(port)
-        log_path = self.log_dir / f"{role}.log"
-        with open(log_path, "wb") as log_file:
-            process = proc.spawn(self.hosts.prefix(role) + argv, env=env, stdout=log_file, pass_fds=pass_fds)
-        self.children.append(Child(role, process, log_path, is_worker, argv, env, pass_fds))
+        child = Child(role, None, self.log_dir / f"{role}.log", is_worker, argv, env, pass_fds)
+        child.log_path.write_bytes(b"")
+        self._spawn(child)
+        self.children.append(child)
         self._write_roles()
+
+    def _spawn(self, child: Child) -> None:
+        """Start ``child``, its output appended to its log; a script's output also goes to the console, each line
+        prefixed with the worker's rank (as torchrun does)."""
+        argv = self.hosts.prefix(child.role) + child.argv
+        if not (child.is_worker and self.command) or self.quiet:
+            with open(child.log_path, "ab") as log_file:
+                child.process = proc.spawn(argv, env=child.env, stdout=log_file, pass_fds=child.pass_fds)
+            return
+        child.process = proc.spawn(argv, env=child.env, stdout=subprocess.PIPE, pass_fds=child.pass_fds)
+        prefix = f"[rank{child.role.removeprefix('worker')}]: "
+        tee = threading.Thread(target=self._tee, args=(child.process.stdout, child.log_path, prefix), daemon=True,
+                               name=f"imerge-tee-{child.role}")
+        tee.start()
+        self._tees.append(tee)
+
+    def _tee(self, stream: Any, log_path: Path, prefix: str) -> None:
+        with stream, open(log_path, "ab") as log_file:
+            for line in iter(stream.readline, b""):
+                log_file.write(line)
+                log_file.flush()
+                self.console.print(prefix + line.decode(errors="replace").rstrip("\n"), markup=False,
+                                   highlight=False, soft_wrap=True)
 
     def _restart(self, child: Child, why: str) -> None:
         log.warning("%s %s; restarting it", child.role, why)
         if not self.quiet:
             self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
-        with open(child.log_path, "ab") as log_file:
-            child.process = proc.spawn(self.hosts.prefix(child.role) + child.argv, env=child.env, stdout=log_file,
-                                       pass_fds=child.pass_fds)
+        self._spawn(child)
         self._write_roles()
 
     def _write_roles(self) -> None:
@@ -264,6 +288,8 @@ class Launcher:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        for tee in self._tees:
+            tee.join(5)
 
     # -- progress -------------------------------------------------------------------
     def _read_events(self, stream: Any, buffer: list[str], timeout_s: float) -> list[dict[str, Any]]:

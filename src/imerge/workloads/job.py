@@ -11,6 +11,9 @@ from imerge.workloads.data import DATASETS
 from imerge.workloads.models import MODELS
 
 
+OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "nesterov")  # reach a script's from_env()
+
+
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
     model: str = option("digits-cnn", "built-in model", choices=MODELS)
