@@ -22,7 +22,7 @@ from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 import test_equivalence as eq
 
 NUMEL = 1000
-SGD = ps_pb2.OptimizerSpec(name="sgd", lr=0.1)
+SGD = ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}')
 
 
 @pytest.fixture
@@ -150,16 +150,16 @@ def test_bad_init_requests(stub):
     assert code == grpc.StatusCode.ALREADY_EXISTS and "different spec" in details
     code, details = status_of(lambda: init(stub, "big", numel=1 << 40, data=b""))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "numel" in details
-    code, details = status_of(lambda: init(stub, "opt", optimizer=ps_pb2.OptimizerSpec(name="lbfgs", lr=1)))
+    code, details = status_of(lambda: init(stub, "opt", optimizer=ps_pb2.OptimizerSpec(name="lbfgs", options_json='{"lr": 1}')))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "lbfgs" in details
-    code, details = status_of(lambda: init(stub, "lr", optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=0)))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lr must be positive" in details
+    code, details = status_of(lambda: init(stub, "lr", optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0}')))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "lr must be a positive number" in details
     code, details = status_of(lambda: push(stub, worker=9))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "worker 9 outside 0..1" in details
 
 
 def test_duplicate_push_is_acknowledged_and_counted_once(stub):
-    init(stub, workers=2, optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=1.0))
+    init(stub, workers=2, optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 1.0}'))
     assert push(stub, worker=0, data=floats(np.full(NUMEL, 2.0))).pushed == 1
     reply = push(stub, worker=0, data=floats(np.full(NUMEL, 100.0)))
     assert reply.duplicate and reply.pushed == 1

@@ -97,7 +97,7 @@ def test_shards_only_accept_blocks_the_mapping_table_gives_them(cluster):
     block = plan.blocks[0]
     wrong = c.addresses[1 - block.shard]
     spec = ps_pb2.BlockSpec(block_id=block.block_id, dtype=ps_pb2.FLOAT32, numel=block.numel, num_workers=1,
-                            optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=0.1))
+                            optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}'))
     data = np.zeros(block.numel, dtype="<f4").tobytes()
     with grpc.insecure_channel(wrong) as channel:
         stub = ps_pb2_grpc.ParameterServerStub(channel)

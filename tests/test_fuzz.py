@@ -6,6 +6,7 @@ threads or file descriptors than before.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,12 +34,23 @@ u64 = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1))
 dtypes = st.integers(0, 2**31 - 1)
 payload = st.one_of(st.binary(max_size=64), st.just(np.ones(NUMEL, "<f4").tobytes()),
                     st.just(np.full(NUMEL, np.nan, "<f4").tobytes()))
-optimizers = st.builds(ps_pb2.OptimizerSpec, name=st.sampled_from(["sgd", "adam", "adamw", "", "rmsprop", "x" * 50]),
-                       lr=st.floats(allow_nan=True, allow_infinity=True), momentum=st.floats(-2, 2),
-                       weight_decay=st.floats(allow_nan=True), beta1=st.floats(-1, 2), beta2=st.floats(-1, 2),
-                       eps=st.floats(allow_nan=True))
-specs = st.builds(ps_pb2.BlockSpec, block_id=ids, dtype=dtypes, numel=u64, num_workers=u32, optimizer=optimizers)
-headers = st.builds(ps_pb2.PushHeader, block_id=ids, worker=u32, round=u64, dtype=dtypes, numel=u64)
+optimizer_options = st.one_of(
+    st.text(max_size=40),
+    st.fixed_dictionaries({}, optional={"lr": st.floats(allow_nan=True, allow_infinity=True),
+                                        "momentum": st.floats(-2, 2), "weight_decay": st.floats(allow_nan=True),
+                                        "betas": st.lists(st.floats(-1, 2), max_size=3),
+                                        "eps": st.floats(allow_nan=True), "groups": st.just([]),
+                                        "foreach": st.one_of(st.none(), st.booleans(), st.text(max_size=3))}
+                            ).map(json.dumps))
+optimizers = st.builds(ps_pb2.OptimizerSpec, name=st.sampled_from(["sgd", "adam", "adamw", "", "rmsprop", "lbfgs",
+                                                                   "x" * 50]),
+                       options_json=optimizer_options)
+specs = st.builds(ps_pb2.BlockSpec, block_id=ids, dtype=dtypes, numel=u64, num_workers=u32, optimizer=optimizers,
+                  segments=st.lists(u64, max_size=3))
+headers = st.builds(ps_pb2.PushHeader, block_id=ids, worker=u32, round=u64, dtype=dtypes, numel=u64,
+                    hypers=st.one_of(st.just(""), st.text(max_size=20), st.just('{"lr": 0.5}'),
+                                     st.just('{"lr": "x"}'), st.just('{"nope": 1}')),
+                    no_grad=st.lists(u32, max_size=3))
 init_parts = st.one_of(st.builds(ps_pb2.InitBlockChunk, spec=specs), st.builds(ps_pb2.InitBlockChunk, data=payload))
 push_parts = st.one_of(st.builds(ps_pb2.PushChunk, header=headers), st.builds(ps_pb2.PushChunk, data=payload))
 pulls = st.builds(ps_pb2.PullRequest, block_ids=st.lists(ids, max_size=4), worker=u32, round=u64,
@@ -63,7 +75,7 @@ def shard():
     grpc.channel_ready_future(channel).result(timeout=60)
     stub = ps_pb2_grpc.ParameterServerStub(channel)
     spec = ps_pb2.BlockSpec(block_id=BLOCK, dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=WORKERS,
-                            optimizer=ps_pb2.OptimizerSpec(name="sgd", lr=0.1))
+                            optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}'))
     stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
                          ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]))
     yield process, channel, stub

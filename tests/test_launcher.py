@@ -132,7 +132,7 @@ import torch, imerge
 spec = imerge.OptimizerSpec.from_env(imerge.OptimizerSpec("sgd", lr=0.05, momentum=0.9)) if {from_env} else \\
     imerge.OptimizerSpec("sgd", lr=0.05, momentum=0.9)
 model = imerge.distribute(torch.nn.Linear(4, 2), spec)
-print("trains with", model.engine.optimizer.name, model.engine.optimizer.lr, flush=True)
+print("trains with", model.optimizer.spec.name, model.optimizer.param_groups[0]["lr"], flush=True)
 model(torch.ones(1, 4)).sum().backward()
 model.close()
 """

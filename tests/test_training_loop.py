@@ -1,19 +1,21 @@
 """A real training loop under IMerge equals one process (each test writes its own single-process reference)."""
 from __future__ import annotations
 
-import copy
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import imerge
+import imerge.core.errors
 from imerge.core.errors import UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 
 from loop_reference import assert_same_params, make_data, params_of, train_reference
 
 WORKERS, SHARDS, FEATURES, CLASSES = 2, 2, 8, 4
+SEEDED = threading.Lock()  # models are built in the workers' threads: one seeded construction at a time
 
 
 def cross_entropy(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -27,10 +29,11 @@ class SideUse(torch.nn.Module):
 
     def __init__(self, outside_from: int = 0):
         super().__init__()
-        torch.manual_seed(0)
-        self.body = torch.nn.Linear(FEATURES, 16)
-        self.side = torch.nn.Linear(FEATURES, 16)
-        self.head = torch.nn.Linear(16, CLASSES)
+        with SEEDED:
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(FEATURES, 16)
+            self.side = torch.nn.Linear(FEATURES, 16)
+            self.head = torch.nn.Linear(16, CLASSES)
         self.outside_from = outside_from  # forwards before this one call ``side`` itself
         self.calls = 0
 
@@ -51,9 +54,9 @@ def test_a_parameter_used_outside_its_module_is_waited_for(cluster, spec):
         for step in data:
             cross_entropy(model, step[rank]).backward()
         model.close()
-        return params_of(model.module), None
+        return params_of(model.module)
 
-    results = [r[0] for r in c.run_workers(body)]
+    results = c.run_workers(body)
     reference = SideUse()
     expected = train_reference(reference, spec.build(list(reference.parameters())), data, cross_entropy)
     assert_same_params(results, expected, params_of(SideUse()))
@@ -74,3 +77,172 @@ def test_a_use_outside_its_module_that_appears_later_raises_naming_the_parameter
             model.abort()
 
     c.run_workers(body)
+
+
+class Branchy(torch.nn.Module):
+    """``unused`` never gets a gradient; ``sometimes`` only from the batches whose first input is positive (on some
+    workers in some steps, on none in others); a LayerNorm and biases for parameter groups."""
+
+    def __init__(self):
+        super().__init__()
+        with SEEDED:
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(FEATURES, 16)
+            self.norm = torch.nn.LayerNorm(16)
+            self.unused = torch.nn.Linear(16, 16)
+            self.sometimes = torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.norm(self.body(x)))
+        if x[0, 0] > 0:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and norms, as language-model recipes do."""
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def run_loop(c, make_model, make_optimizer, data, *, schedule=None, **options):
+    """Every worker runs the loop a DDP user writes: forward, backward, optimizer.step(), scheduler.step()."""
+    def body(rank: int):
+        module = make_model()
+        optimizer = make_optimizer(module)
+        model = imerge.distribute(module, optimizer, c.worker_config(rank, **options))
+        stepped = model.optimizer if isinstance(optimizer, OptimizerSpec) else optimizer  # the script's own
+        scheduler = schedule(stepped) if schedule else None
+        for step in data:
+            cross_entropy(model, step[rank]).backward()
+            stepped.step()  # nothing left to do: the shards stepped during backward
+            stepped.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+        model.close()
+        return params_of(model.module)
+
+    return c.run_workers(body)
+
+
+def reference_loop(make_model, make_optimizer, data, schedule=None):
+    model = make_model()
+    optimizer = make_optimizer(model)
+    if isinstance(optimizer, OptimizerSpec):
+        optimizer = optimizer.build(list(model.parameters()))
+    scheduler = schedule(optimizer) if schedule else None
+    return train_reference(model, optimizer, data, cross_entropy,
+                           after_step=(lambda _: scheduler.step()) if scheduler else None)
+
+
+def check_loop(cluster, make_optimizer, schedule=None, steps=10, **options):
+    c = cluster(3, SHARDS)
+    data = make_data(steps, 3, 16, FEATURES, CLASSES, seed=3)
+    results = run_loop(c, Branchy, make_optimizer, data, schedule=schedule, **options)
+    expected = reference_loop(Branchy, make_optimizer, data, schedule)
+    initial = params_of(Branchy())
+    assert torch.equal(expected["unused.weight"], initial["unused.weight"])  # never stepped in the reference
+    assert_same_params(results, {n: v for n, v in expected.items() if not n.startswith("unused")})
+    for worker in results:
+        assert torch.equal(worker["unused.weight"], initial["unused.weight"]), "a parameter with no gradient moved"
+    return results
+
+
+def test_a_parameter_no_worker_gave_a_gradient_is_not_stepped_by_adam_with_weight_decay(cluster):
+    check_loop(cluster, lambda m: OptimizerSpec("adamw", lr=0.01, weight_decay=0.1))
+
+
+def test_parameter_groups_of_a_torch_optimizer_train_like_one_process(cluster):
+    check_loop(cluster, lambda m: torch.optim.AdamW(decay_groups(m, 0.2), lr=0.02, betas=(0.8, 0.99)))
+
+
+def test_any_torch_optimizer_by_name_with_its_arguments(cluster):
+    check_loop(cluster, lambda m: OptimizerSpec("rmsprop", lr=0.01, momentum=0.5, centered=True,
+                                                weight_decay=0.01))
+
+
+def test_step_lr_on_the_model_optimizer(cluster):
+    check_loop(cluster, lambda m: OptimizerSpec("sgd", lr=0.2, momentum=0.9, weight_decay=1e-3),
+               schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.3))
+
+
+def test_one_cycle_lr_cycling_momentum_on_the_scripts_own_optimizer(cluster):
+    check_loop(cluster, lambda m: torch.optim.SGD(decay_groups(m, 1e-3), lr=0.1, momentum=0.9),
+               schedule=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.3, 0.1], total_steps=10))
+
+
+def test_workers_whose_learning_rates_disagree_are_refused(cluster):
+    c = cluster(2, 1)
+    data = make_data(4, 2, 16, FEATURES, CLASSES)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank, pull_timeout_s=8))
+        try:
+            for index, step in enumerate(data):
+                if index == 2:
+                    model.optimizer.param_groups[0]["lr"] = 0.1 * (rank + 1)
+                cross_entropy(model, step[rank]).backward()
+            model.synchronize()
+            return None
+        except imerge.core.errors.IMergeError as exc:
+            return str(exc)
+        finally:
+            model.abort()
+
+    errors = c.run_workers(body)
+    assert any(e and "learning-rate (or other) schedules disagree" in e for e in errors), errors
+
+
+def accumulated_loss(model: torch.nn.Module, micro_batches) -> torch.Tensor:
+    """Backward of every micro-batch but the last (their gradients add up in .grad); the last one's loss."""
+    for x, y in micro_batches[:-1]:
+        (F.cross_entropy(model(x), y) / len(micro_batches)).backward()
+    x, y = micro_batches[-1]
+    return F.cross_entropy(model(x), y) / len(micro_batches)
+
+
+def test_no_sync_accumulates_two_micro_batches_into_one_step(cluster):
+    c = cluster(WORKERS, SHARDS)
+    micro = make_data(12, WORKERS, 8, FEATURES, CLASSES, seed=5)
+    data = [[[micro[2 * i][w], micro[2 * i + 1][w]] for w in range(WORKERS)] for i in range(6)]
+    spec = OptimizerSpec("adam", lr=0.01, weight_decay=0.01)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
+        for step in data:
+            (x0, y0), (x1, y1) = step[rank]
+            with model.no_sync():
+                (F.cross_entropy(model(x0), y0) / 2).backward()
+            (F.cross_entropy(model(x1), y1) / 2).backward()
+        iterations = model.engine.iteration
+        model.close()
+        return params_of(model.module), iterations
+
+    results = c.run_workers(body)
+    assert [iterations for _, iterations in results] == [6, 6]  # a micro-batch is not an iteration
+    reference = Branchy()
+    expected = train_reference(reference, spec.build(list(reference.parameters())), data, accumulated_loss)
+    assert_same_params([params for params, _ in results], expected)
+
+
+def test_with_t_2_every_worker_ends_with_the_same_parameters_after_close(cluster):
+    c = cluster(WORKERS, SHARDS)
+    data = make_data(5, WORKERS, 16, FEATURES, CLASSES, seed=7)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank, interleave_period=2))
+        for step in data:
+            cross_entropy(model, step[rank]).backward()
+        with pytest.raises(UnsupportedUse, match="no_sync.. with --interleave-period > 1"):
+            with model.no_sync():
+                pass
+        model.close()
+        return params_of(model.module)
+
+    first, second = c.run_workers(body)
+    initial = params_of(Branchy())
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), f"{name} differs between the workers after close()"
+    assert not torch.equal(first["head.weight"], initial["head.weight"])

@@ -37,7 +37,7 @@ from imerge.core.errors import IMergeError
 from imerge.core.optim import OptimizerSpec
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: optimizer specs as JSON, per-piece optimizer state
 TENSORS = "blocks.safetensors"
 MANIFEST = "manifest.json"
 _PREFIX = "round-"
@@ -56,7 +56,8 @@ class BlockImage:
     optimizer: OptimizerSpec
     init_digest: str
     param: torch.Tensor
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # "<piece>/<name>" -> the optimizer state of that piece
+    segments: tuple[int, ...] = ()  # the sizes of the pieces (empty: one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +131,7 @@ class CheckpointStore:
                     "file": TENSORS, "bytes": (temporary / TENSORS).stat().st_size,
                     "sha256": _sha256(temporary / TENSORS),
                     "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
-                                            "optimizer": dataclasses.asdict(b.optimizer),
+                                            "optimizer": b.optimizer.to_json(), "segments": list(b.segments),
                                             "init_digest": b.init_digest, "state": sorted(b.state)}
                                for b in blocks}}
         with open(temporary / MANIFEST, "w") as stream:
@@ -182,6 +183,6 @@ class CheckpointStore:
             if param is None or param.numel() != spec["numel"]:
                 raise CheckpointError(f"{what}: block {block_id} has no parameters of {spec['numel']} elements")
             state = {name: tensors[f"{block_id}/state/{name}"] for name in spec["state"]}
-            blocks[block_id] = BlockImage(block_id, spec["num_workers"], OptimizerSpec(**spec["optimizer"]),
-                                          spec["init_digest"], param, state)
+            blocks[block_id] = BlockImage(block_id, spec["num_workers"], OptimizerSpec.from_json(spec["optimizer"]),
+                                          spec["init_digest"], param, state, tuple(spec.get("segments", ())))
         return Checkpoint(round_, path, blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import signal
 import threading
@@ -50,9 +51,14 @@ def dtype_name(value: int, what: str) -> str:
 
 
 def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
-    return OptimizerSpec(name=spec.name, lr=spec.lr, momentum=spec.momentum, dampening=spec.dampening,
-                         weight_decay=spec.weight_decay, nesterov=spec.nesterov, beta1=spec.beta1,
-                         beta2=spec.beta2, eps=spec.eps)
+    try:
+        options = json.loads(spec.options_json or "{}")
+    except ValueError as exc:
+        raise InvalidArgument(f"optimizer options are not JSON: {exc}") from None
+    if not isinstance(options, dict) or "groups" in options:
+        raise InvalidArgument(f"optimizer options must be a JSON object of keyword arguments, got "
+                              f"{spec.options_json[:200]!r}")
+    return OptimizerSpec(spec.name, **options)
 
 
 async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerContext) -> None:
@@ -150,7 +156,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def InitBlock(self, request_iterator, context):
         spec = await first_part(request_iterator, "spec", "InitBlock")
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
-                         spec.num_workers, optimizer_from_proto(spec.optimizer))
+                         spec.num_workers, optimizer_from_proto(spec.optimizer), tuple(spec.segments))
         self.shard.check_meta(meta)
         await self._check_owner(meta.block_id, meta.num_workers)
         init = await receive_exact(data_parts(request_iterator, f"InitBlock {meta.block_id}"), meta.numel,
@@ -167,7 +173,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                           dtype_name(header.dtype, what), header.numel,
                                                           segments.data(), header.generation, header.fence,
-                                                          header.lane)
+                                                          header.lane, header.hypers, list(header.no_grad))
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal

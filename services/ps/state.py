@@ -1,7 +1,12 @@
 """The shard's blocks and the round protocol, independent of gRPC.
 
 A block holds flat fp32 parameters, their optimizer and a round counter (the
-number of completed aggregations). Gradients of round ``r`` are received into
+number of completed aggregations). The optimizer runs over one view per piece
+of a model parameter in the block (its segments), so each piece keeps its own
+state and a piece that no worker gave a gradient in a round is not stepped.
+Every push of a round carries the same hyperparameters (an LR schedule's
+``lr``, say, as a delta from the initial ones); a push that disagrees is
+refused. Gradients of round ``r`` are received into
 one preallocated row per worker; when every worker pushed, the rows are summed
 in worker-id order, divided by the worker count and handed to ``torch.optim``.
 The new parameters are serialized once, already cut into the chunks that go
@@ -22,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -32,7 +38,7 @@ from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, digest, tensor_view
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration)
-from imerge.core.optim import OptimizerSpec
+from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
@@ -60,56 +66,98 @@ class BlockMeta:
     numel: int
     num_workers: int
     optimizer: OptimizerSpec
+    segments: tuple[int, ...] = ()  # sizes of the pieces of model parameters the block holds (empty: one piece)
+
+    @property
+    def pieces(self) -> tuple[int, ...]:
+        return self.segments or (self.numel,)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        ends = list(itertools.accumulate(self.pieces))
+        return list(zip([0] + ends[:-1], ends))
 
 
 class BlockState:
     def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str):
         self.meta = meta
         self.init_digest = init_digest
-        self.param = torch.nn.Parameter(init, requires_grad=True)
-        self.optimizer = meta.optimizer.build([self.param])
+        self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
+        self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
+        self.optimizer = meta.optimizer.build(self.pieces)
+        self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
         self.grads = torch.zeros(meta.num_workers, meta.numel)
         self.round = 0
+        self.round_hypers: str | None = None    # the hyperparameters the current round's pushes carry
+        self.round_no_grad: set[int] | None = None  # pieces no worker gave a gradient this round (so far)
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
-        self.snapshot = snapshot_of(self.param)
+        self.snapshot = snapshot_of(self.flat)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
 
     @classmethod
     def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
-        meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer)
+        meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
+                         image.segments)
         block = cls(meta, image.param.clone(), image.init_digest)
         if image.state:
-            block.optimizer.load_state_dict({"state": {0: dict(image.state)},
+            by_piece: dict[int, dict[str, torch.Tensor]] = {}
+            for key, value in image.state.items():
+                piece, _, name = key.partition("/")
+                by_piece.setdefault(int(piece), {})[name] = value
+            block.optimizer.load_state_dict({"state": by_piece,
                                              "param_groups": block.optimizer.state_dict()["param_groups"]})
         block.round = round_
         return block
 
     def image(self) -> BlockImage:
-        """A copy of the parameters and optimizer state, for a checkpoint."""
-        state = {name: value.detach().clone() for name, value in self.optimizer.state.get(self.param, {}).items()
-                 if isinstance(value, torch.Tensor)}
+        """A copy of the parameters and optimizer state (``"<piece>/<name>"``), for a checkpoint."""
+        state = {f"{index}/{name}": value.detach().clone()
+                 for index, piece in enumerate(self.pieces)
+                 for name, value in self.optimizer.state.get(piece, {}).items() if isinstance(value, torch.Tensor)}
         return BlockImage(self.meta.block_id, self.meta.num_workers, self.meta.optimizer, self.init_digest,
-                          self.param.detach().clone(), state)
+                          self.flat.detach().clone(), state, self.meta.segments)
 
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
 
-    def aggregate(self, metrics: ShardMetrics) -> list[bytes]:
-        """Average the pushed gradients in worker-id order and step (runs off the event loop)."""
+    def aggregate(self, metrics: ShardMetrics, hypers: str, no_grad: set[int]) -> list[bytes]:
+        """Average the pushed gradients in worker-id order and step with the round's hyperparameters; a piece
+        that no worker gave a gradient is skipped, as torch.optim skips a parameter whose grad is None (runs off
+        the event loop)."""
         with metrics.aggregation.time(), torch.no_grad():
             mean = self.grads[0].clone()
             for row in self.grads[1:]:
                 mean.add_(row)
             mean.div_(self.meta.num_workers)
-        self.param.grad = mean
+        for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
+            piece.grad = None if index in no_grad else mean[start:end]
+        apply_hypers(self.optimizer, self.hypers, hypers)
         with metrics.optimizer_step.time():
             self.optimizer.step()
-        self.param.grad = None
-        return snapshot_of(self.param)
+        for piece in self.pieces:
+            piece.grad = None
+        return snapshot_of(self.flat)
+
+    def check_round_options(self, what: str, hypers: str, no_grad: Sequence[int]) -> None:
+        """Refuse a push whose pieces without gradient do not exist, or whose hyperparameters differ from those of
+        the round's other pushes (the workers' schedules disagree)."""
+        bad = [index for index in no_grad if not 0 <= index < len(self.pieces)]
+        if bad:
+            raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
+        if self.round_hypers is None:
+            parse_hypers(self.hypers, hypers)
+        elif hypers != self.round_hypers:
+            raise FailedPrecondition(f"{what}: its hyperparameters {hypers or '(the initial ones)'} differ from "
+                                     f"{self.round_hypers or '(the initial ones)'} of another worker's push of this "
+                                     "round: the workers' learning-rate (or other) schedules disagree")
+
+    def count_round_options(self, hypers: str, no_grad: Sequence[int]) -> None:
+        self.round_hypers = hypers
+        pieces = set(no_grad)
+        self.round_no_grad = pieces if self.round_no_grad is None else self.round_no_grad & pieces
 
 
 class Shard:
@@ -244,6 +292,9 @@ class Shard:
             raise InvalidArgument(f"block {meta.block_id}: num_workers {meta.num_workers} "
                                   f"outside 1..{self.max_workers}")
         meta.optimizer.validate()
+        if meta.segments and (min(meta.segments) < 1 or sum(meta.segments) != meta.numel):
+            raise InvalidArgument(f"block {meta.block_id}: segments of {sum(meta.segments)} elements (each at least "
+                                  f"1) do not make up its {meta.numel} elements")
 
     def block(self, block_id: str) -> BlockState:
         try:
@@ -278,7 +329,7 @@ class Shard:
     # -- push -----------------------------------------------------------------
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
                    data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
-                   lane: int = 0) -> tuple[bool, int]:
+                   lane: int = 0, hypers: str = "", no_grad: Sequence[int] = ()) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
@@ -300,6 +351,7 @@ class Shard:
                 return True, len(block.pushed)
             if round_ != block.round:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
+            block.check_round_options(what, hypers, no_grad)
             newest = block.fence.get(lane, 0)
             if fence and fence < newest:
                 self.counters.fenced_pushes += 1
@@ -318,6 +370,8 @@ class Shard:
             finally:
                 block.receiving.discard(worker)
                 self.metrics.pushes_in_flight.dec()
+            block.check_round_options(what, hypers, no_grad)  # another worker's push may have counted meanwhile
+            block.count_round_options(hypers, no_grad)
             return False, self._count_push(block, worker)
 
     def _count_push(self, block: BlockState, worker: int) -> int:
@@ -332,11 +386,13 @@ class Shard:
         return len(block.pushed)
 
     async def _aggregate(self, block: BlockState) -> None:
-        snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, block.aggregate, self.metrics)
+        snapshot = await asyncio.get_running_loop().run_in_executor(
+            self._executor, block.aggregate, self.metrics, block.round_hypers or "", block.round_no_grad or set())
         async with block.changed:
             block.snapshot = snapshot
             block.round += 1
             block.pushed.clear()
+            block.round_hypers, block.round_no_grad = None, None
             self.counters.rounds_completed += 1
             block.changed.notify_all()
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile

@@ -31,16 +31,38 @@ import torch
 
 from imerge.control.messages import FIRST_PLAN, FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import Store
-from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, JobFailed, StoreError
+from imerge.core.errors import (EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, InvalidArgument, JobFailed,
+                                StoreError, UnsupportedUse)
 from imerge.core.optim import OptimizerSpec
-from imerge.core.planning import Plan, layout_of
+from imerge.core.planning import Layout, Plan, layout_of
 from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
 from .lease import RankLease
+from .optimizer import ShardOptimizer, spec_of
 
 log = logging.getLogger(__name__)
+
+
+def shard_optimizer(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.Optimizer
+                    ) -> tuple[Layout, ShardOptimizer]:
+    """The model's layout (each parameter in its optimizer group) and the optimizer proxy."""
+    params = [p for _, p in module.named_parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        spec, group_of, shared = *spec_of(optimizer, params), optimizer
+    elif isinstance(optimizer, OptimizerSpec):
+        if optimizer.groups:
+            raise InvalidArgument("an OptimizerSpec with parameter groups does not say which parameters belong to "
+                                  "which group: pass the torch.optim optimizer built with those groups instead")
+        spec, group_of, shared = optimizer, {}, None
+    else:
+        raise InvalidArgument(f"optimizer must be an imerge.OptimizerSpec or a torch.optim optimizer, not "
+                              f"{type(optimizer).__name__}")
+    spec.validate()
+    layout = layout_of(module, group_of)
+    groups = [[p for p in params if group_of.get(id(p), 0) == index] for index in range(spec.num_groups)]
+    return layout, ShardOptimizer(spec, groups, shared)
 
 
 def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
@@ -103,10 +125,12 @@ class Heartbeat:
 class DistributedModel(torch.nn.Module):
     """A module whose parameters are trained by the PS shards of an IMerge job."""
 
-    def __init__(self, module: torch.nn.Module, config: WorkerConfig, optimizer: OptimizerSpec):
+    def __init__(self, module: torch.nn.Module, config: WorkerConfig,
+                 optimizer: OptimizerSpec | torch.optim.Optimizer):
         super().__init__()
         self.module = module
         self.config = config
+        layout, self._optimizer = shard_optimizer(module, optimizer)
         self._store = Store(config.redis_url, config.job)
         self._lease = RankLease(self._store, config.job, config.rank, config.heartbeat_ttl_s)
         try:
@@ -123,7 +147,6 @@ class DistributedModel(torch.nn.Module):
         self.failure_reported = False  # this worker reported a failure to the coordinator
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
         try:
-            layout = layout_of(module)
             rejoining = self._store.job_running()
             if rejoining:
                 self.plan = latest_plan(self._store, config)
@@ -133,7 +156,7 @@ class DistributedModel(torch.nn.Module):
                 self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
                 self.plan = wait_plan(self._store, config)
                 self.generation = self._store.generation() or 0
-            self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, optimizer,
+            self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, self._optimizer,
                                       self._store, self.generation)
             self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
                                           f"worker {config.rank}")
@@ -153,6 +176,12 @@ class DistributedModel(torch.nn.Module):
                  self.start_iteration, len(self.plan.groups), len(self.plan.shard_addresses))
 
     @property
+    def optimizer(self) -> ShardOptimizer:
+        """The shards' optimizer as the loop sees it: a torch.optim.Optimizer whose param_groups each round's
+        pushes carry (attach any torch.optim.lr_scheduler to it); step() and zero_grad() have nothing to do."""
+        return self._optimizer
+
+    @property
     def metrics_port(self) -> int:
         """The port of this worker's /metrics (-1: off)."""
         return self._metrics.port if self._metrics is not None else -1
@@ -168,6 +197,20 @@ class DistributedModel(torch.nn.Module):
         self._lease.check()
         with self._reporting():
             return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's: the backward of every forward run inside only sums its gradients locally; the first backward
+        of a forward outside pushes the sum (one optimizer step for all the micro-batches)."""
+        hooks = self.engine.hooks
+        if hooks.table.plan.period > 1:
+            raise UnsupportedUse("no_sync() with --interleave-period > 1: between syncs each backward already takes "
+                                 "a local step; accumulate with T = 1")
+        previous, hooks.accumulating = hooks.accumulating, True
+        try:
+            yield
+        finally:
+            hooks.accumulating = previous
 
     def synchronize(self) -> None:
         """Wait for every in-flight sync, so the parameters are the shards' latest."""
@@ -214,7 +257,9 @@ class DistributedModel(torch.nn.Module):
         if self._engine is None:
             return
         try:
-            self._engine.synchronize()
+            with self._reporting():
+                self._engine.hooks.flush()
+                self._engine.synchronize()
             self._store.mark_done(self.config.rank)
         finally:
             self.abort()
@@ -245,11 +290,13 @@ def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
-def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
+def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.Optimizer | None = None,
                config: WorkerConfig | None = None, **options: Any) -> DistributedModel:
     """Join the IMerge job described by ``config`` (default: ``IMERGE_*`` variables plus ``options``).
 
-    ``optimizer`` runs on the shards (default: ``OptimizerSpec.from_env()``, plain SGD at lr 0.01 unless
+    ``optimizer`` runs on the shards: an ``imerge.OptimizerSpec`` (any torch.optim optimizer by name, with its
+    keyword arguments), or a torch.optim optimizer built over the model's parameters (its class, arguments and
+    parameter groups are used; the default is ``OptimizerSpec.from_env()``, plain SGD at lr 0.01 unless
     ``imerge launch`` was given optimizer flags). Rank 0's optimizer and initial parameters are the ones the
     shards keep. Under ``imerge launch``, a flag given to the launcher that the script overrides raises
     ConfigError naming it: launch flags are never silently ignored.
@@ -266,8 +313,8 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | None = None,
     return DistributedModel(module, config, optimizer)
 
 
-def check_launch_flags(optimizer: OptimizerSpec | None, config: WorkerConfig,
-                       env: dict[str, str] | None = None) -> OptimizerSpec:
+def check_launch_flags(optimizer: OptimizerSpec | torch.optim.Optimizer | None, config: WorkerConfig,
+                       env: dict[str, str] | None = None) -> OptimizerSpec | torch.optim.Optimizer:
     """The optimizer to use; ConfigError if the script overrides an option ``imerge launch`` was given."""
     from imerge.core.config import LAUNCH_FLAGS_ENV, env_name, flag_name, from_env
 
@@ -281,7 +328,10 @@ def check_launch_flags(optimizer: OptimizerSpec | None, config: WorkerConfig,
     if optimizer is None:
         return OptimizerSpec.from_env(env=env)
     flag_env = {env_name(n): env[env_name(n)] for n in given if env_name(n) in env}
-    if OptimizerSpec.from_env(optimizer, flag_env) != optimizer:
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
+    if spec is None and isinstance(optimizer, torch.optim.Optimizer) and flag_env:
+        spec = spec_of(optimizer, [p for g in optimizer.param_groups for p in g["params"]])[0]
+    if spec is not None and OptimizerSpec.from_env(spec, flag_env) != spec:
         flags = " ".join(f"{flag_name(n)} {env[env_name(n)]}" for n in sorted(given) if env_name(n) in flag_env)
         raise ConfigError(flags, f"imerge launch was given these optimizer flags, but the script "
                                                   f"passes its own optimizer {optimizer}: build it with "

@@ -37,6 +37,13 @@ class FlatParams:
                 self.range[id(param)] = (offset, param.numel())
                 offset += param.numel()
 
+    def pieces(self, block: Block) -> list[tuple[int, int]]:
+        """(id(param), elements of it in the block) for every parameter the block holds a piece of, in order."""
+        end = block.offset + block.numel
+        return [(pid, min(end, start + numel) - max(block.offset, start))
+                for pid, (start, numel) in sorted(self.range.items(), key=lambda item: item[1][0])
+                if start < end and block.offset < start + numel]
+
     def host_slice(self, block: Block) -> torch.Tensor:
         return self.host[block.offset:block.offset + block.numel]
 
@@ -68,6 +75,7 @@ class GroupRuntime:
         for block in blocks:
             self.by_shard.setdefault(block.shard, []).append(block)
         self.seen: set[int] = set()  # parameters whose gradient arrived in this backward
+        self.given: set[int] = set()  # parameters that got a gradient since the group's last sync
         self.done_this_backward = False
         self.future: concurrent.futures.Future | None = None  # the latest sync: every block back in place
         self.block_futures: dict[str, concurrent.futures.Future] = {}  # the latest sync, block by block
@@ -99,7 +107,9 @@ class GroupTable:
         self.groups: list[GroupRuntime] = []
         self.group_of: dict[int, GroupRuntime] = {}  # id(param) -> its group
         self.unit_of: dict[int, int] = {}            # id(param) -> its unit's index
+        self.param_group: dict[int, int] = {}        # id(param) -> its optimizer parameter group
         self.blocks_of: dict[int, list[str]] = {}    # id(param) -> the blocks that hold it
+        self.pieces_of: dict[str, list[int]] = {b.block_id: [pid for pid, _ in flat.pieces(b)] for b in plan.blocks}
         for group in plan.groups:
             members = {id(p) for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel}
             blocks = plan.group_blocks(group)
@@ -117,3 +127,4 @@ class GroupTable:
             for p in params:
                 if unit.offset <= flat.range[id(p)][0] < unit.offset + unit.numel:
                     self.unit_of[id(p)] = unit.index
+                    self.param_group[id(p)] = unit.group

@@ -51,6 +51,11 @@ class Sync:
     future: concurrent.futures.Future
     block_futures: dict[str, concurrent.futures.Future]
     iteration: int
+    options: dict[str, tuple[str, tuple[int, ...]]]  # block id -> (hyperparameters, pieces without gradient)
+
+    def item(self, block: Any, grad: Any) -> tuple:
+        """What a push stream carries of one block: (id, gradient, round, hyperparameters, pieces w/o gradient)."""
+        return (block.block_id, grad, self.group.round, *self.options.get(block.block_id, ("", ())))
 
     def fail(self, exc: BaseException) -> None:
         """Route a failed sync to whoever waits on the group or on any of its blocks."""
@@ -143,12 +148,14 @@ class Communicator:
         self._consumer = comm.submit(self._consume())
 
     # -- the queue (called from the training thread) -------------------------------------
-    def enqueue(self, group: GroupRuntime, iteration: int) -> None:
-        """Put a complete group on the queue; its Futures resolve once its new parameters are in place."""
+    def enqueue(self, group: GroupRuntime, iteration: int,
+                options: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
+        """Put a complete group on the queue; its Futures resolve once its new parameters are in place.
+        ``options``: per block, the round's hyperparameters and the pieces this worker gave no gradient."""
         group.push_done.clear()
         group.future = concurrent.futures.Future()
         group.block_futures = {b.block_id: concurrent.futures.Future() for b in group.blocks}
-        sync = Sync(group, group.future, group.block_futures, iteration)
+        sync = Sync(group, group.future, group.block_futures, iteration, options or {})
         self.comm.loop.call_soon_threadsafe(self._put, group.index, sync)
 
     def _put(self, index: int, item: Any) -> None:
@@ -169,7 +176,7 @@ class Communicator:
             group.pull_task = asyncio.get_running_loop().create_task(self._pull_group(sync))
             if self.slots.holds_flags and self.slot_scope == "group":
                 try:
-                    await self._push_group(group, sync.iteration)
+                    await self._push_group(sync)
                 except Exception as exc:  # routed to whoever waits on the group
                     group.pull_task.cancel()
                     sync.fail(exc)
@@ -233,7 +240,7 @@ class Communicator:
     async def _send_batch(self, shard: int, batch: list, nbytes: int, written: asyncio.Event) -> None:
         """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
         holding the port's flag."""
-        items = [(b.block_id, self.flat.grad_slice(b), p.sync.group.round) for p, b in batch]
+        items = [p.sync.item(b, self.flat.grad_slice(b)) for p, b in batch]
         try:
             if self.slots.holds_flags:
                 span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
@@ -263,21 +270,23 @@ class Communicator:
         self.timeline.record(f"push ps{shard}", "push", span[0], span[1], shard=shard, bytes=nbytes, **args)
 
     # -- push with slots scoped to (group, shard) ---------------------------------------------------
-    async def _push_group(self, group: GroupRuntime, iteration: int) -> None:
+    async def _push_group(self, sync: Sync) -> None:
         """Push the group to every shard that holds some of it, one shard after another, worker w starting at its
         w-th shard, so the workers take the shards' ports in turn instead of all queueing for the same one."""
+        group = sync.group
         shards = list(group.by_shard)
         start = self.rank % len(shards)
         for shard in shards[start:] + shards[:start]:
-            span = await self._push_shard_in_slot(group, shard, group.by_shard[shard])
-            self._record_push(shard, span, group.shard_bytes(shard), group=group.index, iteration=iteration)
+            span = await self._push_shard_in_slot(sync, shard, group.by_shard[shard])
+            self._record_push(shard, span, group.shard_bytes(shard), group=group.index, iteration=sync.iteration)
         self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
 
-    async def _push_shard_in_slot(self, group: GroupRuntime, shard: int, blocks: list) -> tuple[float, float]:
+    async def _push_shard_in_slot(self, sync: Sync, shard: int, blocks: list) -> tuple[float, float]:
         """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the
         order the next forward needs them (the reverse of backward order; every worker the same), so the shard
         completes, and answers the pulls of, the earliest layers' blocks first."""
-        items = [(b.block_id, self.flat.grad_slice(b), group.round) for b in self._push_order(blocks)]
+        group = sync.group
+        items = [sync.item(b, self.flat.grad_slice(b)) for b in self._push_order(blocks)]
         nbytes = group.shard_bytes(shard)
         return await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))

@@ -21,7 +21,6 @@ import torch
 
 from imerge.control.messages import COST_PLAN, BlocksReady
 from imerge.core.errors import IMergeError, JobFailed
-from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
 from imerge.core.slots import effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
@@ -31,6 +30,7 @@ from .comm import CommLoop, Communicator
 from .config import WorkerConfig
 from .hooks import Hooks
 from .metrics import WorkerMetrics
+from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
 from .transport import ShardClient
 
@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 
 class SyncEngine:
     def __init__(self, model: torch.nn.Module, names: list[str], plan: Plan, config: WorkerConfig,
-                 optimizer: OptimizerSpec, store: Any, generation: int = 0):
+                 optimizer: ShardOptimizer, store: Any, generation: int = 0):
         self.config = config
         self.generation = generation
-        self.optimizer = optimizer.validate()
+        self.optimizer = optimizer
         self.store = store
         self.timeline = Timeline(config.rank)
         self.metrics = WorkerMetrics(config.rank, config.link_mbps)
@@ -63,7 +63,7 @@ class SyncEngine:
                                  rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
                                  generation=generation, metrics=self.metrics, timeline=self.timeline,
                                  slot_scope=config.slot_scope, slot_width=width)
-        self.hooks = Hooks(self.flat, self.comm, config, self.optimizer.lr, self.metrics, self.timeline,
+        self.hooks = Hooks(self.flat, self.comm, config, optimizer, self.metrics, self.timeline,
                            {id(by_name[n]): n for n in names})
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
         if config.fusion == "cost":
@@ -150,8 +150,10 @@ class SyncEngine:
     async def _init_blocks(self) -> None:
         self.flat.stage_to_host()
         await asyncio.gather(*(
-            self.comm.clients[b.shard].init_block(b.block_id, self.plan.num_workers, self.optimizer,
-                                                  self.flat.host_slice(b), self.config.rpc_timeout_s)
+            self.comm.clients[b.shard].init_block(b.block_id, self.plan.num_workers,
+                                                  self.optimizer.spec.group(self.plan.units[b.unit].group),
+                                                  self.flat.host_slice(b), self.config.rpc_timeout_s,
+                                                  [numel for _, numel in self.flat.pieces(b)])
             for b in self.plan.blocks))
 
     async def _fetch_all(self) -> None:

@@ -32,13 +32,14 @@ from .buffers import FlatParams, GroupRuntime, GroupTable
 from .comm import Communicator
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
+from .optimizer import ShardOptimizer
 from .profiler import Profiler
 
 
 class Hooks:
-    def __init__(self, flat: FlatParams, comm: Communicator, config: WorkerConfig, lr: float,
+    def __init__(self, flat: FlatParams, comm: Communicator, config: WorkerConfig, optimizer: ShardOptimizer,
                  metrics: WorkerMetrics, timeline: Timeline, names: dict[int, str]):
-        self.flat, self.comm, self.config, self.lr = flat, comm, config, lr
+        self.flat, self.comm, self.config, self.optimizer = flat, comm, config, optimizer
         self.names = names          # id(param) -> its qualified name, for messages
         self.metrics, self.timeline = metrics, timeline
         self.table: GroupTable | None = None  # the current plan's groups
@@ -54,6 +55,9 @@ class Hooks:
         self._forward_params: set[int] = set()  # parameters whose module's forward ran since the last backward
         self.outside: list[int] = []  # parameters used outside their module: waited for at the root's forward
         self._learning = True       # the engine's first backward: outside uses are learned, not refused
+        self.round_hypers: list[str] = []  # each param group's hyperparameters, as this backward's pushes carry
+        self.accumulating = False   # inside model.no_sync()
+        self._accumulate_this = False  # the last forward ran inside no_sync(): its backward only accumulates
         self._groups_enqueued = 0   # this iteration's groups sent
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
 
@@ -80,7 +84,9 @@ class Hooks:
         self.wait_params(owned)
 
     def _forward_started_now(self, args: tuple) -> None:
-        self._forward_seen = True
+        if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
+            self._forward_seen = True
+            self._accumulate_this = self.accumulating  # as in DDP, the forward decides whether its backward syncs
         if self.outside:
             self._module_forward(self.outside)
         now = time.time()
@@ -102,30 +108,37 @@ class Hooks:
     # -- backward ---------------------------------------------------------------------------
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         group = self.table.group_of[id(param)]
-        if not self._callback_queued and not self._forward_seen and self.iteration > 0:
-            raise UnsupportedUse(
-                f"worker {self.config.rank}: a second backward after iteration {self.iteration} without a forward "
-                "of the wrapped model in between: every backward is one optimizer step on the shards, so it would "
-                "step twice (or, on one rank only, desynchronize the job); run the wrapped model's forward before "
-                "each backward")
+        if not self._callback_queued:
+            self._backward_started()
         if not group.push_done.is_set():  # the previous push of this group is still going out
             self._wait(group.push_done.wait, group, "its previous push to finish")
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
         if id(param) not in self._forward_params:
             self._used_outside_its_module(param)
         grad = param.grad.detach()
         self.flat.add_grad(param, grad)
+        param.grad = None
+        group.given.add(id(param))
+        if self._accumulate_this:  # no_sync(): summed locally, pushed with the next synced backward
+            return
         if not self.syncs_now(group):  # local SGD step between syncs
             with torch.no_grad():
-                param.add_(grad, alpha=-self.lr)
-        param.grad = None
+                param.add_(grad, alpha=-self.optimizer.lr(self.table.param_group[id(param)]))
         if self.profiler is not None:
             self.profiler.unit_progress(self.table.unit_of[id(param)], time.monotonic())
         group.seen.add(id(param))
         if len(group.seen) == len(group.param_ids):
             self._group_complete(group)
+
+    def _backward_started(self) -> None:
+        if not self._forward_seen and self.iteration > 0 and not self._accumulate_this:
+            raise UnsupportedUse(
+                f"worker {self.config.rank}: a second backward after iteration {self.iteration} without a forward "
+                "of the wrapped model in between: every backward is one optimizer step on the shards, so it would "
+                "step twice (or, on one rank only, desynchronize the job); run the wrapped model's forward before "
+                "each backward, or accumulate gradients under model.no_sync()")
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._callback_queued = True
+        self.round_hypers = self.optimizer.hypers()
 
     def _used_outside_its_module(self, param: torch.nn.Parameter) -> None:
         name = self.names.get(id(param), "?")
@@ -146,11 +159,23 @@ class Hooks:
             self._enqueue(group)
 
     def _enqueue(self, group: GroupRuntime) -> None:
+        """Queue the group's sync; each block's push carries the round's hyperparameters of its parameter group
+        and the pieces of it that got no gradient since the last sync (counted as zeros; one that no worker gave
+        a gradient is not stepped, as in torch.optim)."""
         self._groups_enqueued += 1
-        self.comm.enqueue(group, self.iteration - self.schedule_start)
+        units = self.table.plan.units
+        options = {b.block_id: (self.round_hypers[units[b.unit].group],
+                                tuple(i for i, pid in enumerate(self.table.pieces_of[b.block_id])
+                                      if pid not in group.given))
+                   for b in group.blocks}
+        group.given.clear()
+        self.comm.enqueue(group, self.iteration - self.schedule_start, options)
 
     def _end_of_backward(self) -> None:
         """Groups some of whose parameters got no gradient count them as zero."""
+        if self._accumulate_this:  # a no_sync() micro-batch: not an iteration
+            self._backward_done()
+            return
         for group in self.table.groups:
             if not group.done_this_backward:
                 self._group_complete(group)
@@ -159,10 +184,7 @@ class Hooks:
                 self._enqueue(group)
         if not self.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
             self.synchronize()
-        self._callback_queued = False
-        self._forward_seen = False
-        self._forward_params.clear()
-        self._learning = False
+        self._backward_done()
         ended = time.time()
         self.timeline.record(f"iteration {self.iteration}", "compute", self._forward_started, ended,
                              iteration=self.iteration)
@@ -176,6 +198,12 @@ class Hooks:
             self.profiler.backward_ended()
         if self.after_backward is not None:
             self.after_backward()
+
+    def _backward_done(self) -> None:
+        self._callback_queued = False
+        self._forward_seen = False
+        self._forward_params.clear()
+        self._learning = False
 
     # -- forward: waits ----------------------------------------------------------------------------
     def _wait(self, wait: Any, group: GroupRuntime, what: str) -> Any:
@@ -210,6 +238,19 @@ class Hooks:
             if group.future is not None:
                 self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
                                    f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")
+
+    def flush(self) -> None:
+        """With T > 1, sync every group that did not sync in the last iteration (it holds local SGD steps and
+        the sum of its gradients since its last sync), so that every worker ends with the shards' parameters."""
+        if self.table.plan.period == 1 or self.iteration == self.schedule_start:
+            return
+        self.round_hypers = self.optimizer.hypers()
+        for group in self.table.groups:
+            if not syncs(group.index, self.iteration - 1 - self.schedule_start, self.table.plan.period):
+                if not group.push_done.is_set():
+                    self._wait(group.push_done.wait, group, "its previous push to finish")
+                self._enqueue(group)
+        self.synchronize()
 
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""

@@ -8,9 +8,9 @@ shard's address.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
-from collections.abc import AsyncIterator, Callable
+import json
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -64,10 +64,12 @@ class ShardClient:
 
     @_translated
     async def init_block(self, block_id: str, num_workers: int, optimizer: OptimizerSpec,
-                         init: torch.Tensor, timeout_s: float) -> ps_pb2.InitBlockReply:
+                         init: torch.Tensor, timeout_s: float,
+                         segments: Sequence[int] = ()) -> ps_pb2.InitBlockReply:
+        options = json.dumps(optimizer.kwargs, sort_keys=True)
         spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=init.numel(),
-                                num_workers=num_workers,
-                                optimizer=ps_pb2.OptimizerSpec(**dataclasses.asdict(optimizer)))
+                                num_workers=num_workers, segments=segments,
+                                optimizer=ps_pb2.OptimizerSpec(name=optimizer.name, options_json=options))
 
         async def chunks() -> AsyncIterator[ps_pb2.InitBlockChunk | bytes]:
             yield ps_pb2.InitBlockChunk(spec=spec)
@@ -77,18 +79,20 @@ class ShardClient:
         return await self._init(chunks(), timeout=timeout_s)
 
     @_translated
-    async def push(self, blocks: list[tuple[str, torch.Tensor, int]], worker: int, timeout_s: float,
+    async def push(self, blocks: list[tuple], worker: int, timeout_s: float,
                    generation: int = 0, fence: int = 0, lane: int = 0,
                    written: asyncio.Event | None = None) -> ps_pb2.PushReply:
-        """Push several blocks' gradients, each (block id, gradient, round), in one stream: a header, then the
-        data, per block. ``written`` is set once the last data has been handed to gRPC."""
+        """Push several blocks' gradients, each (block id, gradient, round[, hyperparameters, pieces without
+        gradient]), in one stream: a header, then the data, per block. ``written`` is set once the last data has
+        been handed to gRPC."""
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
-            for block_id, grad, round_ in blocks:
+            for block_id, grad, round_, *options in blocks:
+                hypers, no_grad = options if options else ("", ())
                 yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
                                                                  dtype=ps_pb2.FLOAT32, numel=grad.numel(),
                                                                  generation=generation, fence=fence,
-                                                                 lane=lane))
+                                                                 lane=lane, hypers=hypers, no_grad=no_grad))
                 for frame in data_frames(tensor_view(grad), CHUNK_BYTES):  # PushChunk data, encoded once
                     yield frame
             if written is not None:

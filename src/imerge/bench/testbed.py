@@ -81,7 +81,7 @@ def _run(argv: Sequence[str], what: str) -> str:
 def _set_sysctl(ns: str, key: str, value: str, host: str) -> None:
     """Write one of a namespace's own sysctls (a new namespace otherwise takes some of them from the host)."""
     _run(["ip", "netns", "exec", ns, sys.executable, "-c",
-          f"open('/proc/sys/{key}', 'w').write({value!r})"], f"setting {key} = {value} for {host}")
+          f"with open('/proc/sys/{key}', 'w') as f: f.write({value!r})"], f"setting {key} = {value} for {host}")
 
 
 def preflight(subnet: ipaddress.IPv4Network, tcp_congestion: str = TCP_CONGESTION) -> None:
@@ -92,6 +92,16 @@ def preflight(subnet: ipaddress.IPv4Network, tcp_congestion: str = TCP_CONGESTIO
     if tcp_congestion not in available:
         raise TestbedError(f"TCP congestion control {tcp_congestion!r} is not available on this kernel "
                            f"(available: {' '.join(available)})")
+    allowed_path = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    allowed = allowed_path.read_text().split()
+    if tcp_congestion not in allowed:  # a namespace other than the host's may only pick an allowed one
+        try:
+            allowed_path.write_text(" ".join(allowed + [tcp_congestion]))
+        except OSError as exc:
+            raise TestbedError(f"TCP congestion control {tcp_congestion!r} is not in the host's allowed list "
+                               f"({' '.join(allowed)}) and could not be added: {exc}") from None
+        log.warning("added %s to the host's allowed TCP congestion controls (%s) so the testbed's hosts can use it",
+                    tcp_congestion, " ".join(allowed))
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise TestbedError(f"the testbed needs '{tool}' (Debian package iproute2) on PATH")

@@ -1,73 +1,228 @@
-"""The optimizer that runs on the PS shards, described by a small spec.
+"""The optimizer that runs on the PS shards: any ``torch.optim`` optimizer, by name, with its keyword arguments.
 
-The shard applies it with ``torch.optim`` to each block's flat tensor, which
-is element-wise the same as applying it to the original parameters.
+The shard builds it over one parameter per piece of a model parameter its block
+holds (views into the block's flat tensor), so every piece keeps its own state
+(Adam's step count, momentum) and a piece that no worker gave a gradient is
+skipped exactly as ``torch.optim`` skips a parameter whose ``grad`` is None.
+
+A spec may carry parameter groups: each group's keyword arguments override the
+spec's (``weight_decay`` 0 for biases and norms, say); every block belongs to
+one group. The hyperparameters a training loop changes between steps (an LR
+scheduler's ``lr``, ``momentum``, ``betas``) travel with each round's pushes as
+:func:`hyper_delta` of the group's values.
 """
 from __future__ import annotations
 
-import dataclasses
+import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from imerge.core.config import env_name, parse_value
 from imerge.core.errors import InvalidArgument
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+REFUSED = {"lbfgs": "needs a closure that re-evaluates the model", "sparseadam": "needs sparse gradients",
+           "muon": "works on each parameter's matrix shape, which a shard's flat pieces do not keep",
+           "adafactor": "works on each parameter's matrix shape, which a shard's flat pieces do not keep"}
+Scalar = float | int | bool | tuple
 
 
-@dataclasses.dataclass(frozen=True)
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Every optimizer class of ``torch.optim`` by lower-case name (``sgd``, ``adam``, ``adamw``, ``rmsprop``, ...)."""
+    return {name.lower(): cls for name, cls in vars(torch.optim).items()
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer}
+
+
+OPTIMIZERS = tuple(sorted(set(optimizer_classes()) - set(REFUSED)))
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable, JSON-stable form of a keyword argument (lists become tuples)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _options(raw: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((str(k), _frozen(v)) for k, v in raw.items()))
+
+
 class OptimizerSpec:
-    name: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    dampening: float = 0.0
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    """``OptimizerSpec("adamw", lr=1e-3, weight_decay=0.01)``: ``torch.optim.AdamW`` with those arguments.
+
+    ``groups`` lists parameter groups' overrides (``[{"weight_decay": 0.0}]``); which parameters belong to which
+    group is the caller's (see :mod:`imerge.worker.api`); group 0 is the spec itself unless ``groups`` says.
+    The legacy ``beta1``/``beta2`` arguments become ``betas``.
+    """
+
+    __slots__ = ("name", "options", "groups")
+
+    def __init__(self, name: str = "sgd", groups: Sequence[Mapping[str, Any]] = (), **options: Any):
+        if "beta1" in options or "beta2" in options:
+            options["betas"] = (options.pop("beta1", 0.9), options.pop("beta2", 0.999))
+        options.setdefault("lr", 0.01)
+        object.__setattr__(self, "name", str(name).lower())
+        object.__setattr__(self, "options", _options(options))
+        object.__setattr__(self, "groups", tuple(_options(g) for g in groups))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("OptimizerSpec is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OptimizerSpec) and (self.name, self.options, self.groups) == (
+            other.name, other.options, other.groups)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.options, self.groups))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.options)
+        groups = f", groups={[dict(g) for g in self.groups]}" if self.groups else ""
+        return f"OptimizerSpec({self.name!r}, {args}{groups})"
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    @property
+    def lr(self) -> float:
+        return float(self.kwargs["lr"])
+
+    def replace(self, **options: Any) -> "OptimizerSpec":
+        return OptimizerSpec(self.name, [dict(g) for g in self.groups], **{**self.kwargs, **options})
+
+    def group(self, index: int) -> "OptimizerSpec":
+        """The spec of parameter group ``index`` alone (its overrides applied, no groups)."""
+        if not 0 <= index < self.num_groups:
+            raise InvalidArgument(f"optimizer has no parameter group {index} (it has {self.num_groups})")
+        overrides = dict(self.groups[index]) if self.groups else {}
+        return OptimizerSpec(self.name, **{**self.kwargs, **overrides})
+
+    @property
+    def num_groups(self) -> int:
+        return max(len(self.groups), 1)
+
+    # -- building ---------------------------------------------------------------------
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        if self.name in REFUSED:
+            raise InvalidArgument(f"optimizer {self.name!r} is not supported on the shards: it {REFUSED[self.name]}")
+        try:
+            return optimizer_classes()[self.name]
+        except KeyError:
+            raise InvalidArgument(f"optimizer {self.name!r} is not one of torch.optim's: "
+                                  f"{', '.join(OPTIMIZERS)}") from None
+
+    def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (of a single group: use :meth:`group` first); InvalidArgument names a bad
+        keyword argument or value."""
+        cls = self.optimizer_class()
+        if self.groups:
+            raise InvalidArgument("build one parameter group at a time (OptimizerSpec.group)")
+        try:
+            return cls(list(params), **self.kwargs)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidArgument(f"invalid optimizer {self!r}: {exc}") from None
+
+    def validate(self) -> "OptimizerSpec":
+        """Return self, or raise InvalidArgument naming the bad name, argument or value."""
+        for index in range(self.num_groups):
+            spec = self.group(index)
+            if not (isinstance(spec.kwargs["lr"], (int, float)) and spec.kwargs["lr"] > 0):
+                raise InvalidArgument(f"invalid optimizer: lr must be a positive number, got {spec.kwargs['lr']!r}")
+            spec.build([torch.nn.Parameter(torch.zeros(1))])
+        return self
+
+    def defaults(self) -> dict[str, Any]:
+        """Every hyperparameter of the optimizer, its class defaults overridden by this spec (group 0)."""
+        return dict(self.group(0).build([torch.nn.Parameter(torch.zeros(1))]).defaults)
+
+    # -- wire ---------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "options": dict(self.options),
+                           "groups": [dict(g) for g in self.groups]}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OptimizerSpec":
+        try:
+            raw = json.loads(text)
+            return cls(raw["name"], raw.get("groups", ()), **raw["options"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidArgument(f"unreadable optimizer spec {text[:200]!r}: {exc}") from None
 
     @classmethod
     def from_env(cls, default: "OptimizerSpec | None" = None,
                  env: Mapping[str, str] | None = None) -> "OptimizerSpec":
         """``default`` (plain SGD, lr 0.01 if None) with the optimizer options of the environment:
-        ``IMERGE_OPTIMIZER``, ``IMERGE_LR``, ``IMERGE_MOMENTUM``, ``IMERGE_WEIGHT_DECAY``, ``IMERGE_NESTEROV``
-        (what ``imerge launch --optimizer adam --lr 3e-4 -- python train.py`` passes to the script). A
-        different optimizer name starts from that optimizer's defaults."""
+        ``IMERGE_OPTIMIZER``, ``IMERGE_LR``, ``IMERGE_MOMENTUM``, ``IMERGE_WEIGHT_DECAY``, ``IMERGE_NESTEROV`` and
+        ``IMERGE_OPTIMIZER_ARGS`` (JSON keyword arguments): what ``imerge launch --optimizer adam --lr 3e-4 --
+        python train.py`` passes to the script. A different optimizer name starts from that optimizer's
+        defaults."""
         env = os.environ if env is None else env
         spec = default or cls()
-        name = env.get(env_name("optimizer"), "").strip()
+        name = env.get(env_name("optimizer"), "").strip().lower()
         if name and name != spec.name:
             spec = cls(name)
         kinds = {"lr": float, "momentum": float, "weight_decay": float, "nesterov": bool}
         values = {field: parse_value(kind, env[env_name(field)], env_name(field)) for field, kind in kinds.items()
                   if env.get(env_name(field), "") != ""}
-        return dataclasses.replace(spec, **values)
+        extra = env.get(env_name("optimizer_args"), "").strip()
+        if extra:
+            try:
+                values.update(json.loads(extra))
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgument(f"{env_name('optimizer_args')}: not a JSON object: {exc}") from None
+        return spec.replace(**values)
 
-    def validate(self) -> "OptimizerSpec":
-        """Return self, or raise InvalidArgument naming the bad field."""
-        problems = []
-        if self.name not in OPTIMIZERS:
-            problems.append(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
-            problems.append(f"lr must be positive, got {self.lr}")
-        if self.momentum < 0 or self.weight_decay < 0:
-            problems.append("momentum and weight_decay must be >= 0")
-        if self.name != "sgd" and not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and self.eps > 0):
-            problems.append(f"Adam needs betas in [0, 1) and eps > 0, got ({self.beta1}, {self.beta2}), {self.eps}")
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            problems.append("nesterov needs momentum > 0 and dampening 0")
-        if problems:
-            raise InvalidArgument("invalid optimizer: " + "; ".join(problems))
-        return self
 
-    def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        self.validate()
-        if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                                   weight_decay=self.weight_decay, nesterov=self.nesterov)
-        cls = torch.optim.Adam if self.name == "adam" else torch.optim.AdamW
-        return cls(params, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
-                   weight_decay=self.weight_decay)
+# -- hyperparameters that change between steps ------------------------------------------
+def scalar_hypers(group: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Scalar]:
+    """The numeric hyperparameters of a param group (``keys``: the optimizer's defaults)."""
+    values = {}
+    for key in keys:
+        value = _frozen(group.get(key))
+        if isinstance(value, bool) or isinstance(value, (int, float)) or (
+                isinstance(value, tuple) and all(isinstance(v, (int, float)) for v in value)):
+            values[key] = value
+    return values
+
+
+def hyper_delta(current: Mapping[str, Scalar], initial: Mapping[str, Scalar]) -> str:
+    """The hyperparameters that differ from their initial values, as canonical JSON ("" when none)."""
+    delta = {k: v for k, v in current.items() if initial.get(k) != v}
+    return json.dumps(delta, sort_keys=True) if delta else ""
+
+
+def parse_hypers(initial: Mapping[str, Any], delta_json: str) -> dict[str, Scalar]:
+    """The hyperparameters ``delta_json`` sets; InvalidArgument names an unknown key or a value of the wrong kind."""
+    try:
+        delta = json.loads(delta_json) if delta_json else {}
+    except ValueError as exc:
+        raise InvalidArgument(f"hyperparameters {delta_json[:200]!r} are not JSON: {exc}") from None
+    if not isinstance(delta, dict):
+        raise InvalidArgument(f"hyperparameters {delta_json[:200]!r} are not a JSON object")
+    parsed: dict[str, Scalar] = {}
+    for key, value in delta.items():
+        if key not in initial:
+            raise InvalidArgument(f"hyperparameter {key!r} is not one of the optimizer's: {sorted(initial)}")
+        value = _frozen(value)
+        numbers = value if isinstance(value, tuple) else (value,)
+        if type(value) is not type(initial[key]) and not all(isinstance(v, (int, float)) for v in numbers):
+            raise InvalidArgument(f"hyperparameter {key!r}: {value!r} is not like {initial[key]!r}")
+        if not all(isinstance(v, bool) or math.isfinite(v) for v in numbers):
+            raise InvalidArgument(f"hyperparameter {key!r} is not finite: {value!r}")
+        if key == "lr" and value < 0:
+            raise InvalidArgument(f"learning rate {value!r} is negative")
+        parsed[key] = value
+    return parsed
+
+
+def apply_hypers(optimizer: torch.optim.Optimizer, initial: Mapping[str, Any], delta_json: str) -> None:
+    """Set every param group's hyperparameters: the initial ones, then those ``delta_json`` changes."""
+    values = {**initial, **parse_hypers(initial, delta_json)}
+    for group in optimizer.param_groups:
+        group.update(values)

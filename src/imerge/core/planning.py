@@ -35,6 +35,7 @@ class ParamInfo:
     name: str
     shape: tuple[int, ...]
     module: str  # qualified name of the module that owns the parameter
+    group: int = 0  # the optimizer parameter group it belongs to
 
     @property
     def numel(self) -> int:
@@ -48,11 +49,11 @@ class Layout:
     params: tuple[ParamInfo, ...]
 
     def to_json(self) -> str:
-        return json.dumps([[p.name, list(p.shape), p.module] for p in self.params])
+        return json.dumps([[p.name, list(p.shape), p.module, p.group] for p in self.params])
 
     @classmethod
     def from_json(cls, text: str) -> "Layout":
-        return cls(tuple(ParamInfo(name, tuple(shape), module) for name, shape, module in json.loads(text)))
+        return cls(tuple(ParamInfo(entry[0], tuple(entry[1]), entry[2], *entry[3:4]) for entry in json.loads(text)))
 
     @property
     def numel(self) -> int:
@@ -73,14 +74,16 @@ class Layout:
                 f"{len(other.params)} parameters; first extra one (worker {rank}): {extra.name}")
 
 
-def layout_of(model: Any) -> Layout:
+def layout_of(model: Any, group_of: dict[int, int] | None = None) -> Layout:
     """A torch module's trainable parameters in backward order (the reverse of registration
-    order, as DDP assumes); a shared parameter belongs to the first module that holds it."""
+    order, as DDP assumes); a shared parameter belongs to the first module that holds it.
+    ``group_of`` maps id(param) to its optimizer parameter group (default 0)."""
     owner: dict[int, str] = {}
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owner.setdefault(id(param), module_name)
-    params = [ParamInfo(name, tuple(p.shape), owner[id(p)])
+    group_of = group_of or {}
+    params = [ParamInfo(name, tuple(p.shape), owner[id(p)], group_of.get(id(p), 0))
               for name, p in model.named_parameters() if p.requires_grad]
     return Layout(tuple(reversed(params)))
 
@@ -93,6 +96,7 @@ class Unit:
     module: str
     offset: int
     numel: int
+    group: int = 0  # the optimizer parameter group of its parameters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,15 +162,16 @@ class Plan:
 
 # -- units and blocks -----------------------------------------------------------------
 def make_units(layout: Layout) -> list[Unit]:
-    """One unit per module, in backward order (a module's parameters are adjacent)."""
+    """One unit per module and optimizer parameter group, in backward order (a module's parameters are
+    adjacent), so no block straddles two parameter groups."""
     units: list[Unit] = []
     offset = 0
     for param in layout.params:
-        if units and units[-1].module == param.module and units[-1].offset + units[-1].numel == offset:
-            last = units[-1]
-            units[-1] = Unit(last.index, last.module, last.offset, last.numel + param.numel)
+        last = units[-1] if units else None
+        if last and (last.module, last.group) == (param.module, param.group) and last.offset + last.numel == offset:
+            units[-1] = dataclasses.replace(last, numel=last.numel + param.numel)
         else:
-            units.append(Unit(len(units), param.module, offset, param.numel))
+            units.append(Unit(len(units), param.module, offset, param.numel, param.group))
         offset += param.numel
     return units
 

@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
-from imerge.core.config import option, require
+from imerge.core.config import flag_name, option, require
+from imerge.core.errors import ConfigError, InvalidArgument
 from imerge.core.optim import OPTIMIZERS, OptimizerSpec
 from imerge.workloads.data import DATASETS
 from imerge.workloads.models import MODELS
 
 
-OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "nesterov")  # reach a script's from_env()
+# The options that reach a script's OptimizerSpec.from_env() under imerge launch
+OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "optimizer_args")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +28,10 @@ class JobConfig:
     samples: int = option(512, "size of the synthetic training set")
     evaluate: bool = option(True, "measure test accuracy at the end (worker 0)")
     torch_threads: int = option(0, "torch intra-op threads per worker (0: torch's default)")
-    optimizer: str = option("sgd", "optimizer run on the shards", choices=OPTIMIZERS)
+    optimizer: str = option("sgd", "optimizer run on the shards (a torch.optim class, lower case)",
+                            choices=OPTIMIZERS)
+    optimizer_args: str = option("", "more keyword arguments of the optimizer, as a JSON object "
+                                     "(e.g. '{\"betas\": [0.9, 0.95]}')")
     lr: float = option(0.05, "learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(5e-4, "weight decay")
@@ -40,10 +46,18 @@ class JobConfig:
         require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
         require(self.lr > 0, "lr", "must be positive")
         require(self.data != "digits" or self.model == "digits-cnn", "data", "digits needs --model digits-cnn")
+        self.optimizer_spec()
 
     def optimizer_spec(self) -> OptimizerSpec:
-        return OptimizerSpec(self.optimizer, lr=self.lr, momentum=self.momentum if self.optimizer == "sgd" else 0.0,
-                             weight_decay=self.weight_decay, nesterov=self.nesterov)
+        """The optimizer the options describe (momentum and nesterov are SGD's; others via --optimizer-args)."""
+        options: dict = {"lr": self.lr, "weight_decay": self.weight_decay}
+        if self.optimizer == "sgd":
+            options.update(momentum=self.momentum, nesterov=self.nesterov)
+        try:
+            options.update(json.loads(self.optimizer_args) if self.optimizer_args else {})
+            return OptimizerSpec(self.optimizer, **options).validate()
+        except (ValueError, TypeError, InvalidArgument) as exc:
+            raise ConfigError(flag_name("optimizer_args"), str(exc)) from None
 
 
 def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) -> float:

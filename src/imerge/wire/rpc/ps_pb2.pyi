@@ -15,40 +15,28 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 
 class OptimizerSpec(_message.Message):
-    __slots__ = ("name", "lr", "momentum", "dampening", "weight_decay", "nesterov", "beta1", "beta2", "eps")
+    __slots__ = ("name", "options_json")
     NAME_FIELD_NUMBER: _ClassVar[int]
-    LR_FIELD_NUMBER: _ClassVar[int]
-    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
-    DAMPENING_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
-    NESTEROV_FIELD_NUMBER: _ClassVar[int]
-    BETA1_FIELD_NUMBER: _ClassVar[int]
-    BETA2_FIELD_NUMBER: _ClassVar[int]
-    EPS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     name: str
-    lr: float
-    momentum: float
-    dampening: float
-    weight_decay: float
-    nesterov: bool
-    beta1: float
-    beta2: float
-    eps: float
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., dampening: _Optional[float] = ..., weight_decay: _Optional[float] = ..., nesterov: _Optional[bool] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ...) -> None: ...
+    options_json: str
+    def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class BlockSpec(_message.Message):
-    __slots__ = ("block_id", "dtype", "numel", "num_workers", "optimizer")
+    __slots__ = ("block_id", "dtype", "numel", "num_workers", "optimizer", "segments")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     dtype: DType
     numel: int
     num_workers: int
     optimizer: OptimizerSpec
-    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InitBlockChunk(_message.Message):
     __slots__ = ("spec", "data")
@@ -69,7 +57,7 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +66,8 @@ class PushHeader(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    HYPERS_FIELD_NUMBER: _ClassVar[int]
+    NO_GRAD_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
@@ -86,7 +76,9 @@ class PushHeader(_message.Message):
     generation: int
     fence: int
     lane: int
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ...) -> None: ...
+    hypers: str
+    no_grad: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
