@@ -12,7 +12,7 @@ import imerge.core.errors
 from imerge.core.errors import UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 
-from loop_reference import assert_same_params, make_data, params_of, train_reference
+from loop_reference import assert_same_params, averaged_grads, make_data, params_of, train_reference
 
 WORKERS, SHARDS, FEATURES, CLASSES = 2, 2, 8, 4
 SEEDED = threading.Lock()  # models are built in the workers' threads: one seeded construction at a time
@@ -246,3 +246,158 @@ def test_with_t_2_every_worker_ends_with_the_same_parameters_after_close(cluster
     for name, value in first.items():
         assert torch.equal(value, second[name]), f"{name} differs between the workers after close()"
     assert not torch.equal(first["head.weight"], initial["head.weight"])
+
+
+class Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        with SEEDED:
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(FEATURES, 16)
+            self.norm = torch.nn.BatchNorm1d(16)
+            self.head = torch.nn.Linear(16, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.body(x))))
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "average", "off"])
+def test_batchnorm_buffers_are_the_same_on_every_worker_at_every_forward(cluster, mode):
+    """Non-IID data (each worker's inputs shifted differently) make each worker's running statistics its own;
+    with broadcast or average every forward starts from the same buffers, and close() leaves them equal."""
+    c = cluster(WORKERS, 1)
+    data = make_data(5, WORKERS, 16, FEATURES, CLASSES, seed=9)
+
+    def body(rank: int):
+        model = imerge.distribute(Normed(), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank, buffers=mode))
+        seen = []
+        model.module.register_forward_pre_hook(lambda m, _: seen.append(m.norm.running_mean.clone()))
+        for x, y in (step[rank] for step in data):
+            F.cross_entropy(model(x + 3.0 * rank), y).backward()
+        model.close()
+        return seen, dict(model.module.named_buffers())
+
+    (seen0, final0), (seen1, final1) = c.run_workers(body)
+    same_each_forward = all(torch.equal(a, b) for a, b in zip(seen0[1:], seen1[1:]))
+    same_at_close = all(torch.equal(final0[name], final1[name]) for name in final0)
+    if mode == "off":
+        assert not same_each_forward and not same_at_close
+    else:
+        assert same_each_forward and same_at_close
+    if mode == "broadcast":
+        assert not torch.equal(seen0[1], seen0[2])  # the statistics do move
+
+
+def test_load_state_dict_then_training_equals_one_process_that_loads_the_same(cluster):
+    """Every worker loads a state (rank 1 through the wrapper, rank 0 through its module) after two steps; the
+    shards take the loaded parameters, and training goes on from them exactly as in one process."""
+    c = cluster(WORKERS, SHARDS)
+    data = make_data(6, WORKERS, 16, FEATURES, CLASSES, seed=11)
+    loaded = Branchy()
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.mul_(-0.5).add_(0.01)
+    state = loaded.state_dict()
+    spec = OptimizerSpec("sgd", lr=0.1, momentum=0.9)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
+        for index, step in enumerate(data):
+            if index == 2:
+                if rank == 0:
+                    model.module.load_state_dict(state)
+                else:
+                    model.load_state_dict({f"module.{k}": v for k, v in state.items()})
+            cross_entropy(model, step[rank]).backward()
+        model.close()
+        return params_of(model.module)
+
+    results = c.run_workers(body)
+    reference = Branchy()
+    optimizer = spec.build(list(reference.parameters()))
+    train_reference(reference, optimizer, data[:2], cross_entropy)
+    reference.load_state_dict(state)  # the optimizer keeps its momentum, as with DDP
+    expected = train_reference(reference, optimizer, data[2:], cross_entropy)
+    assert_same_params(results, {n: v for n, v in expected.items() if not n.startswith("unused")})
+    for worker in results:  # "unused" never gets a gradient: it keeps the loaded value
+        assert torch.equal(worker["unused.weight"], state["unused.weight"])
+
+
+def test_clip_grad_norm_with_a_max_norm_that_bites(cluster):
+    c = cluster(3, SHARDS)
+    data = make_data(8, 3, 16, FEATURES, CLASSES, seed=13)
+    spec, max_norm = OptimizerSpec("sgd", lr=0.5, momentum=0.9), 0.05
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
+        model.clip_grad_norm_(max_norm)  # before the first backward: the shards clip during backward
+        norms = []
+        for step in data:
+            cross_entropy(model, step[rank]).backward()
+            norms.append(float(model.clip_grad_norm_(max_norm)))  # where a DDP loop calls it: this round's norm
+        model.close()
+        return params_of(model.module), norms
+
+    results = c.run_workers(body)
+    reference, norms = Branchy(), []
+    optimizer = spec.build(list(reference.parameters()))
+    for step in data:
+        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
+            param.grad = grad
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
+        optimizer.step()
+    assert min(norms) > 4 * max_norm  # it bites every step
+    assert_same_params([params for params, _ in results], params_of(reference))
+    for _, worker_norms in results:
+        assert worker_norms == pytest.approx(norms, rel=1e-5)
+
+
+def amp_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    with torch.autocast("cpu", dtype=torch.float16):
+        return F.cross_entropy(model(x), y)
+
+
+def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_shard(cluster):
+    c = cluster(WORKERS, SHARDS)
+    data = make_data(10, WORKERS, 16, FEATURES, CLASSES, seed=17)
+    spec, options = OptimizerSpec("adam", lr=0.01), dict(init_scale=2.0 ** 22, growth_interval=3)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
+        scaler, scales = model.grad_scaler(**options), []
+        for step in data:
+            scaler.scale(amp_loss(model, step[rank])).backward()
+            scales.append(scaler.get_scale())
+            scaler.step(model.optimizer)
+            scaler.update()
+        model.close()
+        return params_of(model.module), scales
+
+    results = c.run_workers(body)
+    reference, scales = Branchy(), []
+    optimizer, scaler = spec.build(list(reference.parameters())), torch.amp.GradScaler("cpu", **options)
+    for step in data:
+        scaled = averaged_grads(reference, step, lambda model, batch: scaler.scale(amp_loss(model, batch)))
+        for param, grad in zip(reference.parameters(), scaled):
+            param.grad = grad
+        scales.append(scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+    assert scales[0] > scales[-1] and len(set(scales)) > 2  # steps were skipped (the scale backed off), then grew
+    for params, worker_scales in results:
+        assert worker_scales == scales
+    assert_same_params([params for params, _ in results], params_of(reference))
+
+
+def test_torch_grad_scaler_on_the_model_optimizer_is_refused_naming_the_fix(cluster):
+    c = cluster(1, 1)
+    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    try:
+        scaler = torch.amp.GradScaler("cpu")
+        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        with pytest.raises(UnsupportedUse, match=r"use scaler = model.grad_scaler\(\)"):
+            scaler.step(model.optimizer)
+    finally:
+        model.abort()

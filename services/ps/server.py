@@ -35,6 +35,7 @@ from imerge.wire.tls import server_credentials
 from .checkpoint import CheckpointStore
 from .config import PSConfig
 from .membership import ShardMembership
+from .rounds import RoundOptions, RoundScalars
 from .state import BlockMeta, Shard
 from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
 
@@ -48,6 +49,10 @@ def dtype_name(value: int, what: str) -> str:
         return DTYPE_NAMES[value]
     except KeyError:
         raise InvalidArgument(f"{what}: unsupported dtype {value}") from None
+
+
+def options_of(header: ps_pb2.PushHeader) -> RoundOptions:
+    return RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm)
 
 
 def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
@@ -119,6 +124,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._owned: set[str] | None = None
         self._mapping: dict[str, int] = {}
         self._num_workers = 0
+        self._holders: list[int] = []  # the shards that hold blocks: those that agree on round scalars
 
     async def load_plan(self) -> None:
         """Read the mapping table once: the blocks this shard owns, the job's worker count, the run."""
@@ -133,10 +139,29 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             self.shard.checkpoints = CheckpointStore(self.config.checkpoint_dir, self.shard.index,
                                                      self.config.checkpoint_keep, start.run if start else "")
         self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
+        self._holders = sorted({b.shard for b in plan.blocks})
         self._mapping = {b.block_id: b.shard for b in plan.blocks}
         self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
         self._num_workers = plan.num_workers
         self.shard.expected = set(self._owned)
+
+    async def exchange(self, round_: int, scalars: RoundScalars) -> RoundScalars:
+        """The job's scalars of ``round_``: this shard's, plus every other block-holding shard's (summed in shard
+        order, so that every shard computes the same totals)."""
+        if self.store is None:
+            return scalars
+        await self.load_plan()
+        if self._holders == [self.shard.index]:
+            return scalars
+        generation, index, timeout = self.shard.generation, self.shard.index, self.config.pull_timeout_s
+        await asyncio.to_thread(self.store.post_round_scalars, generation, round_, index, scalars.encode(),
+                                self._holders, max(600.0, 4 * timeout))
+        received = await asyncio.to_thread(self.store.wait_round_scalars, generation, round_, index, self._holders,
+                                           timeout)
+        total = RoundScalars()
+        for shard in self._holders:
+            total = total.plus(RoundScalars.decode(received[shard]))
+        return total
 
     async def _check_owner(self, block_id: str, num_workers: int) -> None:
         """A block may only be created on the shard the job's mapping table assigns it to, for the job's
@@ -173,7 +198,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                           dtype_name(header.dtype, what), header.numel,
                                                           segments.data(), header.generation, header.fence,
-                                                          header.lane, header.hypers, list(header.no_grad))
+                                                          header.lane, options_of(header), list(header.no_grad))
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal
@@ -189,20 +214,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout = min(timeout, max(remaining - 0.2, 0.01))
         return timeout
 
-    async def _send(self, blocks: list[tuple[str, int, list[bytes]]]) -> AsyncIterator[ps_pb2.TensorChunk]:
-        for block_id, round_, snapshot in blocks:
+    async def _send(self, blocks: list[tuple[str, int, list[bytes], tuple[bool, float]]]
+                    ) -> AsyncIterator[ps_pb2.TensorChunk]:
+        for block_id, round_, snapshot, (skipped, grad_norm) in blocks:
             nbytes = sum(frame_payload_bytes(frame) for frame in snapshot)
             yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
                                                             numel=nbytes // BLOCK_DTYPE.itemsize,
-                                                            round=round_))
+                                                            round=round_, skipped=skipped, grad_norm=grad_norm))
             for frame in snapshot:  # encoded TensorChunk data messages, sent as they are
                 yield frame
             self.shard.counters.bytes_sent += nbytes
 
-    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple[str, int, list]:
+    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple:
         round_, snapshot = await self.shard.pull(block_id, request.worker, request.round, timeout,
                                                  request.generation)
-        return block_id, round_, snapshot
+        return block_id, round_, snapshot, self.shard.block(block_id).snapshot_result  # read with no await between
 
     @_streaming
     async def Pull(self, request, context):
@@ -233,7 +259,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not request.block_ids:
             raise InvalidArgument("Fetch: no block_ids")
         replies = [self.shard.fetch(block_id, request.generation) for block_id in request.block_ids]
-        async for chunk in self._send([(b, r, s) for b, (r, s) in zip(request.block_ids, replies)]):
+        async for chunk in self._send([(b, r, s, (False, 0.0)) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
     @_unary
@@ -268,6 +294,7 @@ class ShardServer:
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
         self._store = Store(cfg.redis_url, cfg.job) if cfg.register else None
         servicer = ParameterServerServicer(self.shard, cfg, self._store)
+        self.shard.agreements.exchange = servicer.exchange
         self._server.add_generic_rpc_handlers((method_handlers(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         listen = f"{cfg.host}:{cfg.port}"

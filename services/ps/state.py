@@ -37,12 +37,13 @@ import torch
 from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, digest, tensor_view
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
-                                InvalidArgument, NotFound, StaleGeneration)
+                                InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
+from .rounds import Agreements, RoundOptions, RoundScalars
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,10 @@ class BlockState:
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
         self.grads = torch.zeros(meta.num_workers, meta.numel)
         self.round = 0
-        self.round_hypers: str | None = None    # the hyperparameters the current round's pushes carry
+        self.round_options: RoundOptions | None = None  # what the current round's pushes carry besides data
         self.round_no_grad: set[int] | None = None  # pieces no worker gave a gradient this round (so far)
+        self.snapshot_result = (False, 0.0)  # of the round the snapshot is of: (step skipped, gradient norm)
+        self.failed = ""                     # why the current round cannot complete (its pulls fail with it)
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
@@ -123,39 +126,63 @@ class BlockState:
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
 
-    def aggregate(self, metrics: ShardMetrics, hypers: str, no_grad: set[int]) -> list[bytes]:
-        """Average the pushed gradients in worker-id order and step with the round's hyperparameters; a piece
-        that no worker gave a gradient is skipped, as torch.optim skips a parameter whose grad is None (runs off
-        the event loop)."""
+    def average(self, metrics: ShardMetrics, options: RoundOptions) -> tuple[torch.Tensor | None, RoundScalars]:
+        """The pushed gradients averaged in worker-id order (and unscaled), with what the round's agreement needs
+        of them (runs off the event loop)."""
+        if options.assign:
+            return None, RoundScalars()
         with metrics.aggregation.time(), torch.no_grad():
             mean = self.grads[0].clone()
             for row in self.grads[1:]:
                 mean.add_(row)
             mean.div_(self.meta.num_workers)
+            if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
+                mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
+            if not options.needs_agreement:
+                return mean, RoundScalars()
+            finite = all_finite(mean)
+            return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
+
+    def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
+             total: RoundScalars) -> list[bytes]:
+        """Step with the round's hyperparameters; a piece that no worker gave a gradient is skipped, as
+        torch.optim skips a parameter whose grad is None. An assignment takes worker 0's data as the
+        parameters; a round in which some shard found an inf or NaN is skipped on every block; clipping scales
+        the gradient as torch.nn.utils.clip_grad_norm_ does (runs off the event loop)."""
+        with torch.no_grad():
+            if options.assign:
+                self.flat.copy_(self.grads[0])
+                return snapshot_of(self.flat)
+            if total.found_inf:
+                return self.snapshot
+            if options.max_norm:
+                mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
+                          .clamp(max=1.0))
         for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
             piece.grad = None if index in no_grad else mean[start:end]
-        apply_hypers(self.optimizer, self.hypers, hypers)
+        apply_hypers(self.optimizer, self.hypers, options.hypers)
         with metrics.optimizer_step.time():
             self.optimizer.step()
         for piece in self.pieces:
             piece.grad = None
         return snapshot_of(self.flat)
 
-    def check_round_options(self, what: str, hypers: str, no_grad: Sequence[int]) -> None:
-        """Refuse a push whose pieces without gradient do not exist, or whose hyperparameters differ from those of
-        the round's other pushes (the workers' schedules disagree)."""
+    def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
+        """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the
+        round's other pushes."""
         bad = [index for index in no_grad if not 0 <= index < len(self.pieces)]
         if bad:
             raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
-        if self.round_hypers is None:
-            parse_hypers(self.hypers, hypers)
-        elif hypers != self.round_hypers:
-            raise FailedPrecondition(f"{what}: its hyperparameters {hypers or '(the initial ones)'} differ from "
-                                     f"{self.round_hypers or '(the initial ones)'} of another worker's push of this "
-                                     "round: the workers' learning-rate (or other) schedules disagree")
+        options.check(what)
+        if self.round_options is None:
+            parse_hypers(self.hypers, options.hypers)
+            return
+        disagreement = options.disagreement(self.round_options)
+        if disagreement:
+            raise FailedPrecondition(f"{what}: it and another worker's push of this round carry {disagreement}")
 
-    def count_round_options(self, hypers: str, no_grad: Sequence[int]) -> None:
-        self.round_hypers = hypers
+    def count_round_options(self, options: RoundOptions, no_grad: Sequence[int]) -> None:
+        self.round_options = options
         pieces = set(no_grad)
         self.round_no_grad = pieces if self.round_no_grad is None else self.round_no_grad & pieces
 
@@ -182,6 +209,7 @@ class Shard:
         self._last_checkpoint = -1
         self._final: asyncio.Future | None = None  # a final checkpoint awaited at the next common round
         self._final_written = False
+        self.agreements = Agreements()  # rounds whose step waits for scalars of every block (the server exchanges)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -329,7 +357,8 @@ class Shard:
     # -- push -----------------------------------------------------------------
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
                    data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
-                   lane: int = 0, hypers: str = "", no_grad: Sequence[int] = ()) -> tuple[bool, int]:
+                   lane: int = 0, options: RoundOptions = RoundOptions(),
+                   no_grad: Sequence[int] = ()) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
@@ -351,7 +380,7 @@ class Shard:
                 return True, len(block.pushed)
             if round_ != block.round:
                 raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-            block.check_round_options(what, hypers, no_grad)
+            block.check_round_options(what, options, no_grad)
             newest = block.fence.get(lane, 0)
             if fence and fence < newest:
                 self.counters.fenced_pushes += 1
@@ -365,13 +394,13 @@ class Shard:
                 async for chunk in data:
                     assembler.feed(chunk)
                 assembler.finish()
-                if self.check_finite and not all_finite(block.grads[worker]):
+                if self.check_finite and not options.loss_scale and not all_finite(block.grads[worker]):
                     raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
             finally:
                 block.receiving.discard(worker)
                 self.metrics.pushes_in_flight.dec()
-            block.check_round_options(what, hypers, no_grad)  # another worker's push may have counted meanwhile
-            block.count_round_options(hypers, no_grad)
+            block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
+            block.count_round_options(options, no_grad)
             return False, self._count_push(block, worker)
 
     def _count_push(self, block: BlockState, worker: int) -> int:
@@ -386,14 +415,30 @@ class Shard:
         return len(block.pushed)
 
     async def _aggregate(self, block: BlockState) -> None:
-        snapshot = await asyncio.get_running_loop().run_in_executor(
-            self._executor, block.aggregate, self.metrics, block.round_hypers or "", block.round_no_grad or set())
+        options, no_grad = block.round_options or RoundOptions(), block.round_no_grad or set()
+        loop = asyncio.get_running_loop()
+        total = RoundScalars()
+        try:
+            mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
+            if options.needs_agreement:  # every block of the job must have averaged before any steps
+                total = await self.agreements.agree(block.round, block.meta.block_id, scalars,
+                                                    self.expected or set(self.blocks))
+            snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options, no_grad,
+                                                  total)
+        except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
+            log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id,
+                      block.round, exc)
+            async with block.changed:
+                block.failed = f"round {block.round} could not complete on shard {self.index}: {exc}"
+                block.changed.notify_all()
+            return
         async with block.changed:
             block.snapshot = snapshot
+            block.snapshot_result = (total.found_inf, total.grad_norm if options.needs_agreement else 0.0)
             block.round += 1
             block.pushed.clear()
-            block.round_hypers, block.round_no_grad = None, None
             self.counters.rounds_completed += 1
+            block.round_options, block.round_no_grad = None, None
             block.changed.notify_all()
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
             self.maybe_checkpoint()
@@ -418,11 +463,13 @@ class Shard:
             with self.metrics.pull_wait.time():
                 async with block.changed:
                     await asyncio.wait_for(block.changed.wait_for(
-                        lambda: block.round > round_ or block.superseded), timeout_s)
+                        lambda: block.round > round_ or block.superseded or block.failed), timeout_s)
         except asyncio.TimeoutError:
             missing = block.missing_workers()
             reason = (f"workers {missing} have not pushed" if missing else "the aggregation is still running")
             raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
+        if block.failed and block.round <= round_:
+            raise Unavailable(f"{what}: {block.failed}")
         if block.superseded:
             self.counters.stale_generation += 1
             raise StaleGeneration(f"{what}: the job moved to generation {block.superseded} while it waited "

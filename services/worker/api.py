@@ -39,6 +39,7 @@ from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
+from .amp import ShardGradScaler
 from .lease import RankLease
 from .optimizer import ShardOptimizer, spec_of
 
@@ -198,6 +199,40 @@ class DistributedModel(torch.nn.Module):
         with self._reporting():
             return self.module(*args, **kwargs)
 
+    def grad_scaler(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                    growth_interval: int = 2000, enabled: bool = True) -> ShardGradScaler:
+        """A torch.amp.GradScaler (same arguments and API) whose loss scale travels with the pushes: the shards
+        unscale, and skip the step on every shard when any found an inf or NaN."""
+        self._refuse_with_interleave("grad_scaler()")
+        return ShardGradScaler(self.engine.hooks, self.engine.flat.device.type, init_scale, growth_factor,
+                               backoff_factor, growth_interval, enabled)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip every round's averaged gradient, on the shards, to ``max_norm`` (global L2 norm over all the
+        parameters), exactly as torch.nn.utils.clip_grad_norm_ would before optimizer.step().
+
+        The gradients leave during backward, so the value must be set before the first backward (calling it
+        again after each backward, where DDP loops do, keeps it). Returns the total norm of the latest round
+        pushed (waiting for the shards to agree on it), or 0 before the first one.
+        """
+        self._refuse_with_interleave("clip_grad_norm_()")
+        if float(norm_type) != 2.0:
+            raise UnsupportedUse(f"clip_grad_norm_ with norm_type {norm_type}: the shards clip by the L2 norm only")
+        if not max_norm > 0:
+            raise InvalidArgument(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
+        hooks = self.engine.hooks
+        if hooks.max_norm == 0 and hooks.started:
+            raise UnsupportedUse("clip_grad_norm_() after the first backward: that round was pushed, and applied, "
+                                 "without clipping; call it once before the first backward (the value stays)")
+        hooks.max_norm = float(max_norm)
+        result = hooks.last_round_result()
+        return torch.tensor(result.grad_norm if result is not None else 0.0)
+
+    def _refuse_with_interleave(self, what: str) -> None:
+        if self.engine.hooks.table.plan.period > 1:
+            raise UnsupportedUse(f"{what} with --interleave-period > 1: groups sync in different iterations, so "
+                                 "no round holds the whole gradient")
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """As DDP's: the backward of every forward run inside only sums its gradients locally; the first backward
@@ -260,6 +295,7 @@ class DistributedModel(torch.nn.Module):
             with self._reporting():
                 self._engine.hooks.flush()
                 self._engine.synchronize()
+                self._engine.hooks.buffer_sync.apply()  # every worker ends with the same buffers
             self._store.mark_done(self.config.rank)
         finally:
             self.abort()

@@ -34,7 +34,7 @@ from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams, GroupRuntime
 from .metrics import WorkerMetrics
-from .transport import ShardClient
+from .transport import NO_OPTIONS, PushOptions, ShardClient
 
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
@@ -51,17 +51,25 @@ class Sync:
     future: concurrent.futures.Future
     block_futures: dict[str, concurrent.futures.Future]
     iteration: int
-    options: dict[str, tuple[str, tuple[int, ...]]]  # block id -> (hyperparameters, pieces without gradient)
+    options: dict[str, PushOptions]  # block id -> what its push says besides the data
 
     def item(self, block: Any, grad: Any) -> tuple:
-        """What a push stream carries of one block: (id, gradient, round, hyperparameters, pieces w/o gradient)."""
-        return (block.block_id, grad, self.group.round, *self.options.get(block.block_id, ("", ())))
+        """What a push stream carries of one block: (id, gradient, round, options)."""
+        return block.block_id, grad, self.group.round, self.options.get(block.block_id, NO_OPTIONS)
 
     def fail(self, exc: BaseException) -> None:
         """Route a failed sync to whoever waits on the group or on any of its blocks."""
         for waiting in (self.future, *self.block_futures.values()):
             if not waiting.done():
                 waiting.set_exception(exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+    """What the shards say of a completed round besides its parameters."""
+
+    skipped: bool     # the step was skipped: the loss scale let an inf or NaN through
+    grad_norm: float  # the global norm of the averaged gradient (when clipping or unscaling; else 0)
 
 
 class ShardPushes:
@@ -145,13 +153,13 @@ class Communicator:
         self._queue = CommQueue(priority)
         self._queued = asyncio.Event()
         self._senders: dict[int, ShardSender] = {}  # without slots: one per shard
+        self.round_results: dict[int, RoundResult] = {}  # by the round a pulled block came back at (the latest)
         self._consumer = comm.submit(self._consume())
 
     # -- the queue (called from the training thread) -------------------------------------
-    def enqueue(self, group: GroupRuntime, iteration: int,
-                options: dict[str, tuple[str, tuple[int, ...]]] | None = None) -> None:
+    def enqueue(self, group: GroupRuntime, iteration: int, options: dict[str, PushOptions] | None = None) -> None:
         """Put a complete group on the queue; its Futures resolve once its new parameters are in place.
-        ``options``: per block, the round's hyperparameters and the pieces this worker gave no gradient."""
+        ``options``: per block, what its push says besides the data (hyperparameters, pieces without gradient)."""
         group.push_done.clear()
         group.future = concurrent.futures.Future()
         group.block_futures = {b.block_id: concurrent.futures.Future() for b in group.blocks}
@@ -337,12 +345,14 @@ class Communicator:
         group = sync.group
         by_id = {b.block_id: b for b in blocks}
 
-        def arrived(block_id: str, round_: int) -> None:  # in place as soon as the shard completed it
+        def arrived(block_id: str, round_: int, meta: Any) -> None:  # in place as soon as the shard completed it
             if round_ != group.round + 1:
                 raise IMergeError(f"{group}: block {block_id} came back at round {round_}, expected "
                                   f"{group.round + 1}")
             block = by_id[block_id]
             self.flat.load_from_host(block.offset, block.numel)
+            self.round_results[round_] = RoundResult(meta.skipped, meta.grad_norm)
+            self.round_results.pop(round_ - 8, None)
             sync.block_futures[block_id].set_result(round_)
 
         await self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks], self.rank,

@@ -7,6 +7,8 @@ from imerge.core.config import CommonConfig, TlsConfig, check_choices, option, r
 from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
 from imerge.core.slots import SLOT_SCOPES, SLOTS
 
+from .model_buffers import BUFFER_MODES
+
 MIB = 1 << 20
 
 
@@ -40,6 +42,9 @@ class ScheduleConfig:
     flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")
     profile_iters: int = option(5, "iterations profiled before --fusion cost plans the groups")
     trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
+    buffers: str = option("broadcast", "model buffers (BatchNorm statistics): broadcast (worker 0's before every "
+                                       "forward, as DDP's broadcast_buffers), average (the workers' mean), or off",
+                          choices=BUFFER_MODES)
 
     def __post_init__(self) -> None:
         check_choices(self)

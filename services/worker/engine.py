@@ -30,6 +30,7 @@ from .comm import CommLoop, Communicator
 from .config import WorkerConfig
 from .hooks import Hooks
 from .metrics import WorkerMetrics
+from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
 from .transport import ShardClient
@@ -65,6 +66,9 @@ class SyncEngine:
                                  slot_scope=config.slot_scope, slot_width=width)
         self.hooks = Hooks(self.flat, self.comm, config, optimizer, self.metrics, self.timeline,
                            {id(by_name[n]): n for n in names})
+        self.hooks.buffer_sync = BufferSync(model, store, rank=config.rank, world_size=config.world_size,
+                                            mode=config.buffers, generation=generation,
+                                            timeout_s=config.pull_timeout_s + config.rpc_timeout_s)
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
         if config.fusion == "cost":
             self._start_profiling()

@@ -29,9 +29,11 @@ from imerge.core.schedule import syncs
 from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams, GroupRuntime, GroupTable
-from .comm import Communicator
+from .comm import Communicator, RoundResult
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
+from .model_buffers import BufferSync
+from .transport import PushOptions
 from .optimizer import ShardOptimizer
 from .profiler import Profiler
 
@@ -56,7 +58,11 @@ class Hooks:
         self.outside: list[int] = []  # parameters used outside their module: waited for at the root's forward
         self._learning = True       # the engine's first backward: outside uses are learned, not refused
         self.round_hypers: list[str] = []  # each param group's hyperparameters, as this backward's pushes carry
+        self.buffer_sync: BufferSync | None = None  # set by the engine
         self.accumulating = False   # inside model.no_sync()
+        self.loss_scale = 0.0       # the grad scaler's scale of the coming backward (0: none)
+        self.max_norm = 0.0         # clip every round's averaged gradient to this norm (0: no clipping)
+        self._round_scaling = (0.0, 0.0)  # (loss scale, max norm) of this backward's pushes
         self._accumulate_this = False  # the last forward ran inside no_sync(): its backward only accumulates
         self._groups_enqueued = 0   # this iteration's groups sent
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
@@ -66,6 +72,9 @@ class Hooks:
         handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
                                                        prepend=True))
         handles.append(model.register_forward_hook(lambda *_: self._forward_ended_now()))
+        # load_state_dict: in-flight pulls land first, then the loaded parameters go to the shards
+        handles.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
+        handles.append(model.register_load_state_dict_post_hook(lambda *_: self.assign()))
         for module in model.modules():
             owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self.table.group_of]
             if owned:
@@ -84,6 +93,7 @@ class Hooks:
         self.wait_params(owned)
 
     def _forward_started_now(self, args: tuple) -> None:
+        self.buffer_sync.apply()
         if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
             self._forward_seen = True
             self._accumulate_this = self.accumulating  # as in DDP, the forward decides whether its backward syncs
@@ -139,6 +149,7 @@ class Hooks:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._callback_queued = True
         self.round_hypers = self.optimizer.hypers()
+        self._round_scaling = (self.loss_scale, self.max_norm)
 
     def _used_outside_its_module(self, param: torch.nn.Parameter) -> None:
         name = self.names.get(id(param), "?")
@@ -158,15 +169,16 @@ class Hooks:
         if self.syncs_now(group) and self.config.overlap:
             self._enqueue(group)
 
-    def _enqueue(self, group: GroupRuntime) -> None:
+    def _enqueue(self, group: GroupRuntime, assign: bool = False) -> None:
         """Queue the group's sync; each block's push carries the round's hyperparameters of its parameter group
         and the pieces of it that got no gradient since the last sync (counted as zeros; one that no worker gave
-        a gradient is not stepped, as in torch.optim)."""
+        a gradient is not stepped, as in torch.optim). ``assign``: the data are parameters to assign."""
         self._groups_enqueued += 1
         units = self.table.plan.units
-        options = {b.block_id: (self.round_hypers[units[b.unit].group],
-                                tuple(i for i, pid in enumerate(self.table.pieces_of[b.block_id])
-                                      if pid not in group.given))
+        loss_scale, max_norm = (0.0, 0.0) if assign else self._round_scaling
+        options = {b.block_id: PushOptions(self.round_hypers[units[b.unit].group],
+                                           tuple(i for i, pid in enumerate(self.table.pieces_of[b.block_id])
+                                                 if pid not in group.given), assign, loss_scale, max_norm)
                    for b in group.blocks}
         group.given.clear()
         self.comm.enqueue(group, self.iteration - self.schedule_start, options)
@@ -193,6 +205,8 @@ class Hooks:
         self.metrics.iterations.inc()
         self.metrics.groups_synced.set(self._groups_enqueued)
         self._groups_enqueued = 0
+        self.loss_scale = 0.0  # a backward is scaled only if grad_scaler.scale() ran since the last one
+        self.buffer_sync.published(self.iteration)
         self.iteration += 1
         if self.profiler is not None:
             self.profiler.backward_ended()
@@ -239,6 +253,21 @@ class Hooks:
                 self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
                                    f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")
 
+    @property
+    def started(self) -> bool:
+        """Whether this engine pushed (or is pushing) a round already."""
+        return not self._learning or self._callback_queued
+
+    def last_round_result(self) -> RoundResult | None:
+        """What the shards said of the latest round pushed (waiting for its first block to come back)."""
+        group = self.table.groups[-1]  # the first layers: the group the next forward needs first
+        if group.future is None:
+            return None
+        block_id = group.blocks[0].block_id
+        round_ = self._wait(group.block_futures[block_id].result, group,
+                            f"round {group.round + 1} of block {block_id} to be pulled")
+        return self.comm.round_results.get(round_)
+
     def flush(self) -> None:
         """With T > 1, sync every group that did not sync in the last iteration (it holds local SGD steps and
         the sum of its gradients since its last sync), so that every worker ends with the shards' parameters."""
@@ -250,6 +279,19 @@ class Hooks:
                 if not group.push_done.is_set():
                     self._wait(group.push_done.wait, group, "its previous push to finish")
                 self._enqueue(group)
+        self.synchronize()
+
+    def assign(self) -> None:
+        """Send this worker's parameters to the shards as a round of their own: the shards take worker 0's (every
+        worker takes part, at the same point of its loop) and every worker pulls them."""
+        if any(group.given for group in self.table.groups):
+            raise UnsupportedUse("load_state_dict() inside a gradient accumulation (no_sync): the accumulated "
+                                 "gradients would be lost; load before the micro-batches or after their step")
+        self.synchronize()
+        self.round_hypers = self.optimizer.hypers()
+        self.flat.grads.copy_(self.flat.values)
+        for group in self.table.groups:
+            self._enqueue(group, assign=True)
         self.synchronize()
 
     def synchronize(self) -> None:

@@ -46,6 +46,8 @@ def spec_of(optimizer: torch.optim.Optimizer,
 
 
 class ShardOptimizer(torch.optim.Optimizer):
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler hands itself to step(), which refuses it
+
     def __init__(self, spec: OptimizerSpec, groups: Sequence[Sequence[torch.nn.Parameter]],
                  shared: torch.optim.Optimizer | None = None):
         self.spec = spec
@@ -67,9 +69,14 @@ class ShardOptimizer(torch.optim.Optimizer):
         return float(self.param_groups[group]["lr"])
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Nothing to do: the shards stepped during backward. A closure (LBFGS-style) cannot be re-evaluated."""
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:
+        """Nothing to do: the shards stepped during backward. A closure (LBFGS-style) cannot be re-evaluated;
+        torch.amp.GradScaler cannot unscale gradients that already left (use ``model.grad_scaler()``)."""
         if closure is not None:
             raise UnsupportedUse("model.optimizer.step(closure): the shards step during backward and cannot "
                                  "re-evaluate a closure")
+        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:  # torch's old and new ways
+            raise UnsupportedUse("torch.amp.GradScaler with IMerge: the gradients were pushed, scaled, during "
+                                 "backward, and the shards applied them unscaled; use scaler = model.grad_scaler() "
+                                 "(the same API), whose scale travels with the pushes")
         return None

@@ -8,6 +8,7 @@ shard's address.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -26,7 +27,8 @@ from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials
 
-BlockArrived = Callable[[str, int], None]  # (block id, its new round), as soon as a pulled block is in place
+# (block id, its new round, its meta), as soon as a pulled block is in place
+BlockArrived = Callable[[str, int, Any], None]
 
 
 def _translated(method: Callable) -> Callable:
@@ -38,6 +40,20 @@ def _translated(method: Callable) -> Callable:
             raise error_from(exc, self.address) from None
 
     return wrapper
+
+
+@dataclasses.dataclass(frozen=True)
+class PushOptions:
+    """What a push of one block says about its round besides the gradient."""
+
+    hypers: str = ""                # the param group's hyperparameters that differ from the initial ones (JSON)
+    no_grad: tuple[int, ...] = ()   # the block's pieces this worker gave no gradient
+    assign: bool = False            # the data are parameters to assign (load_state_dict), not a gradient
+    loss_scale: float = 0.0         # the gradient is scaled by this (grad scaler); 0: not
+    max_norm: float = 0.0           # clip the round's averaged gradient to this global norm; 0: no clipping
+
+
+NO_OPTIONS = PushOptions()
 
 
 class ShardClient:
@@ -82,17 +98,16 @@ class ShardClient:
     async def push(self, blocks: list[tuple], worker: int, timeout_s: float,
                    generation: int = 0, fence: int = 0, lane: int = 0,
                    written: asyncio.Event | None = None) -> ps_pb2.PushReply:
-        """Push several blocks' gradients, each (block id, gradient, round[, hyperparameters, pieces without
-        gradient]), in one stream: a header, then the data, per block. ``written`` is set once the last data has
-        been handed to gRPC."""
+        """Push several blocks' gradients, each (block id, gradient, round[, PushOptions]), in one stream: a
+        header, then the data, per block. ``written`` is set once the last data has been handed to gRPC."""
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
-            for block_id, grad, round_, *options in blocks:
-                hypers, no_grad = options if options else ("", ())
-                yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_,
-                                                                 dtype=ps_pb2.FLOAT32, numel=grad.numel(),
-                                                                 generation=generation, fence=fence,
-                                                                 lane=lane, hypers=hypers, no_grad=no_grad))
+            for block_id, grad, round_, *rest in blocks:
+                options = rest[0] if rest else NO_OPTIONS
+                yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(
+                    block_id=block_id, worker=worker, round=round_, dtype=ps_pb2.FLOAT32, numel=grad.numel(),
+                    generation=generation, fence=fence, lane=lane, hypers=options.hypers, no_grad=options.no_grad,
+                    assign=options.assign, loss_scale=options.loss_scale, max_norm=options.max_norm))
                 for frame in data_frames(tensor_view(grad), CHUNK_BYTES):  # PushChunk data, encoded once
                     yield frame
             if written is not None:
@@ -103,17 +118,18 @@ class ShardClient:
     async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str,
                             on_block: BlockArrived | None = None) -> list[int]:
         """Read (meta, data...) per block into its target, in whatever order the shard answers them (a pull
-        sends each block as soon as its round completes); call ``on_block(block_id, round)`` as each block
+        sends each block as soon as its round completes); call ``on_block(block_id, round, meta)`` as each block
         is complete. Return each target's round, in the targets' order."""
         pending = dict(targets)
         rounds: dict[str, int] = {}
+        metas: dict[str, ps_pb2.TensorMeta] = {}
         current: tuple[str, ChunkAssembler] | None = None
 
         def finish() -> None:
             block_id, assembler = current
             assembler.finish()
             if on_block is not None:
-                on_block(block_id, rounds[block_id])
+                on_block(block_id, rounds[block_id], metas[block_id])
 
         async for chunk in call:
             if chunk.WhichOneof("part") == "meta":
@@ -128,7 +144,7 @@ class ShardClient:
                     raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
                                           f"expected {target.numel()}", address=self.address)
                 current = block_id, ChunkAssembler(target, f"{self.address}: {what}: block {block_id}")
-                rounds[block_id] = chunk.meta.round
+                rounds[block_id], metas[block_id] = chunk.meta.round, chunk.meta
             elif current is None:
                 raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta",
                                       address=self.address)

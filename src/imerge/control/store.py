@@ -43,6 +43,11 @@ key                         type     meaning
 ``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
 ``worker:{rank}:generation`` string  the generation the worker last joined
 ``positions``               hash     worker rank -> JSON {iteration, generation}: data position
+``buffers:{g}:{i}:{rank}``  string   the model buffers (safetensors, base64) a worker published after iteration i
+                                     of generation g (broadcast_buffers); expires
+``buffers:{g}:{i}:{rank}:ready`` list  a latch: holds a token once those buffers are published; expires
+``scalars:{g}:{r}:to:{s}``  list     "<shard> <sum of squares> <found inf>": each shard's scalars of round r that
+                                     shard s needs before it steps (clipping, loss scaling); expires
 ==========================  =======  ==============================================
 
 Events in use: ``plan:{version}`` (:class:`PlanPublished`; version 1 is the
@@ -107,7 +112,7 @@ FLAG_STATS = ("granted", "contended", "expired")
 _CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
 ROLE_COMMANDS = {
     "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
-    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop"),
+    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "pexpire"),
     "worker": _CONNECTION + ("get", "set", "hset", "hget", "rpush", "blpop", "del", "exists", "pttl", "pexpire",
                              "hincrby", "incr", "evalsha", "eval", "script|load"),
 }
@@ -376,6 +381,52 @@ class Store:
         self._pop(self._key("profile", "queue"), time.monotonic() + timeout_s,
                   "worker 0's profile of its first iterations", timeout_s)
         return Profile.decode(self._redis.get(self._key("profile")) or "")
+
+    # -- model buffers (broadcast_buffers) --------------------------------------
+    @_translated
+    def publish_buffers(self, generation: int, iteration: int, rank: int, payload: str, ttl_s: float) -> None:
+        key, ttl_ms = self._key("buffers", generation, iteration, rank), int(ttl_s * 1000)
+        pipe = self._redis.pipeline()
+        pipe.set(key, payload, px=ttl_ms)
+        pipe.rpush(key + ":ready", "1")
+        pipe.pexpire(key + ":ready", ttl_ms)
+        pipe.execute()
+
+    @_translated
+    def wait_buffers(self, generation: int, iteration: int, rank: int, timeout_s: float) -> str:
+        """The buffers worker ``rank`` published after ``iteration`` (waits for them; the latch stays set)."""
+        key = self._key("buffers", generation, iteration, rank)
+        self._pop(key + ":ready", time.monotonic() + timeout_s,
+                  f"worker {rank}'s model buffers of iteration {iteration}", timeout_s)
+        pipe = self._redis.pipeline()
+        pipe.rpush(key + ":ready", "1")
+        pipe.pexpire(key + ":ready", max(int(self._redis.pttl(key)), 1000))
+        pipe.get(key)
+        return pipe.execute()[-1] or ""
+
+    # -- round scalars (the shards agree before they step) ---------------------------------
+    @_translated
+    def post_round_scalars(self, generation: int, round_: int, shard: int, scalars: str, to_shards: list[int],
+                           ttl_s: float) -> None:
+        pipe = self._redis.pipeline()
+        for target in to_shards:
+            key = self._key("scalars", generation, round_, "to", target)
+            pipe.rpush(key, f"{shard} {scalars}")
+            pipe.pexpire(key, int(ttl_s * 1000))
+        pipe.execute()
+
+    @_translated
+    def wait_round_scalars(self, generation: int, round_: int, shard: int, shards: list[int],
+                           timeout_s: float) -> dict[int, str]:
+        """Every shard's scalars of ``round_`` (by shard), as they post them to ``shard``."""
+        deadline, received = time.monotonic() + timeout_s, {}
+        while len(received) < len(shards):
+            missing = sorted(set(shards) - set(received))
+            sender, _, scalars = self._pop(self._key("scalars", generation, round_, "to", shard), deadline,
+                                           f"shards {missing} to post their scalars of round {round_}",
+                                           timeout_s).partition(" ")
+            received[int(sender)] = scalars
+        return received
 
     # -- slot flags -------------------------------------------------------------
     @_translated

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18imerge/wire/rpc/ps.proto\x12\timerge.v1\"9\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coptions_json\x18\n \x01(\tJ\x04\x08\x02\x10\n\"\xa1\x01\n\tBlockSpec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12+\n\toptimizer\x18\x05 \x01(\x0b\x32\x18.imerge.v1.OptimizerSpec\x12\x10\n\x08segments\x18\x06 \x03(\x04\"N\n\x0eInitBlockChunk\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x14.imerge.v1.BlockSpecH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"B\n\x0eInitBlockReply\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x04\"\xbf\x01\n\nPushHeader\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x07 \x01(\x04\x12\x0c\n\x04lane\x18\x08 \x01(\r\x12\x0e\n\x06hypers\x18\t \x01(\t\x12\x0f\n\x07no_grad\x18\n \x03(\r\"L\n\tPushChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.imerge.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"F\n\x0f\x42lockPushResult\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\"8\n\tPushReply\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.imerge.v1.BlockPushResult\"f\n\x0bPullRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\t\x12\x0e\n\x06worker\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"5\n\x0c\x46\x65tchRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"]\n\nTensorMeta\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\t\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\"L\n\x0bTensorChunk\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x15.imerge.v1.TensorMetaH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x0e\n\x0cStatsRequest\"a\n\nBlockStats\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06pushed\x18\x04 \x01(\r\x12\x13\n\x0bnum_workers\x18\x05 \x01(\r\"\xd9\x01\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.imerge.v1.BlockStats\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x0e\n\x06pushes\x18\x05 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x06 \x01(\x04\x12\r\n\x05pulls\x18\x07 \x01(\x04\x12\x18\n\x10rounds_completed\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04*+\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x32\xbb\x02\n\x0fParameterServer\x12\x43\n\tInitBlock\x12\x19.imerge.v1.InitBlockChunk\x1a\x19.imerge.v1.InitBlockReply(\x01\x12\x34\n\x04Push\x12\x14.imerge.v1.PushChunk\x1a\x14.imerge.v1.PushReply(\x01\x12\x38\n\x04Pull\x12\x16.imerge.v1.PullRequest\x1a\x16.imerge.v1.TensorChunk0\x01\x12:\n\x05\x46\x65tch\x12\x17.imerge.v1.FetchRequest\x1a\x16.imerge.v1.TensorChunk0\x01\x12\x37\n\x05Stats\x12\x17.imerge.v1.StatsRequest\x1a\x15.imerge.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18imerge/wire/rpc/ps.proto\x12\timerge.v1\"9\n\rOptimizerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0coptions_json\x18\n \x01(\tJ\x04\x08\x02\x10\n\"\xa1\x01\n\tBlockSpec\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x1f\n\x05\x64type\x18\x02 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12+\n\toptimizer\x18\x05 \x01(\x0b\x32\x18.imerge.v1.OptimizerSpec\x12\x10\n\x08segments\x18\x06 \x03(\x04\"N\n\x0eInitBlockChunk\x12$\n\x04spec\x18\x01 \x01(\x0b\x32\x14.imerge.v1.BlockSpecH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"B\n\x0eInitBlockReply\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x04\"\xf5\x01\n\nPushHeader\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x0e\n\x06worker\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x1f\n\x05\x64type\x18\x04 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x05 \x01(\x04\x12\x12\n\ngeneration\x18\x06 \x01(\x04\x12\r\n\x05\x66\x65nce\x18\x07 \x01(\x04\x12\x0c\n\x04lane\x18\x08 \x01(\r\x12\x0e\n\x06hypers\x18\t \x01(\t\x12\x0f\n\x07no_grad\x18\n \x03(\r\x12\x0e\n\x06\x61ssign\x18\x0b \x01(\x08\x12\x12\n\nloss_scale\x18\x0c \x01(\x01\x12\x10\n\x08max_norm\x18\r \x01(\x01\"L\n\tPushChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.imerge.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"F\n\x0f\x42lockPushResult\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\"8\n\tPushReply\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.imerge.v1.BlockPushResult\"f\n\x0bPullRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\t\x12\x0e\n\x06worker\x18\x02 \x01(\r\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\x12\n\ngeneration\x18\x05 \x01(\x04\"5\n\x0c\x46\x65tchRequest\x12\x11\n\tblock_ids\x18\x01 \x03(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x81\x01\n\nTensorMeta\x12\x10\n\x08\x62lock_id\x18\x04 \x01(\t\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.imerge.v1.DType\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0f\n\x07skipped\x18\x05 \x01(\x08\x12\x11\n\tgrad_norm\x18\x06 \x01(\x01\"L\n\x0bTensorChunk\x12%\n\x04meta\x18\x01 \x01(\x0b\x32\x15.imerge.v1.TensorMetaH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"\x0e\n\x0cStatsRequest\"a\n\nBlockStats\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\t\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12\x0e\n\x06pushed\x18\x04 \x01(\r\x12\x13\n\x0bnum_workers\x18\x05 \x01(\r\"\xd9\x01\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12%\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x15.imerge.v1.BlockStats\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x12\n\nbytes_sent\x18\x04 \x01(\x04\x12\x0e\n\x06pushes\x18\x05 \x01(\x04\x12\x18\n\x10\x64uplicate_pushes\x18\x06 \x01(\x04\x12\r\n\x05pulls\x18\x07 \x01(\x04\x12\x18\n\x10rounds_completed\x18\x08 \x01(\x04\x12\x10\n\x08rejected\x18\t \x01(\x04*+\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x32\xbb\x02\n\x0fParameterServer\x12\x43\n\tInitBlock\x12\x19.imerge.v1.InitBlockChunk\x1a\x19.imerge.v1.InitBlockReply(\x01\x12\x34\n\x04Push\x12\x14.imerge.v1.PushChunk\x1a\x14.imerge.v1.PushReply(\x01\x12\x38\n\x04Pull\x12\x16.imerge.v1.PullRequest\x1a\x16.imerge.v1.TensorChunk0\x01\x12:\n\x05\x46\x65tch\x12\x17.imerge.v1.FetchRequest\x1a\x16.imerge.v1.TensorChunk0\x01\x12\x37\n\x05Stats\x12\x17.imerge.v1.StatsRequest\x1a\x15.imerge.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'imerge.wire.rpc.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1479
-  _globals['_DTYPE']._serialized_end=1522
+  _globals['_DTYPE']._serialized_start=1570
+  _globals['_DTYPE']._serialized_end=1613
   _globals['_OPTIMIZERSPEC']._serialized_start=39
   _globals['_OPTIMIZERSPEC']._serialized_end=96
   _globals['_BLOCKSPEC']._serialized_start=99
@@ -42,27 +42,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INITBLOCKREPLY']._serialized_start=342
   _globals['_INITBLOCKREPLY']._serialized_end=408
   _globals['_PUSHHEADER']._serialized_start=411
-  _globals['_PUSHHEADER']._serialized_end=602
-  _globals['_PUSHCHUNK']._serialized_start=604
-  _globals['_PUSHCHUNK']._serialized_end=680
-  _globals['_BLOCKPUSHRESULT']._serialized_start=682
-  _globals['_BLOCKPUSHRESULT']._serialized_end=752
-  _globals['_PUSHREPLY']._serialized_start=754
-  _globals['_PUSHREPLY']._serialized_end=810
-  _globals['_PULLREQUEST']._serialized_start=812
-  _globals['_PULLREQUEST']._serialized_end=914
-  _globals['_FETCHREQUEST']._serialized_start=916
-  _globals['_FETCHREQUEST']._serialized_end=969
-  _globals['_TENSORMETA']._serialized_start=971
-  _globals['_TENSORMETA']._serialized_end=1064
-  _globals['_TENSORCHUNK']._serialized_start=1066
-  _globals['_TENSORCHUNK']._serialized_end=1142
-  _globals['_STATSREQUEST']._serialized_start=1144
-  _globals['_STATSREQUEST']._serialized_end=1158
-  _globals['_BLOCKSTATS']._serialized_start=1160
-  _globals['_BLOCKSTATS']._serialized_end=1257
-  _globals['_STATSREPLY']._serialized_start=1260
-  _globals['_STATSREPLY']._serialized_end=1477
-  _globals['_PARAMETERSERVER']._serialized_start=1525
-  _globals['_PARAMETERSERVER']._serialized_end=1840
+  _globals['_PUSHHEADER']._serialized_end=656
+  _globals['_PUSHCHUNK']._serialized_start=658
+  _globals['_PUSHCHUNK']._serialized_end=734
+  _globals['_BLOCKPUSHRESULT']._serialized_start=736
+  _globals['_BLOCKPUSHRESULT']._serialized_end=806
+  _globals['_PUSHREPLY']._serialized_start=808
+  _globals['_PUSHREPLY']._serialized_end=864
+  _globals['_PULLREQUEST']._serialized_start=866
+  _globals['_PULLREQUEST']._serialized_end=968
+  _globals['_FETCHREQUEST']._serialized_start=970
+  _globals['_FETCHREQUEST']._serialized_end=1023
+  _globals['_TENSORMETA']._serialized_start=1026
+  _globals['_TENSORMETA']._serialized_end=1155
+  _globals['_TENSORCHUNK']._serialized_start=1157
+  _globals['_TENSORCHUNK']._serialized_end=1233
+  _globals['_STATSREQUEST']._serialized_start=1235
+  _globals['_STATSREQUEST']._serialized_end=1249
+  _globals['_BLOCKSTATS']._serialized_start=1251
+  _globals['_BLOCKSTATS']._serialized_end=1348
+  _globals['_STATSREPLY']._serialized_start=1351
+  _globals['_STATSREPLY']._serialized_end=1568
+  _globals['_PARAMETERSERVER']._serialized_start=1616
+  _globals['_PARAMETERSERVER']._serialized_end=1931
 # @@protoc_insertion_point(module_scope)

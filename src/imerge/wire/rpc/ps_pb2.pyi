@@ -57,7 +57,7 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad", "assign", "loss_scale", "max_norm")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,9 @@ class PushHeader(_message.Message):
     LANE_FIELD_NUMBER: _ClassVar[int]
     HYPERS_FIELD_NUMBER: _ClassVar[int]
     NO_GRAD_FIELD_NUMBER: _ClassVar[int]
+    ASSIGN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NORM_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
@@ -78,7 +81,10 @@ class PushHeader(_message.Message):
     lane: int
     hypers: str
     no_grad: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ...) -> None: ...
+    assign: bool
+    loss_scale: float
+    max_norm: float
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ..., assign: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., max_norm: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -127,16 +133,20 @@ class FetchRequest(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("block_id", "dtype", "numel", "round")
+    __slots__ = ("block_id", "dtype", "numel", "round", "skipped", "grad_norm")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     dtype: DType
     numel: int
     round: int
-    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    skipped: bool
+    grad_norm: float
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ..., skipped: _Optional[bool] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("meta", "data")

@@ -1,0 +1,101 @@
+"""What a round of a block is besides its gradients: the options its pushes carry, and the scalars the shards
+agree on before they step (global-norm clipping, "found inf" under loss scaling).
+
+Every worker's push of a round carries the same :class:`RoundOptions`; a push
+that disagrees is refused. A round that clips or unscales cannot step a block
+until every block of the job has averaged its gradient: each block reports
+its :class:`RoundScalars`, the shard sums its blocks' (:class:`Agreements`),
+the shards exchange their sums, and every block steps with the same totals
+(or every shard skips the step when any found an inf or NaN). Pure: no gRPC,
+no Redis (the exchange is the server's).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable
+
+from imerge.core.errors import FailedPrecondition, InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOptions:
+    hypers: str = ""         # hyperparameters that differ from the initial ones (JSON, "" when none)
+    assign: bool = False     # the data are parameters to assign (load_state_dict): no step
+    loss_scale: float = 0.0  # the gradients are scaled by this (dynamic loss scaling): unscale, skip on inf
+    max_norm: float = 0.0    # clip the averaged gradient to this global L2 norm (0: no clipping)
+
+    def check(self, what: str) -> "RoundOptions":
+        for name in ("loss_scale", "max_norm"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"{what}: {name} {value} is not a finite number >= 0")
+        return self
+
+    @property
+    def needs_agreement(self) -> bool:
+        return not self.assign and (self.loss_scale > 0 or self.max_norm > 0)
+
+    def disagreement(self, other: "RoundOptions") -> str:
+        """What differs between two pushes' options of one round ("" when nothing does)."""
+        if self.assign != other.assign:
+            return ("an assignment and a gradient in one round: load_state_dict() must run at the same point of "
+                    "the loop on every worker")
+        if self.hypers != other.hypers:
+            return (f"hyperparameters {self.hypers or '(the initial ones)'} and {other.hypers or '(the initial ones)'}"
+                    ": the workers' learning-rate (or other) schedules disagree")
+        if (self.loss_scale, self.max_norm) != (other.loss_scale, other.max_norm):
+            return (f"loss scale {self.loss_scale:g} / max norm {self.max_norm:g} and {other.loss_scale:g} / "
+                    f"{other.max_norm:g}: the workers' grad scalers or clipping disagree")
+        return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundScalars:
+    """What averaged gradients hold that the step of every block depends on."""
+
+    sumsq: float = 0.0       # sum of squares (float64) of the averaged, unscaled gradient
+    found_inf: bool = False  # some element is infinite or NaN
+
+    def plus(self, other: "RoundScalars") -> "RoundScalars":
+        return RoundScalars(self.sumsq + other.sumsq, self.found_inf or other.found_inf)
+
+    @property
+    def grad_norm(self) -> float:
+        return math.inf if self.found_inf else math.sqrt(self.sumsq)
+
+    def encode(self) -> str:
+        return f"{self.sumsq!r} {int(self.found_inf)}"
+
+    @classmethod
+    def decode(cls, text: str) -> "RoundScalars":
+        sumsq, found_inf = text.split()
+        return cls(float(sumsq), found_inf == "1")
+
+
+Exchange = Callable[[int, RoundScalars], Awaitable[RoundScalars]]
+
+
+class Agreements:
+    """One shard's rounds that await every block's scalars, then the other shards' (``exchange``)."""
+
+    def __init__(self, exchange: Exchange | None = None):
+        self.exchange = exchange
+        self._rounds: dict[int, tuple[RoundScalars, set[str], asyncio.Future]] = {}
+
+    async def agree(self, round_: int, block_id: str, scalars: RoundScalars, expected: set[str]) -> RoundScalars:
+        """The job's totals of ``round_``, once every block in ``expected`` reported its scalars here."""
+        total, reported, done = self._rounds.get(round_) or (RoundScalars(), set(), asyncio.get_running_loop()
+                                                              .create_future())
+        if block_id in reported:
+            raise FailedPrecondition(f"block {block_id} reported round {round_}'s scalars twice")
+        total, reported = total.plus(scalars), reported | {block_id}
+        self._rounds[round_] = (total, reported, done)
+        if reported >= expected:
+            del self._rounds[round_]
+            try:
+                done.set_result(await self.exchange(round_, total) if self.exchange else total)
+            except Exception as exc:  # noqa: BLE001 - every block of the round learns it
+                done.set_exception(exc)
+        return await asyncio.shield(done)
