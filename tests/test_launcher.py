@@ -154,3 +154,25 @@ def test_launch_flags_that_a_script_overrides_are_refused_naming_them(tmp_path):
     assert run.returncode == 1, output
     assert "--lr 0.3 --optimizer adam: imerge launch was given these optimizer flags" in output
     assert "trains with" not in output
+
+
+def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_path):
+    """6 iterations (state saved at 3 and at the end), resumed to 10, equal 10 uninterrupted ones."""
+    from safetensors.torch import load_file
+    import torch
+
+    common = ["--shards", "2", "--workers", "2", "--no-evaluate", "--samples", "256",
+              "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.01"]
+
+    def run(name: str, *args: str) -> dict:
+        process = launch(tmp_path / name, *common, *args, "--save", str(tmp_path / f"{name}.safetensors"))
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output
+        return load_file(str(tmp_path / f"{name}.safetensors"))
+
+    run("first", "--iters", "6", "--state-every", "3")
+    assert (tmp_path / "first" / "logs" / "state.safetensors").is_file()
+    resumed = run("resumed", "--iters", "10", "--resume", str(tmp_path / "first" / "logs"))
+    uninterrupted = run("uninterrupted", "--iters", "10")
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=name)

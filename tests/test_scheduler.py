@@ -83,8 +83,11 @@ def test_interleave_syncs_each_group_at_its_phase(cluster, period):
         pushes = engine.timeline.of("push")
         groups = {i.args["group"] for i in pushes}
         assert groups == set(range(8))
+        final = {i.args["group"] for i in pushes if i.args["iteration"] == steps}
+        assert final == {g for g in groups if not syncs(g, steps - 1, period)}  # close() syncs the others
         for group in groups:
-            iterations = sorted(i.args["iteration"] for i in pushes if i.args["group"] == group)
+            iterations = sorted(i.args["iteration"] for i in pushes if i.args["group"] == group
+                                and i.args["iteration"] < steps)
             assert iterations == [k for k in range(steps) if syncs(group, k, period)], f"group {group}"
         total = sum(g.nbytes for g in engine.groups)
         for k in range(steps):
@@ -93,13 +96,29 @@ def test_interleave_syncs_each_group_at_its_phase(cluster, period):
 
 
 def test_interleave_local_steps_between_syncs(cluster):
-    """A group that synced last iteration agrees across workers; one that stepped locally does not."""
-    period, steps = 2, 5
-    engines = run_job(cluster(2, 1), equal_layers, steps, interleave_period=period)
-    for group in engines[0].groups:
+    """Before close(), a group that synced last iteration agrees across workers and one that stepped locally does
+    not; close() syncs the latter, so every worker ends with the same parameters."""
+    period, steps, c = 2, 5, cluster(2, 1)
+    models = [equal_layers() for _ in range(2)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], OptimizerSpec("sgd", lr=0.01), c.worker_config(rank,
+                                                                                               interleave_period=2))
+        torch.manual_seed(rank)
+        for _ in range(steps):
+            model(torch.randn(4, 32)).square().mean().backward()
+        model.synchronize()
+        before = model.engine.flat.values.clone()
+        engine = model.engine
+        model.close()
+        return engine, before, engine.flat.values.clone()
+
+    (engine, before0, after0), (_, before1, after1) = c.run_workers(body)
+    for group in engine.groups:
         start, end = group.group.offset, group.group.offset + group.group.numel
-        same = torch.equal(engines[0].flat.values[start:end], engines[1].flat.values[start:end])
+        same = torch.equal(before0[start:end], before1[start:end])
         assert same == syncs(group.index, steps - 1, period), f"group {group.index}"
+    assert torch.equal(after0, after1)
 
 
 def overlaps(intervals) -> list:

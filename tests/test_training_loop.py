@@ -401,3 +401,48 @@ def test_torch_grad_scaler_on_the_model_optimizer_is_refused_naming_the_fix(clus
             scaler.step(model.optimizer)
     finally:
         model.abort()
+
+
+def test_save_then_load_into_another_layout_continues_like_an_uninterrupted_run(cluster, tmp_path):
+    """Saved after 4 of 8 steps by a job on 2 shards; loaded by a new job on 1 shard with small partitions (other
+    blocks, so the optimizer state is cut anew); its last 4 steps equal the uninterrupted run's."""
+    data = make_data(8, WORKERS, 16, FEATURES, CLASSES, seed=19)
+    spec, path = OptimizerSpec("adamw", lr=0.02, weight_decay=0.05), tmp_path / "state.safetensors"
+    first = cluster(WORKERS, SHARDS)
+
+    def uninterrupted(rank: int):
+        model = imerge.distribute(Branchy(), spec, first.worker_config(rank))
+        for index, step in enumerate(data):
+            if index == 4:
+                imerge.save(model, path)
+            cross_entropy(model, step[rank]).backward()
+        model.close()
+        return params_of(model.module)
+
+    expected = first.run_workers(uninterrupted)[0]
+    second = cluster(WORKERS, 1)
+
+    def resumed(rank: int):
+        model = imerge.distribute(Branchy(), spec, second.worker_config(rank, partition_mib=0.0002))
+        info = imerge.load(model, path)
+        for step in data[info["iteration"]:]:
+            cross_entropy(model, step[rank]).backward()
+        model.close()
+        return params_of(model.module), info["iteration"]
+
+    results = second.run_workers(resumed)
+    assert [iteration for _, iteration in results] == [4, 4]
+    assert_same_params([params for params, _ in results], expected)
+
+
+def test_the_optimizer_state_cannot_be_saved_from_this_process(cluster):
+    c = cluster(1, 1)
+    module = Branchy()
+    own = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    model = imerge.distribute(module, own, c.worker_config(0))
+    try:
+        for optimizer in (own, model.optimizer):
+            with pytest.raises(UnsupportedUse, match=r"imerge.save\(model, path\)"):
+                optimizer.state_dict()
+    finally:
+        model.abort()

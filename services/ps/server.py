@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
+from imerge.core.codec import CHUNK_BYTES
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import FailedPrecondition, IMergeError, InvalidArgument, RequestError
 from imerge.core.optim import OptimizerSpec
@@ -261,6 +262,43 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         replies = [self.shard.fetch(block_id, request.generation) for block_id in request.block_ids]
         async for chunk in self._send([(b, r, s, (False, 0.0)) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
+
+    @_streaming
+    async def Export(self, request, context):
+        if not request.block_ids:
+            raise InvalidArgument("Export: no block_ids")
+        for block_id in request.block_ids:
+            round_, data = self.shard.export_block(block_id, request.generation)
+            yield ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id=block_id, round=round_,
+                                                                    nbytes=len(data),
+                                                                    generation=request.generation))
+            for start in range(0, len(data), CHUNK_BYTES):
+                yield ps_pb2.BlockStateChunk(data=data[start:start + CHUNK_BYTES])
+
+    @_unary
+    async def Import(self, request_iterator, context):
+        imported, meta, parts, received = [], None, [], 0
+        async for chunk in request_iterator:
+            if chunk.WhichOneof("part") == "meta":
+                if meta is not None:
+                    raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
+                meta, parts, received = chunk.meta, [], 0
+                if meta.nbytes > (self.shard.max_block_numel * 4) * 4 + (1 << 20):
+                    raise InvalidArgument(f"Import: block {meta.block_id}: {meta.nbytes} bytes is too large")
+            elif meta is None:
+                raise InvalidArgument("Import: data before a block's meta")
+            else:
+                parts.append(chunk.data)
+                received += len(chunk.data)
+                if received > meta.nbytes:
+                    raise InvalidArgument(f"Import: block {meta.block_id}: more than {meta.nbytes} bytes")
+            if meta is not None and received == meta.nbytes:
+                await self.shard.import_block(meta.block_id, b"".join(parts), meta.generation)
+                imported.append(meta.block_id)
+                meta = None
+        if meta is not None:
+            raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
+        return ps_pb2.ImportReply(block_ids=imported)
 
     @_unary
     async def Stats(self, request, context):

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 
+from imerge.core.blockstate import block_state_bytes, parse_block_state
 from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, digest, tensor_view
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
@@ -105,15 +106,18 @@ class BlockState:
         meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
                          image.segments)
         block = cls(meta, image.param.clone(), image.init_digest)
-        if image.state:
-            by_piece: dict[int, dict[str, torch.Tensor]] = {}
-            for key, value in image.state.items():
-                piece, _, name = key.partition("/")
-                by_piece.setdefault(int(piece), {})[name] = value
-            block.optimizer.load_state_dict({"state": by_piece,
-                                             "param_groups": block.optimizer.state_dict()["param_groups"]})
+        block.load_state(image.state)
         block.round = round_
         return block
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the optimizer state with ``state`` ("<piece>/<name>" -> tensor)."""
+        by_piece: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            piece, _, name = key.partition("/")
+            by_piece.setdefault(int(piece), {})[name] = value.clone()
+        self.optimizer.state.clear()
+        self.optimizer.load_state_dict({"state": by_piece, "param_groups": self.optimizer.state_dict()["param_groups"]})
 
     def image(self) -> BlockImage:
         """A copy of the parameters and optimizer state (``"<piece>/<name>"``), for a checkpoint."""
@@ -475,6 +479,27 @@ class Shard:
             raise StaleGeneration(f"{what}: the job moved to generation {block.superseded} while it waited "
                                   f"(it recovered from a checkpoint): rejoin")
         return block.round, block.snapshot
+
+    def export_block(self, block_id: str, generation: int = 0) -> tuple[int, bytes]:
+        """(round, the block's parameters and optimizer state as safetensors bytes)."""
+        self.check_generation(generation, f"export of block {block_id}")
+        image = self.block(block_id).image()
+        return self.block(block_id).round, block_state_bytes(image.param, image.state)
+
+    async def import_block(self, block_id: str, data: bytes, generation: int = 0) -> None:
+        """Replace the block's parameters and optimizer state, at a round no worker has pushed yet."""
+        what = f"import of block {block_id}"
+        self.check_generation(generation, what)
+        block = self.block(block_id)
+        param, state = parse_block_state(data, block.meta.numel, block.meta.pieces, what)
+        async with block.changed:
+            if block.pushed or block.receiving:
+                raise FailedPrecondition(f"{what}: workers {sorted(block.pushed | block.receiving)} already pushed "
+                                         f"round {block.round}: load at the same point of the loop on every worker")
+            with torch.no_grad():
+                block.flat.copy_(param)
+            block.load_state(state)
+            block.snapshot = snapshot_of(block.flat)
 
     def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
         self.check_generation(generation, f"fetch of block {block_id}")

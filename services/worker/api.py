@@ -42,6 +42,7 @@ from .engine import SyncEngine
 from .amp import ShardGradScaler
 from .lease import RankLease
 from .optimizer import ShardOptimizer, spec_of
+from .saving import load_model, save_model
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,10 @@ class DistributedModel(torch.nn.Module):
         self.generation = 0
         self.failure_reported = False  # this worker reported a failure to the coordinator
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
+        self.rejoined = False  # this worker joined a job that was running (after a restart)
         try:
             rejoining = self._store.job_running()
+            self.rejoined = rejoining
             if rejoining:
                 self.plan = latest_plan(self._store, config)
                 self.generation, self.start_iteration = rejoin_point(self._store, config,
@@ -347,6 +350,27 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
     optimizer = check_launch_flags(optimizer, config)
     return DistributedModel(module, config, optimizer)
+
+
+def save(model: DistributedModel, path: str | os.PathLike) -> None:
+    """Save the model (parameters and buffers) and the shards' optimizer state to ``path`` (safetensors).
+
+    Every worker calls it at the same point of its loop; worker 0 writes the file. An LR scheduler's or a grad
+    scaler's state is the script's: save their ``state_dict()`` as with DDP.
+    """
+    with model._reporting():
+        save_model(model, path, model.engine.iteration)
+
+
+def load(model: DistributedModel, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a file of :func:`save` into the job: worker 0 reads it (only it needs the file) and the shards take its
+    parameters and optimizer state; every worker calls it at the same point (before training, or between two
+    iterations). Returns the file's metadata, with ``iteration`` (the iterations done when it was saved: the
+    data position to continue from), also kept as ``model.start_iteration``."""
+    with model._reporting():
+        metadata = load_model(model, path)
+    model.start_iteration = int(metadata.get("iteration", 0))
+    return {**metadata, "iteration": model.start_iteration}
 
 
 def check_launch_flags(optimizer: OptimizerSpec | torch.optim.Optimizer | None, config: WorkerConfig,

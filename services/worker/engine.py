@@ -44,6 +44,7 @@ class SyncEngine:
         self.config = config
         self.generation = generation
         self.optimizer = optimizer
+        self.loads = 0  # imerge.load calls: each is one barrier between worker 0 and the others
         self.store = store
         self.timeline = Timeline(config.rank)
         self.metrics = WorkerMetrics(config.rank, config.link_mbps)
@@ -159,6 +160,27 @@ class SyncEngine:
                                                   self.flat.host_slice(b), self.config.rpc_timeout_s,
                                                   [numel for _, numel in self.flat.pieces(b)])
             for b in self.plan.blocks))
+
+    async def export_states(self) -> dict[str, bytes]:
+        """Every block's parameters and optimizer state (safetensors bytes), from its shard."""
+        by_shard: dict[int, list[str]] = {}
+        for block in self.plan.blocks:
+            by_shard.setdefault(block.shard, []).append(block.block_id)
+        replies = await asyncio.gather(*(self.comm.clients[shard].export_blocks(ids, self.config.rpc_timeout_s,
+                                                                                self.generation)
+                                         for shard, ids in by_shard.items()))
+        return {block_id: data for reply in replies for block_id, data in reply.items()}
+
+    async def import_states(self, states: dict[str, bytes]) -> None:
+        by_shard: dict[int, dict[str, bytes]] = {}
+        for block in self.plan.blocks:
+            by_shard.setdefault(block.shard, {})[block.block_id] = states[block.block_id]
+        await asyncio.gather(*(self.comm.clients[shard].import_blocks(items, self.config.rpc_timeout_s,
+                                                                      self.generation)
+                               for shard, items in by_shard.items()))
+
+    async def fetch_all(self) -> None:
+        await self._fetch_all()
 
     async def _fetch_all(self) -> None:
         by_shard: dict[int, list] = {}

@@ -18,8 +18,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class Hooks:
         self.buffer_sync: BufferSync | None = None  # set by the engine
         self.accumulating = False   # inside model.no_sync()
         self.loss_scale = 0.0       # the grad scaler's scale of the coming backward (0: none)
+        self._loading = False       # imerge.load is loading the module: the state goes to the shards its own way
         self.max_norm = 0.0         # clip every round's averaged gradient to this norm (0: no clipping)
         self._round_scaling = (0.0, 0.0)  # (loss scale, max norm) of this backward's pushes
         self._accumulate_this = False  # the last forward ran inside no_sync(): its backward only accumulates
@@ -73,8 +75,8 @@ class Hooks:
                                                        prepend=True))
         handles.append(model.register_forward_hook(lambda *_: self._forward_ended_now()))
         # load_state_dict: in-flight pulls land first, then the loaded parameters go to the shards
-        handles.append(model.register_load_state_dict_pre_hook(lambda *_: self.synchronize()))
-        handles.append(model.register_load_state_dict_post_hook(lambda *_: self.assign()))
+        handles.append(model.register_load_state_dict_pre_hook(lambda *_: self._before_load()))
+        handles.append(model.register_load_state_dict_post_hook(lambda *_: self._after_load()))
         for module in model.modules():
             owned = [id(p) for p in module.parameters(recurse=False) if id(p) in self.table.group_of]
             if owned:
@@ -253,6 +255,14 @@ class Hooks:
                 self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
                                    f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")
 
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        self._loading = True
+        try:
+            yield
+        finally:
+            self._loading = False
+
     @property
     def started(self) -> bool:
         """Whether this engine pushed (or is pushing) a round already."""
@@ -280,6 +290,14 @@ class Hooks:
                     self._wait(group.push_done.wait, group, "its previous push to finish")
                 self._enqueue(group)
         self.synchronize()
+
+    def _before_load(self) -> None:
+        if not self._loading:
+            self.synchronize()
+
+    def _after_load(self) -> None:
+        if not self._loading:
+            self.assign()
 
     def assign(self) -> None:
         """Send this worker's parameters to the shards as a round of their own: the shards take worker 0's (every

@@ -14,13 +14,13 @@ from imerge.workloads.data import make_dataset, worker_loader
 from imerge.workloads.job import JobConfig, accuracy
 from imerge.workloads.models import build_model
 
-from .api import distribute
+from .api import DistributedModel, distribute, load, save
 from .config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
 
-def _train(model: torch.nn.Module, train: torch.utils.data.TensorDataset, worker: WorkerConfig, job: JobConfig,
+def _train(model: DistributedModel, train: torch.utils.data.TensorDataset, worker: WorkerConfig, job: JobConfig,
            per_epoch: int, total: int) -> tuple[int, float]:
     """Iterations from the model's data position up to ``total``; returns (iterations, last loss)."""
     iteration, loss_value = model.start_iteration, float("nan")
@@ -34,6 +34,8 @@ def _train(model: torch.nn.Module, train: torch.utils.data.TensorDataset, worker
             iteration, loss_value = iteration + 1, loss.detach().item()
             progress.report(iteration=iteration, total=total, loss=loss_value, epoch=epoch,
                             seconds=time.monotonic() - tick)
+            if job.state_file and job.state_every and iteration % job.state_every == 0 and iteration < total:
+                save(model, job.state_file)
             if iteration >= total:
                 break
         epoch, skip = epoch + 1, 0
@@ -53,7 +55,12 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     started = time.monotonic()
     with model:
         try:
+            if job.resume_file() is not None and not model.rejoined:
+                info = load(model, job.resume_file())
+                log.info("resumed from %s at iteration %d", job.resume_file(), info["iteration"])
             iteration, loss_value = _train(model, train, worker, job, per_epoch, total)
+            if job.state_file:
+                save(model, job.state_file)
             model.synchronize()
         except IMergeError as exc:  # recoverable: a peer failed or the job recovered; else fatal: end the job
             if not model.failure_reported:

@@ -45,6 +45,11 @@ def spec_of(optimizer: torch.optim.Optimizer,
     return OptimizerSpec(name, groups if len(groups) > 1 else (), **{**defaults, **groups[0]}), group_of
 
 
+def _state_lives_on_the_shards(*_: Any) -> None:
+    raise UnsupportedUse("the optimizer's state lives on the shards, not in this process: save and load it with "
+                         "imerge.save(model, path) and imerge.load(model, path)")
+
+
 class ShardOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands itself to step(), which refuses it
 
@@ -56,9 +61,18 @@ class ShardOptimizer(torch.optim.Optimizer):
                          defaults)
         if shared is not None:  # the script's own optimizer: a scheduler attached to it drives the shards too
             self.param_groups = shared.param_groups
+            shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
+            shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
         self.hyper_keys = list(defaults)
         self.initial = [scalar_hypers(spec.group(index).build([torch.nn.Parameter(torch.zeros(1))]).param_groups[0],
                                       self.hyper_keys) for index in range(len(groups))]
+
+    def state_dict(self) -> dict[str, Any]:
+        _state_lives_on_the_shards()
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _state_lives_on_the_shards()
 
     def hypers(self) -> list[str]:
         """Each parameter group's hyperparameters that differ from the initial ones, as the pushes carry them."""

@@ -180,5 +180,36 @@ class ShardClient:
         return await self._receive_into(call, targets, "fetch")
 
     @_translated
+    async def export_blocks(self, block_ids: list[str], timeout_s: float, generation: int = 0) -> dict[str, bytes]:
+        """Each block's parameters and optimizer state (safetensors bytes, see the shard's Export)."""
+        exported: dict[str, bytearray] = {}
+        current: bytearray | None = None
+        request = ps_pb2.ExportRequest(block_ids=block_ids, generation=generation)
+        async for chunk in self._stub.Export(request, timeout=timeout_s):
+            if chunk.WhichOneof("part") == "meta":
+                current = exported.setdefault(chunk.meta.block_id, bytearray())
+            elif current is None:
+                raise InvalidArgument("Export: data before a block's meta", address=self.address)
+            else:
+                current.extend(chunk.data)
+        missing = sorted(set(block_ids) - set(exported))
+        if missing:
+            raise InvalidArgument(f"Export: the shard sent no state of blocks {missing}", address=self.address)
+        return {block_id: bytes(data) for block_id, data in exported.items()}
+
+    @_translated
+    async def import_blocks(self, states: dict[str, bytes], timeout_s: float, generation: int = 0) -> None:
+        """Replace each block's parameters and optimizer state (at a round no worker pushed yet)."""
+
+        async def chunks() -> AsyncIterator[ps_pb2.BlockStateChunk]:
+            for block_id, data in states.items():
+                yield ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id=block_id, nbytes=len(data),
+                                                                        generation=generation))
+                for start in range(0, len(data), CHUNK_BYTES):
+                    yield ps_pb2.BlockStateChunk(data=data[start:start + CHUNK_BYTES])
+
+        await self._stub.Import(chunks(), timeout=timeout_s)
+
+    @_translated
     async def stats(self, timeout_s: float) -> ps_pb2.StatsReply:
         return await self._stub.Stats(ps_pb2.StatsRequest(), timeout=timeout_s)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["distribute", "DistributedModel", "WorkerConfig", "OptimizerSpec", "__version__"]
+__all__ = ["distribute", "DistributedModel", "WorkerConfig", "OptimizerSpec", "save", "load", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("distribute", "DistributedModel"):
+    if name in ("distribute", "DistributedModel", "save", "load"):
         from imerge.worker import api
         return getattr(api, name)
     if name == "WorkerConfig":

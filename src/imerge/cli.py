@@ -75,7 +75,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
     schedule = from_namespace(ScheduleConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge launch: %(message)s")
-    return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule)).run()
+    return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule), save_state=True).run()
 
 
 def job_env(job: Any, args: argparse.Namespace) -> dict[str, str]:
@@ -115,7 +115,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
         redis_url = start_redis(bed)
         config = dataclasses.replace(config, redis_url=redis_url)
         return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule),
-                        hosts=TestbedHosts(bed)).run()
+                        hosts=TestbedHosts(bed), save_state=True).run()
 
 
 def _run_bench(args: argparse.Namespace) -> int:

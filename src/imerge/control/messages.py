@@ -78,6 +78,14 @@ class BlocksReady(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class Loaded(Message):
+    """Worker 0 imported an imerge.load file into the shards (``metadata``: the file's, JSON), or why not."""
+
+    error: str = ""
+    metadata: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationEvent(Message):
     """Generation ``generation`` starts: every shard restores the checkpoint of ``round``. Generation 0
     carries the run's id; an event with an ``error`` says the job cannot recover."""

@@ -54,7 +54,8 @@ Events in use: ``plan:{version}`` (:class:`PlanPublished`; version 1 is the
 first plan, 2 the cost plan), ``blocks-ready:{version}`` (:class:`BlocksReady`:
 rank 0 created every block of that plan; ``blocks-ready:1`` means the job is
 running), ``generation:{g}`` (:class:`GenerationEvent`: recover from the
-checkpoint of its round) and ``restored:{g}:{shard}`` (:class:`Restored`).
+checkpoint of its round), ``restored:{g}:{shard}`` (:class:`Restored`) and
+``loaded:{g}:{n}`` (:class:`Loaded`: worker 0 imported the n-th imerge.load).
 
 Slot flags are leases: taking one is one Lua call (set the holder with an
 expiry if absent); a worker that finds it taken blocks on the wake list with
@@ -79,8 +80,8 @@ from imerge.core.config import redacted
 from imerge.core.errors import GenerationChanged, StoreError, WaitTimeout
 
 from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant,
-                       GenerationEvent, LayoutSubmission, PlanPublished, Profile, Restored, WorkerDone, WorkerInfo,
-                       WorkerPosition)
+                       GenerationEvent, LayoutSubmission, Loaded, PlanPublished, Profile, Restored, WorkerDone,
+                       WorkerInfo, WorkerPosition)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -381,6 +382,17 @@ class Store:
         self._pop(self._key("profile", "queue"), time.monotonic() + timeout_s,
                   "worker 0's profile of its first iterations", timeout_s)
         return Profile.decode(self._redis.get(self._key("profile")) or "")
+
+    # -- imerge.load ------------------------------------------------------------
+    @_translated
+    def announce_loaded(self, generation: int, sequence: int, message: Loaded) -> None:
+        """Worker 0 imported the ``sequence``-th imerge.load of ``generation`` into the shards (or failed)."""
+        self._set_event(f"loaded:{generation}:{sequence}", message.encode())
+
+    @_translated
+    def wait_loaded(self, generation: int, sequence: int, timeout_s: float) -> Loaded:
+        return Loaded.decode(self._wait_event(f"loaded:{generation}:{sequence}", timeout_s,
+                                              f"worker 0 to load the saved state (imerge.load #{sequence})"))
 
     # -- model buffers (broadcast_buffers) --------------------------------------
     @_translated

@@ -42,6 +42,7 @@ from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ChildFailed, IMergeError
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
 from imerge.ops.redis_server import RedisServer, free_port
+from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
@@ -147,10 +148,12 @@ class Child:
 class Launcher:
     def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
                  console: Console | None = None, schedule_env: dict[str, str] | None = None,
-                 hosts: LocalHosts | TestbedHosts | None = None, workers_only: bool = False, quiet: bool = False):
+                 hosts: LocalHosts | TestbedHosts | None = None, workers_only: bool = False, quiet: bool = False,
+                 save_state: bool = False):
         self.config = config
         self.workers_only = workers_only
         self.quiet = quiet
+        self.save_state = save_state  # the built-in job saves its state in the log folder (for --resume)
         self.hosts = hosts or LocalHosts()
         self.job_env = job_env
         self.schedule_env = schedule_env or {}
@@ -242,6 +245,8 @@ class Launcher:
             extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
             argv = self.command or role + ["worker"]
             extra.update(self.job_env)
+            if self.save_state and not self.command and not extra.get("IMERGE_STATE_FILE"):
+                extra["IMERGE_STATE_FILE"] = str(self.log_dir / STATE_FILE)
             if not self.command or self.workers_only:
                 if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
                     extra["IMERGE_TORCH_THREADS"] = threads

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import torch
 
@@ -13,6 +14,7 @@ from imerge.workloads.data import DATASETS
 from imerge.workloads.models import MODELS
 
 
+STATE_FILE = "state.safetensors"  # the job's saved state in an imerge launch log folder
 # The options that reach a script's OptimizerSpec.from_env() under imerge launch
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "weight_decay", "nesterov", "optimizer_args")
 
@@ -37,6 +39,12 @@ class JobConfig:
     weight_decay: float = option(5e-4, "weight decay")
     nesterov: bool = option(False, "SGD Nesterov momentum")
     save: str = option("", "worker 0 saves the trained parameters to this safetensors file")
+    state_file: str = option("", "save the job's state (model, buffers and the shards' optimizer state, with "
+                                 "imerge.save) to this file at the end, and every --state-every iterations; "
+                                 "imerge launch sets <log dir>/state.safetensors")
+    state_every: int = option(0, "also save the job's state every this many iterations (0: only at the end)")
+    resume: str = option("", "continue from a saved state: an imerge.save file, or an imerge launch log folder "
+                             "holding state.safetensors (a finished or stopped run of the same job)")
 
     def __post_init__(self) -> None:
         require(self.iters >= 0, "iters", "must be >= 0")
@@ -45,8 +53,17 @@ class JobConfig:
         require(self.samples >= 1, "samples", "must be >= 1")
         require(self.torch_threads >= 0, "torch_threads", "must be >= 0")
         require(self.lr > 0, "lr", "must be positive")
+        require(self.state_every >= 0, "state_every", "must be >= 0")
+        require(not self.resume or Path(self.resume).exists(), "resume", f"{self.resume} does not exist")
         require(self.data != "digits" or self.model == "digits-cnn", "data", "digits needs --model digits-cnn")
         self.optimizer_spec()
+
+    def resume_file(self) -> Path | None:
+        """The file --resume names (a log folder's state.safetensors), or None."""
+        if not self.resume:
+            return None
+        path = Path(self.resume)
+        return path / STATE_FILE if path.is_dir() else path
 
     def optimizer_spec(self) -> OptimizerSpec:
         """The optimizer the options describe (momentum and nesterov are SGD's; others via --optimizer-args)."""

@@ -156,6 +156,40 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, meta: _Optional[_Union[TensorMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class ExportRequest(_message.Message):
+    __slots__ = ("block_ids", "generation")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[str]
+    generation: int
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class BlockStateMeta(_message.Message):
+    __slots__ = ("block_id", "round", "nbytes", "generation")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    block_id: str
+    round: int
+    nbytes: int
+    generation: int
+    def __init__(self, block_id: _Optional[str] = ..., round: _Optional[int] = ..., nbytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class BlockStateChunk(_message.Message):
+    __slots__ = ("meta", "data")
+    META_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    meta: BlockStateMeta
+    data: bytes
+    def __init__(self, meta: _Optional[_Union[BlockStateMeta, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportReply(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,16 @@ class ParameterServerStub:
                 request_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/imerge.v1.ParameterServer/Export',
+                request_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ExportRequest.SerializeToString,
+                response_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.FromString,
+                _registered_method=True)
+        self.Import = channel.stream_unary(
+                '/imerge.v1.ParameterServer/Import',
+                request_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.SerializeToString,
+                response_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ImportReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -94,6 +104,18 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Import(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsReply.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ExportRequest.FromString,
+                    response_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.SerializeToString,
+            ),
+            'Import': grpc.stream_unary_rpc_method_handler(
+                    servicer.Import,
+                    request_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.FromString,
+                    response_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ImportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +290,60 @@ class ParameterServer:
             '/imerge.v1.ParameterServer/Stats',
             imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
             imerge_dot_wire_dot_rpc_dot_ps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/imerge.v1.ParameterServer/Export',
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.ExportRequest.SerializeToString,
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Import(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/imerge.v1.ParameterServer/Import',
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.BlockStateChunk.SerializeToString,
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.ImportReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,125 @@
+"""``imerge.save`` / ``imerge.load``: the model, its buffers and the shards' optimizer state in one file.
+
+The file is safetensors (nothing pickled): ``model/<key>`` holds the wrapped
+module's ``state_dict()`` (parameters and buffers), ``optim/<param>/<name>``
+each parameter's optimizer state, put back together from its pieces on the
+shards (a per-element state flat, a scalar such as Adam's ``step`` as one
+value), and the metadata says the format, the iteration and the optimizer.
+Since the state is stored per parameter, a file saved on one block layout
+(shard count, partition size) loads into another.
+
+Every worker calls both at the same point of its loop. ``save`` waits for the
+in-flight syncs and worker 0 writes the file; ``load`` has worker 0 read it,
+load the module and import the parameters and optimizer state into every
+block, and the other workers fetch the parameters once it has.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load, save_file
+
+from imerge.control.messages import Loaded
+from imerge.core.blockstate import block_state_bytes
+from imerge.core.errors import IMergeError, InvalidArgument, JobFailed
+from imerge.core.optim import OptimizerSpec
+
+FORMAT = "imerge-save-1"
+
+
+def _block_pieces(engine: Any, block: Any) -> list[tuple[str, int, int]]:
+    """(parameter name, offset of the piece within the parameter, elements) of each piece of ``block``."""
+    names, ranges = engine.hooks.names, engine.flat.range
+    return [(names[pid], max(block.offset - ranges[pid][0], 0), numel) for pid, numel in engine.flat.pieces(block)]
+
+
+def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
+    engine = model.engine
+    engine.synchronize()
+    if model.config.rank != 0:
+        return
+    states = engine.loop.run(engine.export_states(), engine.config.wait_timeout_s, "the shards' optimizer state")
+    by_param: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for block in sorted(engine.plan.blocks, key=lambda b: b.offset):
+        state = load(states[block.block_id])
+        for index, (name, _, _) in enumerate(_block_pieces(engine, block)):
+            for key in [k for k in state if k.startswith(f"state/{index}/")]:
+                parts = by_param.setdefault(name, {}).setdefault(key.split("/", 2)[2], [])
+                value = state[key]
+                if value.dim() > 0 or not parts:  # per-element pieces concatenate; a scalar is the same on each
+                    parts.append(value.reshape(-1) if value.dim() > 0 else value)
+    tensors = {f"model/{key}": value.detach().cpu().clone().contiguous()
+               for key, value in model.module.state_dict().items()}
+    tensors.update({f"optim/{name}/{key}": torch.cat(parts) if parts[0].dim() > 0 else parts[0]
+                    for name, by_key in by_param.items() for key, parts in by_key.items()})
+    metadata = {"format": FORMAT, "iteration": str(iteration), "optimizer": engine.optimizer.spec.to_json(),
+                "world_size": str(model.config.world_size)}
+    target = Path(path)
+    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(temporary), metadata=metadata)
+    os.replace(temporary, target)
+
+
+def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise InvalidArgument(f"imerge.load: {path} is not a readable safetensors file: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for malformed files
+        raise InvalidArgument(f"imerge.load: {path} is not a readable safetensors file: {exc}") from None
+    if metadata.get("format") != FORMAT:
+        raise InvalidArgument(f"imerge.load: {path} is not an imerge.save file (format {metadata.get('format')!r})")
+    return tensors, metadata
+
+
+def _block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, bytes]:
+    """Each block's parameters (the loaded module's) and optimizer state, cut from the file's per-parameter state."""
+    engine.flat.stage_to_host()
+    states = {}
+    for block in engine.plan.blocks:
+        state = {}
+        for index, (name, start, numel) in enumerate(_block_pieces(engine, block)):
+            for key, value in optim.get(name, {}).items():
+                state[f"{index}/{key}"] = value[start:start + numel].clone() if value.dim() > 0 else value.clone()
+        states[block.block_id] = block_state_bytes(engine.flat.host_slice(block).clone(), state)
+    return states
+
+
+def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
+    engine, config = model.engine, model.config
+    engine.synchronize()
+    engine.loads += 1
+    sequence = engine.loads
+    if config.rank == 0:
+        try:
+            tensors, metadata = read_file(path)
+            saved = OptimizerSpec.from_json(metadata["optimizer"])
+            if saved.name != engine.optimizer.spec.name:
+                raise InvalidArgument(f"imerge.load: {path} holds the state of optimizer {saved.name!r}; this job "
+                                      f"runs {engine.optimizer.spec.name!r}")
+            with engine.hooks.loading():
+                model.module.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
+            optim: dict[str, dict[str, torch.Tensor]] = {}
+            for key, value in tensors.items():
+                if key.startswith("optim/"):
+                    name, _, state_name = key[6:].rpartition("/")
+                    optim.setdefault(name, {})[state_name] = value
+            engine.loop.run(engine.import_states(_block_states(engine, optim)), config.wait_timeout_s,
+                            "the shards to import the loaded state")
+        except IMergeError as exc:
+            engine.store.announce_loaded(engine.generation, sequence, Loaded(f"worker 0 could not load {path}: {exc}"))
+            raise
+        engine.store.announce_loaded(engine.generation, sequence, Loaded("", json.dumps(metadata)))
+        return metadata
+    loaded = engine.store.wait_loaded(engine.generation, sequence, config.wait_timeout_s)
+    if loaded.error:
+        raise JobFailed(loaded.error)
+    engine.loop.run(engine.fetch_all(), config.wait_timeout_s + 5.0, "the loaded parameters from the shards")
+    return json.loads(loaded.metadata)
