@@ -57,7 +57,7 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert "finished" in output
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["checkpoints", "coordinator.log", "prometheus.yml", "ps0.log", "ps1.log", "roles.json",
-                    "worker0.log", "worker1.log"]
+                    "state.safetensors", "worker0.log", "worker1.log"]  # state.safetensors: for --resume
     roles = json.loads((tmp_path / "logs" / "roles.json").read_text())
     assert sorted(roles) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]
     scrape = json.loads((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]

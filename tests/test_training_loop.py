@@ -390,15 +390,18 @@ def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_s
     assert_same_params([params for params, _ in results], params_of(reference))
 
 
-def test_torch_grad_scaler_on_the_model_optimizer_is_refused_naming_the_fix(cluster):
+@pytest.mark.parametrize("own", [False, True], ids=["model-optimizer", "scripts-own-optimizer"])
+def test_torch_grad_scaler_is_refused_naming_the_fix(cluster, own):
     c = cluster(1, 1)
-    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    module = Branchy()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1) if own else OptimizerSpec("sgd", lr=0.1)
+    model = imerge.distribute(module, optimizer, c.worker_config(0))
     try:
         scaler = torch.amp.GradScaler("cpu")
         x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
         scaler.scale(F.cross_entropy(model(x), y)).backward()
         with pytest.raises(UnsupportedUse, match=r"use scaler = model.grad_scaler\(\)"):
-            scaler.step(model.optimizer)
+            scaler.step(optimizer if own else model.optimizer)
     finally:
         model.abort()
 

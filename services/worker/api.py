@@ -18,110 +18,30 @@ checkpoint's round (``start_iteration``: the data position to continue from).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from imerge.control.messages import FIRST_PLAN, FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
+from imerge.control.messages import FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import Store
-from imerge.core.errors import (EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, InvalidArgument, JobFailed,
-                                StoreError, UnsupportedUse)
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError, InvalidArgument, StoreError, UnsupportedUse
 from imerge.core.optim import OptimizerSpec
-from imerge.core.planning import Layout, Plan, layout_of
 from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
 from .amp import ShardGradScaler
 from .lease import RankLease
-from .optimizer import ShardOptimizer, spec_of
+from .joining import Heartbeat, latest_plan, rejoin_point, wait_plan
+from .optimizer import ShardOptimizer, check_launch_flags, shard_optimizer
 from .saving import load_model, save_model
 
 log = logging.getLogger(__name__)
-
-
-def shard_optimizer(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.Optimizer
-                    ) -> tuple[Layout, ShardOptimizer]:
-    """The model's layout (each parameter in its optimizer group) and the optimizer proxy."""
-    params = [p for _, p in module.named_parameters() if p.requires_grad]
-    if isinstance(optimizer, torch.optim.Optimizer):
-        spec, group_of, shared = *spec_of(optimizer, params), optimizer
-    elif isinstance(optimizer, OptimizerSpec):
-        if optimizer.groups:
-            raise InvalidArgument("an OptimizerSpec with parameter groups does not say which parameters belong to "
-                                  "which group: pass the torch.optim optimizer built with those groups instead")
-        spec, group_of, shared = optimizer, {}, None
-    else:
-        raise InvalidArgument(f"optimizer must be an imerge.OptimizerSpec or a torch.optim optimizer, not "
-                              f"{type(optimizer).__name__}")
-    spec.validate()
-    layout = layout_of(module, group_of)
-    groups = [[p for p in params if group_of.get(id(p), 0) == index] for index in range(spec.num_groups)]
-    return layout, ShardOptimizer(spec, groups, shared)
-
-
-def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
-    """(generation, checkpoint round) a restarted worker resumes at, once every shard restored it."""
-    current = store.generation()
-    if current is None:
-        raise StoreError("Redis holds no generation for a running job: it lost the job's state")
-    mine = store.worker_generation(config.rank)
-    if mine is not None and mine >= current:  # this worker died and no recovery followed yet: ask for one
-        store.report_failure(FailureReport(current, f"worker {config.rank}", "restarted after its process died"))
-        store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation {current + 1}")
-        current = store.generation() or current + 1
-    event = store.generation_event(current)
-    if event is None or event.round is None:
-        raise JobFailed(f"the job cannot recover: {event.error if event else f'generation {current} has no event'}")
-    for shard in range(num_shards):
-        restored = store.wait_restored(current, shard, config.wait_timeout_s)
-        if restored.error:
-            raise JobFailed(restored.error)
-    return current, event.round
-
-
-def wait_plan(store: Store, config: WorkerConfig) -> Plan:
-    return store.wait_plan(FIRST_PLAN, config.wait_timeout_s, "the coordinator to publish the plan").result()
-
-
-def latest_plan(store: Store, config: WorkerConfig) -> Plan:
-    """The plan a rejoining worker uses: the cost plan once published, else the first."""
-    latest = store.latest_plan()
-    return latest.result() if latest is not None else wait_plan(store, config)
-
-
-class Heartbeat:
-    """Renews this worker's rank lease, refreshes its liveness key and its data position until stopped."""
-
-    def __init__(self, store: Store, lease: RankLease):
-        self.position: Callable[[], tuple[int, int]] | None = None  # (generation, iterations done) once joined
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(store, lease), daemon=True,
-                                        name=f"imerge-heartbeat-{lease.rank}")
-        self._thread.start()
-
-    def _run(self, store: Store, lease: RankLease) -> None:
-        rank, ttl_s = lease.rank, lease.ttl_s
-        while not self._stop.wait(ttl_s / 3):
-            try:
-                lease.renew()
-                position = self.position() if self.position is not None else None
-                store.heartbeat(rank, ttl_s, position[0] if position else -1)
-                if position is not None:
-                    store.record_worker(rank, WorkerPosition(iteration=position[1], generation=position[0]))
-            except IMergeError as exc:
-                log.warning("heartbeat failed: %s", exc)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 class DistributedModel(torch.nn.Module):
@@ -371,30 +291,3 @@ def load(model: DistributedModel, path: str | os.PathLike) -> dict[str, Any]:
         metadata = load_model(model, path)
     model.start_iteration = int(metadata.get("iteration", 0))
     return {**metadata, "iteration": model.start_iteration}
-
-
-def check_launch_flags(optimizer: OptimizerSpec | torch.optim.Optimizer | None, config: WorkerConfig,
-                       env: dict[str, str] | None = None) -> OptimizerSpec | torch.optim.Optimizer:
-    """The optimizer to use; ConfigError if the script overrides an option ``imerge launch`` was given."""
-    from imerge.core.config import LAUNCH_FLAGS_ENV, env_name, flag_name, from_env
-
-    env = dict(os.environ) if env is None else env
-    given = {name for name in env.get(LAUNCH_FLAGS_ENV, "").split(",") if name}
-    launched = from_env(WorkerConfig, env) if given & {f.name for f in dataclasses.fields(WorkerConfig)} else None
-    for name in sorted(given):
-        if launched is not None and hasattr(launched, name) and getattr(config, name) != getattr(launched, name):
-            raise ConfigError(flag_name(name), f"imerge launch was given {getattr(launched, name)!r}, but the "
-                                               f"script sets {getattr(config, name)!r}: drop one of them")
-    if optimizer is None:
-        return OptimizerSpec.from_env(env=env)
-    flag_env = {env_name(n): env[env_name(n)] for n in given if env_name(n) in env}
-    spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
-    if spec is None and isinstance(optimizer, torch.optim.Optimizer) and flag_env:
-        spec = spec_of(optimizer, [p for g in optimizer.param_groups for p in g["params"]])[0]
-    if spec is not None and OptimizerSpec.from_env(spec, flag_env) != spec:
-        flags = " ".join(f"{flag_name(n)} {env[env_name(n)]}" for n in sorted(given) if env_name(n) in flag_env)
-        raise ConfigError(flags, f"imerge launch was given these optimizer flags, but the script "
-                                                  f"passes its own optimizer {optimizer}: build it with "
-                                                  "imerge.OptimizerSpec.from_env(<defaults>) so the flags reach "
-                                                  "it, or drop the flags")
-    return optimizer

@@ -12,17 +12,24 @@ A training script may instead hand ``imerge.distribute`` the ``torch.optim``
 optimizer it built (with its parameter groups): :func:`spec_of` reads its
 class, arguments and groups, and the proxy shares that optimizer's
 ``param_groups``, so a scheduler attached to either one drives the shards.
+Under ``imerge launch``, :func:`check_launch_flags` makes sure the optimizer
+flags given to the launcher reach the script's optimizer, or refuses.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from imerge.core.errors import InvalidArgument, UnsupportedUse
+from imerge.core.errors import ConfigError, InvalidArgument, UnsupportedUse
 from imerge.core.optim import OptimizerSpec, hyper_delta, optimizer_classes, scalar_hypers
+from imerge.core.planning import Layout, layout_of
+
+from .config import WorkerConfig
 
 
 def spec_of(optimizer: torch.optim.Optimizer,
@@ -50,6 +57,14 @@ def _state_lives_on_the_shards(*_: Any) -> None:
                          "imerge.save(model, path) and imerge.load(model, path)")
 
 
+def _refuse_torch_scaler(optimizer: Any) -> None:
+    """torch.amp.GradScaler hands itself to step() (older torch) or sets ``grad_scale`` on the optimizer."""
+    if optimizer is None or getattr(optimizer, "grad_scale", None) is not None:
+        raise UnsupportedUse("torch.amp.GradScaler with IMerge: the gradients were pushed, scaled, during backward, "
+                             "and the shards applied them unscaled; use scaler = model.grad_scaler() (the same "
+                             "API), whose scale travels with the pushes")
+
+
 class ShardOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands itself to step(), which refuses it
 
@@ -63,6 +78,8 @@ class ShardOptimizer(torch.optim.Optimizer):
             self.param_groups = shared.param_groups
             shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
+            shared._step_supports_amp_scaling = True  # torch.amp.GradScaler then marks the optimizer before step()
+            shared.register_step_pre_hook(lambda optimizer, *_: _refuse_torch_scaler(optimizer))
         self.hyper_keys = list(defaults)
         self.initial = [scalar_hypers(spec.group(index).build([torch.nn.Parameter(torch.zeros(1))]).param_groups[0],
                                       self.hyper_keys) for index in range(len(groups))]
@@ -89,8 +106,54 @@ class ShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise UnsupportedUse("model.optimizer.step(closure): the shards step during backward and cannot "
                                  "re-evaluate a closure")
-        if grad_scaler is not None or getattr(self, "grad_scale", None) is not None:  # torch's old and new ways
-            raise UnsupportedUse("torch.amp.GradScaler with IMerge: the gradients were pushed, scaled, during "
-                                 "backward, and the shards applied them unscaled; use scaler = model.grad_scaler() "
-                                 "(the same API), whose scale travels with the pushes")
+        if grad_scaler is not None:
+            _refuse_torch_scaler(None)
+        _refuse_torch_scaler(self)
         return None
+
+
+def shard_optimizer(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.Optimizer
+                    ) -> tuple[Layout, ShardOptimizer]:
+    """The model's layout (each parameter in its optimizer group) and the optimizer proxy."""
+    params = [p for _, p in module.named_parameters() if p.requires_grad]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        spec, group_of, shared = *spec_of(optimizer, params), optimizer
+    elif isinstance(optimizer, OptimizerSpec):
+        if optimizer.groups:
+            raise InvalidArgument("an OptimizerSpec with parameter groups does not say which parameters belong to "
+                                  "which group: pass the torch.optim optimizer built with those groups instead")
+        spec, group_of, shared = optimizer, {}, None
+    else:
+        raise InvalidArgument(f"optimizer must be an imerge.OptimizerSpec or a torch.optim optimizer, not "
+                              f"{type(optimizer).__name__}")
+    spec.validate()
+    layout = layout_of(module, group_of)
+    groups = [[p for p in params if group_of.get(id(p), 0) == index] for index in range(spec.num_groups)]
+    return layout, ShardOptimizer(spec, groups, shared)
+
+
+def check_launch_flags(optimizer: OptimizerSpec | torch.optim.Optimizer | None, config: WorkerConfig,
+                       env: dict[str, str] | None = None) -> OptimizerSpec | torch.optim.Optimizer:
+    """The optimizer to use; ConfigError if the script overrides an option ``imerge launch`` was given."""
+    from imerge.core.config import LAUNCH_FLAGS_ENV, env_name, flag_name, from_env
+
+    env = dict(os.environ) if env is None else env
+    given = {name for name in env.get(LAUNCH_FLAGS_ENV, "").split(",") if name}
+    launched = from_env(WorkerConfig, env) if given & {f.name for f in dataclasses.fields(WorkerConfig)} else None
+    for name in sorted(given):
+        if launched is not None and hasattr(launched, name) and getattr(config, name) != getattr(launched, name):
+            raise ConfigError(flag_name(name), f"imerge launch was given {getattr(launched, name)!r}, but the "
+                                               f"script sets {getattr(config, name)!r}: drop one of them")
+    if optimizer is None:
+        return OptimizerSpec.from_env(env=env)
+    flag_env = {env_name(n): env[env_name(n)] for n in given if env_name(n) in env}
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else None
+    if spec is None and isinstance(optimizer, torch.optim.Optimizer) and flag_env:
+        spec = spec_of(optimizer, [p for g in optimizer.param_groups for p in g["params"]])[0]
+    if spec is not None and OptimizerSpec.from_env(spec, flag_env) != spec:
+        flags = " ".join(f"{flag_name(n)} {env[env_name(n)]}" for n in sorted(given) if env_name(n) in flag_env)
+        raise ConfigError(flags, f"imerge launch was given these optimizer flags, but the script "
+                                                  f"passes its own optimizer {optimizer}: build it with "
+                                                  "imerge.OptimizerSpec.from_env(<defaults>) so the flags reach "
+                                                  "it, or drop the flags")
+    return optimizer

@@ -1,0 +1,173 @@
+"""A block on a shard: its flat parameters, the optimizer over its pieces, the workers' gradient rows.
+
+A block holds flat fp32 parameters, their optimizer and a round counter (the
+number of completed aggregations). The optimizer runs over one view per piece
+of a model parameter in the block (its segments), so each piece keeps its own
+state and a piece that no worker gave a gradient in a round is not stepped.
+Gradients of round ``r`` are received into one preallocated row per worker;
+when every worker pushed, the rows are summed in worker-id order, divided by
+the worker count and handed to ``torch.optim`` with the round's options (see
+:mod:`.rounds`). The new parameters are serialized once, already cut into the
+chunks that go on the wire, into a snapshot that every pull of that round is
+answered with.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from imerge.core.codec import CHUNK_BYTES, tensor_view
+from imerge.core.errors import FailedPrecondition, InvalidArgument
+from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
+from imerge.wire.frames import data_frames
+
+from .checkpoint import BlockImage
+from .metrics import ShardMetrics
+from .rounds import RoundOptions, RoundScalars
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum proves it (a NaN or an infinity makes the sum NaN or
+    infinite) in one pass without allocating; only a sum that overflowed or is not finite is checked
+    element by element."""
+    return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
+
+
+def snapshot_of(param: torch.Tensor) -> list[bytes]:
+    """The parameters as the encoded data frames every pull sends (one copy, shared by all pulls)."""
+    return list(data_frames(tensor_view(param), CHUNK_BYTES))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMeta:
+    block_id: str
+    dtype: str
+    numel: int
+    num_workers: int
+    optimizer: OptimizerSpec
+    segments: tuple[int, ...] = ()  # sizes of the pieces of model parameters the block holds (empty: one piece)
+
+    @property
+    def pieces(self) -> tuple[int, ...]:
+        return self.segments or (self.numel,)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        ends = list(itertools.accumulate(self.pieces))
+        return list(zip([0] + ends[:-1], ends))
+
+
+class BlockState:
+    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str):
+        self.meta = meta
+        self.init_digest = init_digest
+        self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
+        self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
+        self.optimizer = meta.optimizer.build(self.pieces)
+        self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
+        self.grads = torch.zeros(meta.num_workers, meta.numel)
+        self.round = 0
+        self.round_options: RoundOptions | None = None  # what the current round's pushes carry besides data
+        self.round_no_grad: set[int] | None = None  # pieces no worker gave a gradient this round (so far)
+        self.snapshot_result = (False, 0.0)  # of the round the snapshot is of: (step skipped, gradient norm)
+        self.failed = ""                     # why the current round cannot complete (its pulls fail with it)
+        self.pushed: set[int] = set()
+        self.receiving: set[int] = set()
+        self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
+        self.snapshot = snapshot_of(self.flat)
+        self.changed = asyncio.Condition()
+        self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
+        self.superseded = 0         # set to the new generation when a restore replaces this block
+
+    @classmethod
+    def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
+        meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
+                         image.segments)
+        block = cls(meta, image.param.clone(), image.init_digest)
+        block.load_state(image.state)
+        block.round = round_
+        return block
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the optimizer state with ``state`` ("<piece>/<name>" -> tensor)."""
+        by_piece: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in state.items():
+            piece, _, name = key.partition("/")
+            by_piece.setdefault(int(piece), {})[name] = value.clone()
+        self.optimizer.state.clear()
+        self.optimizer.load_state_dict({"state": by_piece, "param_groups": self.optimizer.state_dict()["param_groups"]})
+
+    def image(self) -> BlockImage:
+        """A copy of the parameters and optimizer state (``"<piece>/<name>"``), for a checkpoint."""
+        state = {f"{index}/{name}": value.detach().clone()
+                 for index, piece in enumerate(self.pieces)
+                 for name, value in self.optimizer.state.get(piece, {}).items() if isinstance(value, torch.Tensor)}
+        return BlockImage(self.meta.block_id, self.meta.num_workers, self.meta.optimizer, self.init_digest,
+                          self.flat.detach().clone(), state, self.meta.segments)
+
+    def missing_workers(self) -> list[int]:
+        return sorted(set(range(self.meta.num_workers)) - self.pushed)
+
+    def average(self, metrics: ShardMetrics, options: RoundOptions) -> tuple[torch.Tensor | None, RoundScalars]:
+        """The pushed gradients averaged in worker-id order (and unscaled), with what the round's agreement needs
+        of them (runs off the event loop)."""
+        if options.assign:
+            return None, RoundScalars()
+        with metrics.aggregation.time(), torch.no_grad():
+            mean = self.grads[0].clone()
+            for row in self.grads[1:]:
+                mean.add_(row)
+            mean.div_(self.meta.num_workers)
+            if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
+                mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
+            if not options.needs_agreement:
+                return mean, RoundScalars()
+            finite = all_finite(mean)
+            return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
+
+    def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
+             total: RoundScalars) -> list[bytes]:
+        """Step with the round's hyperparameters; a piece that no worker gave a gradient is skipped, as
+        torch.optim skips a parameter whose grad is None. An assignment takes worker 0's data as the
+        parameters; a round in which some shard found an inf or NaN is skipped on every block; clipping scales
+        the gradient as torch.nn.utils.clip_grad_norm_ does (runs off the event loop)."""
+        with torch.no_grad():
+            if options.assign:
+                self.flat.copy_(self.grads[0])
+                return snapshot_of(self.flat)
+            if total.found_inf:
+                return self.snapshot
+            if options.max_norm:
+                mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
+                          .clamp(max=1.0))
+        for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
+            piece.grad = None if index in no_grad else mean[start:end]
+        apply_hypers(self.optimizer, self.hypers, options.hypers)
+        with metrics.optimizer_step.time():
+            self.optimizer.step()
+        for piece in self.pieces:
+            piece.grad = None
+        return snapshot_of(self.flat)
+
+    def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
+        """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the
+        round's other pushes."""
+        bad = [index for index in no_grad if not 0 <= index < len(self.pieces)]
+        if bad:
+            raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
+        options.check(what)
+        if self.round_options is None:
+            parse_hypers(self.hypers, options.hypers)
+            return
+        disagreement = options.disagreement(self.round_options)
+        if disagreement:
+            raise FailedPrecondition(f"{what}: it and another worker's push of this round carry {disagreement}")
+
+    def count_round_options(self, options: RoundOptions, no_grad: Sequence[int]) -> None:
+        self.round_options = options
+        pieces = set(no_grad)
+        self.round_no_grad = pieces if self.round_no_grad is None else self.round_no_grad & pieces

@@ -1,0 +1,73 @@
+"""Joining a running job: where a restarted worker resumes, and the heartbeat that keeps its rank."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from imerge.control.messages import FIRST_PLAN, FailureReport, WorkerPosition
+from imerge.control.store import Store
+from imerge.core.errors import IMergeError, JobFailed, StoreError
+from imerge.core.planning import Plan
+
+from .config import WorkerConfig
+from .lease import RankLease
+
+log = logging.getLogger(__name__)
+
+
+def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
+    """(generation, checkpoint round) a restarted worker resumes at, once every shard restored it."""
+    current = store.generation()
+    if current is None:
+        raise StoreError("Redis holds no generation for a running job: it lost the job's state")
+    mine = store.worker_generation(config.rank)
+    if mine is not None and mine >= current:  # this worker died and no recovery followed yet: ask for one
+        store.report_failure(FailureReport(current, f"worker {config.rank}", "restarted after its process died"))
+        store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation {current + 1}")
+        current = store.generation() or current + 1
+    event = store.generation_event(current)
+    if event is None or event.round is None:
+        raise JobFailed(f"the job cannot recover: {event.error if event else f'generation {current} has no event'}")
+    for shard in range(num_shards):
+        restored = store.wait_restored(current, shard, config.wait_timeout_s)
+        if restored.error:
+            raise JobFailed(restored.error)
+    return current, event.round
+
+
+def wait_plan(store: Store, config: WorkerConfig) -> Plan:
+    return store.wait_plan(FIRST_PLAN, config.wait_timeout_s, "the coordinator to publish the plan").result()
+
+
+def latest_plan(store: Store, config: WorkerConfig) -> Plan:
+    """The plan a rejoining worker uses: the cost plan once published, else the first."""
+    latest = store.latest_plan()
+    return latest.result() if latest is not None else wait_plan(store, config)
+
+
+class Heartbeat:
+    """Renews this worker's rank lease, refreshes its liveness key and its data position until stopped."""
+
+    def __init__(self, store: Store, lease: RankLease):
+        self.position: Callable[[], tuple[int, int]] | None = None  # (generation, iterations done) once joined
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(store, lease), daemon=True,
+                                        name=f"imerge-heartbeat-{lease.rank}")
+        self._thread.start()
+
+    def _run(self, store: Store, lease: RankLease) -> None:
+        rank, ttl_s = lease.rank, lease.ttl_s
+        while not self._stop.wait(ttl_s / 3):
+            try:
+                lease.renew()
+                position = self.position() if self.position is not None else None
+                store.heartbeat(rank, ttl_s, position[0] if position else -1)
+                if position is not None:
+                    store.record_worker(rank, WorkerPosition(iteration=position[1], generation=position[0]))
+            except IMergeError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
