@@ -449,3 +449,18 @@ def test_the_optimizer_state_cannot_be_saved_from_this_process(cluster):
                 optimizer.state_dict()
     finally:
         model.abort()
+
+
+def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(cluster):
+    c = cluster(1, 1)
+    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    try:
+        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+        F.cross_entropy(model(x), y).backward()
+        with pytest.raises(UnsupportedUse, match=r"use model.clip_grad_norm_\(max_norm\)"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        other = torch.nn.Linear(2, 2)
+        other(torch.ones(1, 2)).sum().backward()
+        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
+    finally:
+        model.abort()

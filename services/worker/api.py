@@ -35,6 +35,7 @@ from imerge.telemetry.metrics import MetricsServer
 
 from .config import WorkerConfig
 from .engine import SyncEngine
+from . import guards
 from .amp import ShardGradScaler
 from .lease import RankLease
 from .joining import Heartbeat, latest_plan, rejoin_point, wait_plan
@@ -82,6 +83,7 @@ class DistributedModel(torch.nn.Module):
                 self.generation = self._store.generation() or 0
             self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, self._optimizer,
                                       self._store, self.generation)
+            guards.guard(self._engine.params)
             self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
                                           f"worker {config.rank}")
             if rejoining:
@@ -198,6 +200,7 @@ class DistributedModel(torch.nn.Module):
     def abort(self) -> None:
         """Leave at once: no final sync, no done mark (the others will time out naming this worker)."""
         if self._engine is not None:
+            guards.release(self._engine.params)
             self._engine.close()
             self._engine = None
         if self._metrics is not None:
