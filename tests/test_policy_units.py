@@ -12,7 +12,7 @@ import torch
 from imerge.core.codec import ChunkAssembler, tensor_view
 from imerge.core.config import CommonConfig, from_env, to_env
 from imerge.core.errors import ConfigError, InvalidArgument, LayoutMismatchError, PlanError
-from imerge.core.planning import Layout, ParamInfo, Plan, make_plan, make_units, place
+from imerge.core.planning import Layout, ParamInfo, Plan, PlanOptions, make_plan, make_units, place
 
 
 def layout(*specs) -> Layout:
@@ -29,6 +29,20 @@ def test_units_follow_modules_in_backward_order():
     units = make_units(layout(("fc.bias", (10,), "fc"), ("fc.weight", (10, 4), "fc"),
                               ("conv.weight", (4, 1, 3, 3), "conv")))
     assert [(u.index, u.module, u.offset, u.numel) for u in units] == [(0, "fc", 0, 50), (1, "conv", 50, 36)]
+
+
+def test_no_unit_or_block_straddles_two_parameter_groups():
+    """A module whose weight decays and whose bias does not is two units, so its blocks hold one group each."""
+    params = (ParamInfo("fc.bias", (10,), "fc", 1), ParamInfo("fc.weight", (10, 400), "fc", 0),
+              ParamInfo("norm.bias", (400,), "norm", 1), ParamInfo("norm.weight", (400,), "norm", 1))
+    plan = make_plan(Layout(params), 2, ["a", "b"], 1, PlanOptions(partition_bytes=4096))
+    assert [(u.module, u.group, u.numel) for u in plan.units] == [("fc", 1, 10), ("fc", 0, 4000), ("norm", 1, 800)]
+    ranges = {0: (10, 4010), 1: (0, 10)}
+    for block in plan.blocks:
+        group = plan.units[block.unit].group
+        start, end = ranges.get(group) if plan.units[block.unit].module == "fc" else (4010, 4810)
+        assert start <= block.offset and block.offset + block.numel <= end
+    assert Layout.from_json(Layout(params).to_json()) == Layout(params)
 
 
 @pytest.mark.parametrize("sizes, shards", [([5, 3, 3, 2, 2, 1], 2), ([7, 7, 7], 3), ([10, 1, 1, 1], 2), ([4], 3)])

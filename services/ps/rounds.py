@@ -84,6 +84,13 @@ class Agreements:
         self.exchange = exchange
         self._rounds: dict[int, tuple[RoundScalars, set[str], asyncio.Future]] = {}
 
+    def reset(self) -> None:
+        """Forget the rounds in progress (a restore replaced the blocks; their waits fail with the old ones)."""
+        for _, _, done in self._rounds.values():
+            if not done.done():
+                done.cancel()
+        self._rounds.clear()
+
     async def agree(self, round_: int, block_id: str, scalars: RoundScalars, expected: set[str]) -> RoundScalars:
         """The job's totals of ``round_``, once every block in ``expected`` reported its scalars here."""
         total, reported, done = self._rounds.get(round_) or (RoundScalars(), set(), asyncio.get_running_loop()

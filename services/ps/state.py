@@ -151,6 +151,7 @@ class Shard:
         old = self.blocks
         self.blocks = {block_id: BlockState.from_image(image, checkpoint.round)
                        for block_id, image in checkpoint.blocks.items()}
+        self.agreements.reset()  # rounds of the old generation never complete
         self.generation = generation
         self._last_checkpoint = checkpoint.round
         self.metrics.generation.set(generation)

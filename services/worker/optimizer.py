@@ -93,6 +93,10 @@ class ShardOptimizer(torch.optim.Optimizer):
 
     def hypers(self) -> list[str]:
         """Each parameter group's hyperparameters that differ from the initial ones, as the pushes carry them."""
+        if len(self.param_groups) != len(self.initial):
+            raise UnsupportedUse(f"the optimizer has {len(self.param_groups)} parameter groups, the shards "
+                                 f"{len(self.initial)}: add_param_group() after imerge.distribute is not supported "
+                                 "(build the optimizer with every group first)")
         return [hyper_delta(scalar_hypers(group, self.hyper_keys), initial)
                 for group, initial in zip(self.param_groups, self.initial)]
 
