@@ -68,6 +68,19 @@ def test_compose_config_accepts_the_compose_file():
     for name in ("worker0", "worker1"):
         assert services[name]["depends_on"]["ps0"]["condition"] == "service_healthy"
     assert all("healthcheck" in services[name] for name in ("redis", "coordinator", "ps0", "ps1"))
+    assert services["worker0"]["image"] == "imerge:cpu" and "deploy" not in services["worker0"]
+
+
+def test_compose_cuda_variant_reserves_a_gpu_for_each_worker():
+    result = docker_compose("-f", "compose.yaml", "-f", "compose.cuda.yaml", "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    for name in ("worker0", "worker1"):
+        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+    for name in ("coordinator", "ps0", "ps1", "worker0", "worker1"):
+        assert services[name]["image"] == "imerge:cuda" and services[name]["build"]["args"]["VARIANT"] == "cuda"
+    assert "deploy" not in services["ps0"]  # the shards stay on the CPU
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
@@ -188,7 +201,9 @@ def check_container(where: str, argv: list[str], env: dict[str, str], ports: set
     referenced = {m for value in env.values() for m in re.findall(r"\$\((\w+)\)", value)}
     unread = {name for name in env if name not in accepted_variables(role) | OTHER_VARIABLES | referenced}
     assert not unread, f"{where}: variables imerge {role} does not read: {sorted(unread)}"
-    listening = {int(env.get("IMERGE_METRICS_PORT", "0"))} | ({int(env["IMERGE_PORT"])} if role == "ps" else set())
+    metrics = int(env.get("IMERGE_METRICS_PORT", "0"))  # a node of N worker processes: base + local rank
+    listening = {metrics + i for i in range(int(env.get("IMERGE_NPROC_PER_NODE", "1")))} | \
+        ({int(env["IMERGE_PORT"])} if role == "ps" else set())
     assert ports <= listening, f"{where}: exposes {sorted(ports - listening)}, listens on {sorted(listening)}"
 
 
@@ -249,9 +264,10 @@ def test_the_compose_topology_runs_the_demo_job_in_namespaces(tmp_path):
     assert "published plan" in logs["coordinator"]
 
 
-def chart_hosts(tmp_path: Path) -> list[Host]:
-    """Every pod of the default chart, its environment resolved as the kubelet would."""
-    values = {"workers": {"model": "digits-cnn", "data": "digits", "iters": 40, "batchSize": 32},
+def chart_hosts(tmp_path: Path, workers: dict | None = None) -> list[Host]:
+    """Every pod of the chart (default values, ``workers`` merged in), its environment resolved as the kubelet
+    would."""
+    values = {"workers": {"model": "digits-cnn", "data": "digits", "iters": 40, "batchSize": 32, **(workers or {})},
               "redis": {"auth": {"existingSecret": "imerge-redis"}}}
     docs = documents(render_manifests(values, name="imerge", namespace="default"))
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
@@ -306,3 +322,16 @@ def test_the_chart_topology_runs_the_job_in_namespaces(tmp_path):
     logs = run_topology(chart_hosts(tmp_path))
     assert "done:" in logs["imerge-worker-0"] and "done:" in logs["imerge-worker-1"]
     assert "imerge-ps-1.imerge-ps.default.svc:50051" in logs["imerge-coordinator-0"]
+
+
+@needs_testbed
+@pytest.mark.timeout(400)
+def test_the_gpu_chart_runs_one_worker_process_per_gpu_with_its_own_rank_and_local_rank(tmp_path):
+    """workers.gpu.count 2: each of the 2 pods runs 2 worker processes (ranks 0-1 and 2-3, local ranks 0 and 1)
+    of a 4-rank job (on the CPU here: --device auto)."""
+    logs = run_topology(chart_hosts(tmp_path, {"gpu": {"enabled": True, "count": 2}, "replicas": 2, "iters": 10}))
+    for pod, ranks in (("imerge-worker-0", (0, 1)), ("imerge-worker-1", (2, 3))):
+        for local, rank in enumerate(ranks):
+            assert f"worker {rank}/4 joined" in logs[pod], logs[pod][-2000:]
+            assert f"worker {rank} (local rank {local}) trains digits-cnn on cpu" in logs[pod]
+        assert "done:" in logs[pod]

@@ -56,9 +56,9 @@ def distributed_run(cluster, spec: OptimizerSpec, data, device: str = "cpu",
     return cluster.run_workers(body)
 
 
-def check_equivalence(cluster, name: str, device: str = "cpu") -> None:
+def check_equivalence(cluster, name: str, device: str = "cpu", **options) -> None:
     data = batches()
-    results = distributed_run(cluster(WORKERS, SHARDS), OPTIMIZERS[name], data, device)
+    results = distributed_run(cluster(WORKERS, SHARDS), OPTIMIZERS[name], data, device, **options)
     expected = reference_run(OPTIMIZERS[name], data, device)
     initial = dict(build_model("digits-cnn", seed=0).named_parameters())
     for worker, params in enumerate(results):
@@ -79,3 +79,11 @@ def test_equivalence_with_single_process(cluster, name):
 def test_equivalence_on_cuda(cluster, name):
     """Models on the GPU: gradients staged through pinned host buffers, parameters copied back."""
     check_equivalence(cluster, name, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equivalence_on_cuda_with_cost_fusion_and_ack_slots(cluster, name):
+    """The scheduler's mechanisms on the GPU path: fusion cost (profiled groups), ack slots, T = 1."""
+    check_equivalence(cluster, name, device="cuda", fusion="cost", slots="ack", slot_width=1, profile_iters=3)

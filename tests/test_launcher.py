@@ -176,3 +176,16 @@ def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_p
     uninterrupted = run("uninterrupted", "--iters", "10")
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def test_nproc_per_node_gives_each_worker_its_local_rank(tmp_path):
+    script = ("import torch, imerge\n"
+              "model = imerge.distribute(torch.nn.Linear(4, 2))\n"
+              "print('local rank', model.config.local_rank, flush=True)\n"
+              "model(torch.ones(1, 4)).sum().backward()\n"
+              "model.close()\n")
+    run = launch(tmp_path, "--shards", "1", "--workers", "3", "--nproc-per-node", "2", "--", sys.executable, "-c",
+                 script)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 0, output
+    assert {"[rank0]: local rank 0", "[rank1]: local rank 1", "[rank2]: local rank 0"} <= set(output.splitlines())

@@ -70,6 +70,11 @@ class WorkerConfig(ScheduleConfig, TlsConfig, CommonConfig):
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")
     rpc_timeout_s: float = option(30.0, "deadline of a push, an init or a fetch")
     heartbeat_ttl_s: float = option(10.0, "lifetime of this worker's heartbeat key")
+    local_rank: int = option(-1, "this worker's rank on its node, which picks its GPU (-1: the rank modulo the "
+                                 "node's GPUs)", aliases=("LOCAL_RANK",))
+    nproc_per_node: int = option(1, "imerge worker: start this many worker processes on this node (one per GPU), "
+                                    "ranks node_rank * N + i with local rank i, and wait for them")
+    node_rank: int = option(-1, "with --nproc-per-node > 1: this node's index (default: --rank)")
 
     def __post_init__(self) -> None:
         CommonConfig.__post_init__(self)
@@ -80,3 +85,10 @@ class WorkerConfig(ScheduleConfig, TlsConfig, CommonConfig):
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
         require(self.rpc_timeout_s > 0, "rpc_timeout_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
+        require(self.local_rank >= -1, "local_rank", "must be >= 0 (or -1: the rank modulo the node's GPUs)")
+        require(self.nproc_per_node >= 1, "nproc_per_node", "must be at least 1")
+        if self.nproc_per_node > 1:
+            node = self.node_rank if self.node_rank >= 0 else self.rank
+            require((node + 1) * self.nproc_per_node <= self.world_size, "nproc_per_node",
+                    f"node {node} with {self.nproc_per_node} processes needs ranks up to "
+                    f"{(node + 1) * self.nproc_per_node - 1}, but --world-size is {self.world_size}")

@@ -8,6 +8,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from imerge.core.devices import resolve_device
 from imerge.core.errors import EXIT_REJOIN, IMergeError, Rejoin
 from imerge.telemetry import progress
 from imerge.workloads.data import make_dataset, worker_loader
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 def _train(model: DistributedModel, train: torch.utils.data.TensorDataset, worker: WorkerConfig, job: JobConfig,
-           per_epoch: int, total: int) -> tuple[int, float]:
+           per_epoch: int, total: int, device: torch.device) -> tuple[int, float]:
     """Iterations from the model's data position up to ``total``; returns (iterations, last loss)."""
     iteration, loss_value = model.start_iteration, float("nan")
     epoch, skip = divmod(iteration, per_epoch)
@@ -29,6 +30,7 @@ def _train(model: DistributedModel, train: torch.utils.data.TensorDataset, worke
         for x, y in itertools.islice(worker_loader(train, job.batch_size, worker.rank, worker.world_size,
                                                    job.seed, epoch), skip, None):
             tick = time.monotonic()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             iteration, loss_value = iteration + 1, loss.detach().item()
@@ -46,8 +48,10 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     """Train the built-in model; return (and report) a summary."""
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
+    device = resolve_device(job.device, worker.local_rank, worker.rank)
     train = make_dataset(job.data, job.model, "train", job.seed, job.samples)
-    model = distribute(build_model(job.model, job.seed), job.optimizer_spec(), worker)
+    model = distribute(build_model(job.model, job.seed).to(device), job.optimizer_spec(), worker)
+    log.info("worker %d (local rank %d) trains %s on %s", worker.rank, worker.local_rank, job.model, device)
     per_epoch = len(worker_loader(train, job.batch_size, worker.rank, worker.world_size, job.seed))
     if per_epoch == 0:
         raise ValueError(f"--batch-size {job.batch_size} leaves no full batch for {worker.world_size} workers")
@@ -58,7 +62,7 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
             if job.resume_file() is not None and not model.rejoined:
                 info = load(model, job.resume_file())
                 log.info("resumed from %s at iteration %d", job.resume_file(), info["iteration"])
-            iteration, loss_value = _train(model, train, worker, job, per_epoch, total)
+            iteration, loss_value = _train(model, train, worker, job, per_epoch, total, device)
             if job.state_file:
                 save(model, job.state_file)
             model.synchronize()
@@ -74,7 +78,8 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
             summary["test_accuracy"] = accuracy(model.module, make_dataset(job.data, job.model, "test", job.seed,
                                                                            job.samples))
         if job.save and worker.rank == 0:
-            save_file({name: p.detach().contiguous() for name, p in model.module.state_dict().items()}, job.save)
+            save_file({name: p.detach().cpu().contiguous() for name, p in model.module.state_dict().items()},
+                      job.save)
             log.info("model saved to %s", job.save)
     progress.report("summary", **summary)
     return summary

@@ -46,6 +46,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     from imerge.workloads.job import JobConfig
 
     worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
+    if worker.nproc_per_node > 1:
+        from imerge.ops.node import run_node
+
+        setup_logging(worker.log_level, f"node{worker.node_rank if worker.node_rank >= 0 else worker.rank}")
+        return run_node(worker, job)
     setup_logging(worker.log_level, f"worker{worker.rank}")
 
     def preempted(signum: int, _frame: object) -> None:  # leave at once; the job recovers and this rank rejoins

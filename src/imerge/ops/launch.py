@@ -59,6 +59,8 @@ class LaunchConfig:
     log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     stop_grace_s: float = option(10.0, "seconds a role gets to exit after SIGTERM before SIGKILL")
     summary_json: str = option("", "also write the run's summary to this JSON file")
+    nproc_per_node: int = option(0, "worker processes per node: worker r takes local rank r mod N, its GPU (0: "
+                                    "the rank modulo the GPUs torch sees)")
     max_restarts: int = option(2, "restarts of a shard or worker that died before the job finished, or of a "
                                   "coordinator killed by a signal (per role; past them the job fails naming the "
                                   "role)")
@@ -68,6 +70,7 @@ class LaunchConfig:
         require(1 <= self.shards <= 256, "shards", "must lie in 1..256")
         require(self.stop_grace_s > 0, "stop_grace_s", "must be positive")
         require(0 <= self.max_restarts <= 100, "max_restarts", "must lie in 0..100")
+        require(self.nproc_per_node >= 0, "nproc_per_node", "must be >= 0")
 
 
 def _figure(event: dict[str, Any], key: str, digits: int) -> str:
@@ -243,6 +246,8 @@ class Launcher:
         threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
         for rank in range(cfg.workers):
             extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
+            if cfg.nproc_per_node:
+                extra.update(IMERGE_LOCAL_RANK=str(rank % cfg.nproc_per_node), LOCAL_RANK=str(rank % cfg.nproc_per_node))
             argv = self.command or role + ["worker"]
             extra.update(self.job_env)
             if self.save_state and not self.command and not extra.get("IMERGE_STATE_FILE"):

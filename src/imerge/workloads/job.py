@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from imerge.core.config import flag_name, option, require
+from imerge.core.devices import DEVICES, check_device
 from imerge.core.errors import ConfigError, InvalidArgument
 from imerge.core.optim import OPTIMIZERS, OptimizerSpec
 from imerge.workloads.data import DATASETS
@@ -30,6 +31,8 @@ class JobConfig:
     samples: int = option(512, "size of the synthetic training set")
     evaluate: bool = option(True, "measure test accuracy at the end (worker 0)")
     torch_threads: int = option(0, "torch intra-op threads per worker (0: torch's default)")
+    device: str = option("auto", "where the built-in job trains: auto (the GPU of this worker's local rank when "
+                                 "torch sees one, else the CPU), cpu or cuda", choices=DEVICES)
     optimizer: str = option("sgd", "optimizer run on the shards (a torch.optim class, lower case)",
                             choices=OPTIMIZERS)
     optimizer_args: str = option("", "more keyword arguments of the optimizer, as a JSON object "
@@ -57,6 +60,7 @@ class JobConfig:
         require(not self.resume or Path(self.resume).exists(), "resume", f"{self.resume} does not exist")
         require(self.data != "digits" or self.model == "digits-cnn", "data", "digits needs --model digits-cnn")
         self.optimizer_spec()
+        check_device(self.device)
 
     def resume_file(self) -> Path | None:
         """The file --resume names (a log folder's state.safetensors), or None."""
@@ -79,8 +83,10 @@ class JobConfig:
 
 def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) -> float:
     model.eval()
+    device = next(model.parameters()).device
     with torch.no_grad():
         inputs, labels = dataset.tensors
-        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in zip(inputs.split(256), labels.split(256)))
+        correct = sum(int((model(x.to(device)).argmax(1).cpu() == y).sum())
+                      for x, y in zip(inputs.split(256), labels.split(256)))
     model.train()
     return correct / len(labels)

@@ -161,3 +161,13 @@ imagePullSecrets:
 {{- define "imerge.tlsMount" -}}
 - {name: tls, mountPath: /etc/imerge/tls, readOnly: true}
 {{- end }}
+
+{{/* Worker processes per worker pod: one per GPU when gpu.enabled, else one. */}}
+{{- define "imerge.procsPerPod" -}}
+{{- if .Values.workers.gpu.enabled }}{{ .Values.workers.gpu.count }}{{ else }}1{{ end }}
+{{- end }}
+
+{{/* Worker ranks of the job: pods times processes per pod. */}}
+{{- define "imerge.workerCount" -}}
+{{- mul .Values.workers.replicas (include "imerge.procsPerPod" . | int) }}
+{{- end }}
