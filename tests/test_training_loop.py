@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -462,5 +463,75 @@ def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(cl
         other = torch.nn.Linear(2, 2)
         other(torch.ones(1, 2)).sum().backward()
         assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
+    finally:
+        model.abort()
+
+
+def test_gradients_accumulate_in_place_and_a_local_step_finds_none(cluster):
+    """CPU, T = 1: from a training forward to the end of its backward every .grad is a view of the accumulator
+    (autograd adds into it, nothing is copied per gradient); afterwards .grad is None, so the script's own
+    optimizer.step() (weight decay included) changes nothing."""
+    c = cluster(1, 1)
+    module = Branchy()
+    own = torch.optim.SGD(module.parameters(), lr=0.1, weight_decay=0.5)
+    model = imerge.distribute(module, own, c.worker_config(0))
+    try:
+        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+        loss = F.cross_entropy(model(x), y)
+        storage = model.engine.flat.grads.untyped_storage().data_ptr()
+        assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == storage
+                   for p in model.module.parameters())
+        loss.backward()
+        model.synchronize()
+        assert all(p.grad is None for p in model.module.parameters())
+        before = params_of(model.module)
+        own.step()
+        own.zero_grad()
+        assert all(torch.equal(value, params_of(model.module)[name]) for name, value in before.items())
+    finally:
+        model.abort()
+
+
+class Gate:
+    """A device copy that completes only when the test says so (the seam a CUDA event fills)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.done.wait()
+
+
+def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(cluster):
+    """A group's completion hands its device copy to the staging and returns: backward ends with every copy
+    still pending, nothing is pushed until they complete, and then the sync goes through."""
+    from imerge.worker.staging import HostStaging
+
+    class GatedStaging(HostStaging):
+        def __init__(self, flat):
+            super().__init__(flat)
+            self.gates: list[Gate] = []
+
+        def group_complete(self, offset: int, numel: int) -> Gate:
+            self.gates.append(Gate())
+            return self.gates[-1]
+
+    c = cluster(1, 1)
+    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    try:
+        staging = model.engine.comm.staging = GatedStaging(model.engine.flat)
+        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+        F.cross_entropy(model(x), y).backward()
+        assert len(staging.gates) == len(model.engine.groups)  # every group completed in backward...
+        assert not any(gate.query() for gate in staging.gates)  # ...and backward returned, its copies pending
+        time.sleep(0.3)
+        assert model.engine.timeline.of("push") == []  # nothing left for the shards before its copy is done
+        for gate in staging.gates:
+            gate.done.set()
+        model.synchronize()
+        assert len({i.args["group"] for i in model.engine.timeline.of("push")}) == len(model.engine.groups)
     finally:
         model.abort()

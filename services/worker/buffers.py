@@ -3,7 +3,11 @@
 Parameters are laid out in the plan's (backward) order, so every unit, block
 and group is a contiguous range: a pull writes the parameters in place, with
 no per-tensor copy, and a group's gradients are one slice of the gradient
-accumulator. On a GPU the parameters stay on the device; pushes and pulls go
+accumulator. With T = 1 each parameter's ``.grad`` is a view of its slice
+(DDP's ``gradient_as_bucket_view``): autograd accumulates straight into the
+accumulator, and nothing is copied per gradient. On a GPU the accumulator and
+the parameters stay on the device; :mod:`.staging` moves them to and from
+pinned host buffers without blocking backward. On a GPU the parameters stay on the device; pushes and pulls go
 through pinned host buffers.
 """
 from __future__ import annotations
@@ -24,7 +28,8 @@ class FlatParams:
         pinned = self.device.type == "cuda"
         self.values = torch.empty(total, device=self.device)
         self.host = torch.empty(total, pin_memory=True) if pinned else self.values
-        self.grads = torch.zeros(total, pin_memory=pinned)  # the sum of gradients since the last sync
+        self.grads = torch.zeros(total, device=self.device)  # the sum of gradients since the last sync
+        self.host_grads = torch.empty(total, pin_memory=True) if pinned else self.grads  # what a push sends
         self.range: dict[int, tuple[int, int]] = {}
         offset = 0
         with torch.no_grad():
@@ -47,9 +52,6 @@ class FlatParams:
     def host_slice(self, block: Block) -> torch.Tensor:
         return self.host[block.offset:block.offset + block.numel]
 
-    def grad_slice(self, block: Block) -> torch.Tensor:
-        return self.grads[block.offset:block.offset + block.numel]
-
     def stage_to_host(self) -> None:
         if self.host is not self.values:
             self.host.copy_(self.values)
@@ -58,9 +60,14 @@ class FlatParams:
         if self.host is not self.values:
             self.values[offset:offset + numel].copy_(self.host[offset:offset + numel])
 
+    def grad_view(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The parameter's slice of the gradient accumulator, in its shape (autograd accumulates into it)."""
+        offset, numel = self.range[id(param)]
+        return self.grads[offset:offset + numel].view_as(param)
+
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         offset, numel = self.range[id(param)]
-        self.grads[offset:offset + numel].add_(grad.reshape(-1).to(self.grads.device, non_blocking=False))
+        self.grads[offset:offset + numel].add_(grad.reshape(-1))
 
 
 class GroupRuntime:

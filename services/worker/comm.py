@@ -34,6 +34,7 @@ from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams, GroupRuntime
 from .metrics import WorkerMetrics
+from .staging import DONE, HostStaging, Ready, staging_for
 from .transport import NO_OPTIONS, PushOptions, ShardClient
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Sync:
     block_futures: dict[str, concurrent.futures.Future]
     iteration: int
     options: dict[str, PushOptions]  # block id -> what its push says besides the data
+    ready: Ready = DONE  # when the group's gradients may be read for the wire (a device copy's event)
 
     def item(self, block: Any, grad: Any) -> tuple:
         """What a push stream carries of one block: (id, gradient, round, options)."""
@@ -110,6 +112,12 @@ class ShardSender:
         self.queue = CommQueue(priority)
 
 
+async def wait_ready(ready: Ready) -> None:
+    """Wait (without blocking the comm loop) until a device copy is done."""
+    while not ready.query():
+        await asyncio.sleep(0.0002)
+
+
 class CommLoop:
     """The worker's comm thread: an asyncio event loop running in a daemon thread."""
 
@@ -154,16 +162,19 @@ class Communicator:
         self._queued = asyncio.Event()
         self._senders: dict[int, ShardSender] = {}  # without slots: one per shard
         self.round_results: dict[int, RoundResult] = {}  # by the round a pulled block came back at (the latest)
+        self.staging: HostStaging = staging_for(flat)  # device <-> wire (a seam: tests may gate its copies)
+        self.arrived: dict[str, Ready] = {}  # block id -> when its latest pulled parameters may be used
         self._consumer = comm.submit(self._consume())
 
     # -- the queue (called from the training thread) -------------------------------------
-    def enqueue(self, group: GroupRuntime, iteration: int, options: dict[str, PushOptions] | None = None) -> None:
+    def enqueue(self, group: GroupRuntime, iteration: int, options: dict[str, PushOptions] | None = None,
+                ready: Ready = DONE) -> None:
         """Put a complete group on the queue; its Futures resolve once its new parameters are in place.
         ``options``: per block, what its push says besides the data (hyperparameters, pieces without gradient)."""
         group.push_done.clear()
         group.future = concurrent.futures.Future()
         group.block_futures = {b.block_id: concurrent.futures.Future() for b in group.blocks}
-        sync = Sync(group, group.future, group.block_futures, iteration, options or {})
+        sync = Sync(group, group.future, group.block_futures, iteration, options or {}, ready)
         self.comm.loop.call_soon_threadsafe(self._put, group.index, sync)
 
     def _put(self, index: int, item: Any) -> None:
@@ -248,8 +259,10 @@ class Communicator:
     async def _send_batch(self, shard: int, batch: list, nbytes: int, written: asyncio.Event) -> None:
         """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
         holding the port's flag."""
-        items = [p.sync.item(b, self.flat.grad_slice(b)) for p, b in batch]
         try:
+            for sync in {id(p.sync): p.sync for p, _ in batch}.values():
+                await wait_ready(sync.ready)
+            items = [p.sync.item(b, self.staging.wire_grads(b.offset, b.numel)) for p, b in batch]
             if self.slots.holds_flags:
                 span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
                                            lambda fence: self._timed_push(shard, items, nbytes, fence, written))
@@ -268,7 +281,7 @@ class Communicator:
             self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
                               iteration=pending.sync.iteration)
         for pending, block in batch:
-            self.flat.grad_slice(block).zero_()
+            self.staging.pushed(block.offset, block.numel)
             if pending.block_pushed():
                 pending.sync.group.push_done.set()
 
@@ -284,17 +297,18 @@ class Communicator:
         group = sync.group
         shards = list(group.by_shard)
         start = self.rank % len(shards)
+        await wait_ready(sync.ready)
         for shard in shards[start:] + shards[:start]:
             span = await self._push_shard_in_slot(sync, shard, group.by_shard[shard])
             self._record_push(shard, span, group.shard_bytes(shard), group=group.index, iteration=sync.iteration)
-        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+        self.staging.pushed(group.group.offset, group.group.numel)
 
     async def _push_shard_in_slot(self, sync: Sync, shard: int, blocks: list) -> tuple[float, float]:
         """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the
         order the next forward needs them (the reverse of backward order; every worker the same), so the shard
         completes, and answers the pulls of, the earliest layers' blocks first."""
         group = sync.group
-        items = [sync.item(b, self.flat.grad_slice(b)) for b in self._push_order(blocks)]
+        items = [sync.item(b, self.staging.wire_grads(b.offset, b.numel)) for b in self._push_order(blocks)]
         nbytes = group.shard_bytes(shard)
         return await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))
@@ -350,7 +364,7 @@ class Communicator:
                 raise IMergeError(f"{group}: block {block_id} came back at round {round_}, expected "
                                   f"{group.round + 1}")
             block = by_id[block_id]
-            self.flat.load_from_host(block.offset, block.numel)
+            self.arrived[block_id] = self.staging.block_pulled(block.offset, block.numel)
             self.round_results[round_] = RoundResult(meta.skipped, meta.grad_norm)
             self.round_results.pop(round_ - 8, None)
             sync.block_futures[block_id].set_result(round_)

@@ -31,6 +31,7 @@ from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams, GroupRuntime, GroupTable
 from .comm import Communicator, RoundResult
+from .staging import DONE
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
@@ -55,6 +56,10 @@ class Hooks:
         self._forward_started = 0.0
         self._forward_seen = False  # a forward ran since the last backward ended
         self._waited_s = 0.0        # this iteration's forward waits
+        self.bucket_views = False   # each .grad is a view of the accumulator (set by install)
+        self._views: dict[int, torch.Tensor] = {}
+        self._params: list[torch.nn.Parameter] = []
+        self._model: torch.nn.Module | None = None
         self._forward_params: set[int] = set()  # parameters whose module's forward ran since the last backward
         self.outside: list[int] = []  # parameters used outside their module: waited for at the root's forward
         self._learning = True       # the engine's first backward: outside uses are learned, not refused
@@ -70,6 +75,12 @@ class Hooks:
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
 
     def install(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        # T = 1: from each forward to the end of its backward every .grad is a view of the accumulator, so
+        # autograd adds into it in place (with T > 1 a local step needs each iteration's own gradient)
+        self.bucket_views = self.table.plan.period == 1
+        if self.bucket_views:
+            self._views = {id(p): self.flat.grad_view(p) for p in params}
+            self._params, self._model = list(params), model
         handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
                                                        prepend=True))
@@ -96,6 +107,11 @@ class Hooks:
 
     def _forward_started_now(self, args: tuple) -> None:
         self.buffer_sync.apply()
+        if torch.is_grad_enabled():
+            self.comm.staging.before_accumulate()  # the device accumulator's last zeroing is done first
+        if self.bucket_views and torch.is_grad_enabled() and self._model.training:
+            for param in self._params:  # from here to the end of backward, .grad is the accumulator's slice
+                param.grad = self._views[id(param)]
         if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
             self._forward_seen = True
             self._accumulate_this = self.accumulating  # as in DDP, the forward decides whether its backward syncs
@@ -127,8 +143,14 @@ class Hooks:
         if id(param) not in self._forward_params:
             self._used_outside_its_module(param)
         grad = param.grad.detach()
-        self.flat.add_grad(param, grad)
-        param.grad = None
+        if self.bucket_views:  # autograd accumulated into the view, unless the script set .grad to None
+            view = self._views[id(param)]
+            if grad.data_ptr() != view.data_ptr():
+                view.add_(grad.reshape(view.shape))
+                param.grad = view
+        else:
+            self.flat.add_grad(param, grad)
+            param.grad = None
         group.given.add(id(param))
         if self._accumulate_this:  # no_sync(): summed locally, pushed with the next synced backward
             return
@@ -183,7 +205,8 @@ class Hooks:
                                                  if pid not in group.given), assign, loss_scale, max_norm)
                    for b in group.blocks}
         group.given.clear()
-        self.comm.enqueue(group, self.iteration - self.schedule_start, options)
+        ready = self.comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
+        self.comm.enqueue(group, self.iteration - self.schedule_start, options, ready)
 
     def _end_of_backward(self) -> None:
         """Groups some of whose parameters got no gradient count them as zero."""
@@ -216,6 +239,9 @@ class Hooks:
             self.after_backward()
 
     def _backward_done(self) -> None:
+        if self.bucket_views:  # between iterations .grad is None: a local optimizer.step() finds nothing to do
+            for param in self._params:
+                param.grad = None
         self._callback_queued = False
         self._forward_seen = False
         self._forward_params.clear()
@@ -242,6 +268,8 @@ class Hooks:
             self._waited_s += time.time() - started
         for future in futures:
             future.result()  # re-raise a failed sync
+        for block in group.blocks:  # on a GPU: the forward's stream waits for the blocks' copies back
+            self.comm.staging.before_use(self.comm.arrived.get(block.block_id, DONE))
 
     def wait_params(self, param_ids: list[int]) -> None:
         """Wait until the blocks holding these parameters are back from their latest sync."""
@@ -251,6 +279,8 @@ class Hooks:
             needed.setdefault(group.index, (group, set()))[1].update(self.table.blocks_of[pid])
         for index in sorted(needed):
             group, block_ids = needed[index]
+            if self.bucket_views and not group.push_done.is_set():  # backward will accumulate into its slice
+                self._wait(group.push_done.wait, group, "its previous push to finish")
             if group.future is not None:
                 self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
                                    f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")

@@ -57,6 +57,14 @@ def _state_lives_on_the_shards(*_: Any) -> None:
                          "imerge.save(model, path) and imerge.load(model, path)")
 
 
+def _nothing_to_step(optimizer: torch.optim.Optimizer) -> None:
+    """Before the script's own optimizer steps: the shards stepped already, so no gradient is left for it."""
+    _refuse_torch_scaler(optimizer)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+
+
 def _refuse_torch_scaler(optimizer: Any) -> None:
     """torch.amp.GradScaler hands itself to step() (older torch) or sets ``grad_scale`` on the optimizer."""
     if optimizer is None or getattr(optimizer, "grad_scale", None) is not None:
@@ -79,7 +87,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
             shared._step_supports_amp_scaling = True  # torch.amp.GradScaler then marks the optimizer before step()
-            shared.register_step_pre_hook(lambda optimizer, *_: _refuse_torch_scaler(optimizer))
+            shared.register_step_pre_hook(lambda optimizer, *_: _nothing_to_step(optimizer))
         self.hyper_keys = list(defaults)
         self.initial = [scalar_hypers(spec.group(index).build([torch.nn.Parameter(torch.zeros(1))]).param_groups[0],
                                       self.hyper_keys) for index in range(len(groups))]
@@ -99,6 +107,9 @@ class ShardOptimizer(torch.optim.Optimizer):
                                  "(build the optimizer with every group first)")
         return [hyper_delta(scalar_hypers(group, self.hyper_keys), initial)
                 for group, initial in zip(self.param_groups, self.initial)]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the gradient accumulator is zeroed once each push is out (each .grad views it)."""
 
     def lr(self, group: int) -> float:
         return float(self.param_groups[group]["lr"])
