@@ -535,3 +535,26 @@ def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(cl
         assert len({i.args["group"] for i in model.engine.timeline.of("push")}) == len(model.engine.groups)
     finally:
         model.abort()
+
+
+def test_backward_with_create_graph_under_no_sync_counts_each_gradient_once(cluster):
+    """create_graph makes autograd replace .grad out of place (view + gradient) instead of adding in place."""
+    c = cluster(WORKERS, 1)
+    micro = make_data(8, WORKERS, 8, FEATURES, CLASSES, seed=23)
+    data = [[[micro[2 * i][w], micro[2 * i + 1][w]] for w in range(WORKERS)] for i in range(4)]
+    spec = OptimizerSpec("sgd", lr=0.1, momentum=0.9)
+
+    def body(rank: int):
+        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
+        for step in data:
+            (x0, y0), (x1, y1) = step[rank]
+            with model.no_sync():
+                (F.cross_entropy(model(x0), y0) / 2).backward(create_graph=True)
+            (F.cross_entropy(model(x1), y1) / 2).backward(create_graph=True)
+        model.close()
+        return params_of(model.module)
+
+    results = c.run_workers(body)
+    reference = Branchy()
+    expected = train_reference(reference, spec.build(list(reference.parameters())), data, accumulated_loss)
+    assert_same_params(results, expected)

@@ -143,10 +143,13 @@ class Hooks:
         if id(param) not in self._forward_params:
             self._used_outside_its_module(param)
         grad = param.grad.detach()
-        if self.bucket_views:  # autograd accumulated into the view, unless the script set .grad to None
+        if self.bucket_views:  # autograd accumulated into the view in place, unless...
             view = self._views[id(param)]
             if grad.data_ptr() != view.data_ptr():
-                view.add_(grad.reshape(view.shape))
+                if torch.is_grad_enabled():  # ...create_graph: .grad became view + gradient, out of place
+                    view.copy_(grad.reshape(view.shape))
+                else:  # ...the script set .grad to None after the forward: .grad is this gradient alone
+                    view.add_(grad.reshape(view.shape))
                 param.grad = view
         else:
             self.flat.add_grad(param, grad)
