@@ -1,9 +1,11 @@
-"""The baseline users would otherwise pick: the built-in job on torch DistributedDataParallel (gloo).
+"""The baseline users would otherwise pick: the built-in job on torch DistributedDataParallel.
 
 Run as the workers of ``imerge launch``/``imerge testbed`` (``-- python -m imerge.bench.ddp_baseline``):
 rank and world size from ``IMERGE_RANK``/``IMERGE_WORLD_SIZE``, the rendezvous at
 ``IMERGE_DDP_MASTER`` (host:port of worker 0), the job from the same ``IMERGE_*`` variables as
-``imerge worker``. The optimizer runs locally on every worker, as DDP does.
+``imerge worker``. The optimizer runs locally on every worker, as DDP does. The model goes where
+``--device`` says (``LOCAL_RANK`` picks the GPU); ``IMERGE_DDP_BACKEND`` is ``auto`` (NCCL on a GPU, else
+gloo), ``gloo`` or ``nccl``.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from imerge.telemetry import progress
 from imerge.core.config import from_env, setup_logging
+from imerge.core.devices import resolve_device
 from imerge.workloads.data import make_dataset, worker_loader
 from imerge.workloads.models import build_model
 from imerge.workloads.job import JobConfig
@@ -31,9 +34,16 @@ def main() -> int:
     setup_logging(os.environ.get("IMERGE_LOG_LEVEL", "INFO"), f"ddp{rank}")
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
-    dist.init_process_group("gloo", init_method=f"tcp://{os.environ.get('IMERGE_DDP_MASTER', '127.0.0.1:29500')}",
+    local_rank = int(os.environ.get("IMERGE_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or -1)
+    device = resolve_device(job.device, local_rank, rank)
+    backend = os.environ.get("IMERGE_DDP_BACKEND", "auto")
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{os.environ.get('IMERGE_DDP_MASTER', '127.0.0.1:29500')}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    model = DistributedDataParallel(build_model(job.model, job.seed), bucket_cap_mb=25)
+    log.info("DDP rank %d of %d on %s with %s", rank, world, device, backend)
+    model = DistributedDataParallel(build_model(job.model, job.seed).to(device), bucket_cap_mb=25,
+                                    device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = job.optimizer_spec().build(list(model.parameters()))
     train = make_dataset(job.data, job.model, "train", job.seed, job.samples)
     total = job.iters or job.epochs * len(worker_loader(train, job.batch_size, rank, world, job.seed))
@@ -41,6 +51,7 @@ def main() -> int:
     while iteration < total:
         for x, y in worker_loader(train, job.batch_size, rank, world, job.seed, epoch):
             tick = time.monotonic()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
             loss.backward()
