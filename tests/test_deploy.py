@@ -27,7 +27,8 @@ IMERGE = [sys.executable, "-m", "imerge"]
 OTHER_VARIABLES = {"OMP_NUM_THREADS", "REDISCLI_AUTH"}
 VALUE_SETS = {
     "default": {},
-    "gpu": {"workers": {"gpu": {"enabled": True, "count": 2}, "replicas": 4}},
+    "gpu": {"workers": {"gpu": {"enabled": True, "count": 2}, "replicas": 4},
+            "metrics": {"serviceMonitor": {"enabled": True}}},
     "external-redis": {"redis": {"enabled": False, "external": {"host": "redis.example.com", "port": 6380,
                                                                 "existingSecret": "shared-redis"}}},
     "8-shards": {"shards": {"replicas": 8}, "metrics": {"serviceMonitor": {"enabled": True},
@@ -104,6 +105,12 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
     if value_set == "gpu":
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and worker["image"].endswith("-cuda")
         assert kinds[("Job", "ci-imerge-worker")]["spec"]["completions"] == 4
+        # each worker process of a pod serves its metrics on its own port, and every one is scraped
+        assert [(p["name"], p["containerPort"]) for p in worker["ports"]] == [("metrics", 9400), ("metrics-1", 9401)]
+        service = kinds[("Service", "ci-imerge-metrics")]["spec"]["ports"]
+        assert [(p["port"], p["targetPort"]) for p in service] == [(9400, "metrics"), (9401, "metrics-1")]
+        endpoints = kinds[("ServiceMonitor", "ci-imerge")]["spec"]["endpoints"]
+        assert [e["port"] for e in endpoints] == ["metrics", "metrics-1"]
     if value_set == "external-redis":
         assert ("StatefulSet", "ci-imerge-redis") not in kinds and ("NetworkPolicy", "ci-imerge-redis") not in kinds
         url = next(e["value"] for e in worker["env"] if e["name"] == "IMERGE_REDIS_URL")

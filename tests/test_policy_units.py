@@ -1,6 +1,7 @@
 """Pure policy and codec units: no grpc, no redis."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import subprocess
 import sys
@@ -132,3 +133,64 @@ def test_recovery_picks_the_newest_round_every_shard_holds_and_ignores_old_repor
         RecoveryPolicy(num_shards=1, enabled=False).next_generation(Failure(0, "shard 0", "gone"), {0: [4]})
     with pytest.raises(RecoveryImpossible, match=r"worker 1: bad push \(a fatal error"):  # fatal: never recovered
         RecoveryPolicy(num_shards=1).next_generation(Failure(0, "worker 1", "bad push", fatal=True), {0: [4]})
+
+
+# -- the shards' agreement on a round's scalars (services/ps/rounds.py) -------------------------------------
+def test_every_block_of_a_round_steps_with_the_same_totals_of_every_shard():
+    from services.ps.rounds import Agreements, RoundScalars
+
+    async def scenario():
+        async def exchange(round_, mine):  # another shard contributes 4.0 and an inf
+            return mine.plus(RoundScalars(4.0, round_ == 8))
+        agreements = Agreements(exchange)
+        expected = {"a", "b"}
+        first = await asyncio.gather(agreements.agree(7, "a", RoundScalars(1.0), expected),
+                                     agreements.agree(7, "b", RoundScalars(2.0), expected))
+        second = await asyncio.gather(agreements.agree(8, "b", RoundScalars(0.5), expected),
+                                      agreements.agree(8, "a", RoundScalars(0.5), expected))
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert first == [RoundScalars(7.0, False)] * 2 and second == [RoundScalars(5.0, True)] * 2
+    assert second[0].grad_norm == float("inf") and first[0].grad_norm == pytest.approx(7.0 ** 0.5)
+
+
+def test_a_failed_exchange_fails_every_block_of_the_round_and_a_second_report_is_refused():
+    from imerge.core.errors import FailedPrecondition, WaitTimeout
+    from services.ps.rounds import Agreements, RoundScalars
+
+    async def scenario():
+        async def exchange(round_, mine):
+            raise WaitTimeout("timed out waiting for shards [1] to post their scalars of round 3")
+        agreements = Agreements(exchange)
+        results = await asyncio.gather(agreements.agree(3, "a", RoundScalars(1.0), {"a", "b"}),
+                                       agreements.agree(3, "b", RoundScalars(1.0), {"a", "b"}),
+                                       return_exceptions=True)
+        waiting = asyncio.ensure_future(agreements.agree(4, "a", RoundScalars(1.0), {"a", "b"}))
+        await asyncio.sleep(0)
+        with pytest.raises(FailedPrecondition, match="block a reported round 4's scalars twice"):
+            await agreements.agree(4, "a", RoundScalars(1.0), {"a", "b"})
+        waiting.cancel()
+        return results
+
+    results = asyncio.run(scenario())
+    assert [type(r) for r in results] == [WaitTimeout, WaitTimeout]
+    assert all("shards [1] to post their scalars of round 3" in str(r) for r in results)
+
+
+def test_a_restore_forgets_the_rounds_awaiting_agreement():
+    """After reset (a restore replaced the blocks), the restored blocks report the same round afresh: neither
+    refused as reported twice nor summed with the scalars of the blocks they replaced."""
+    from services.ps.rounds import Agreements, RoundScalars
+
+    async def scenario():
+        agreements = Agreements()
+        stale = asyncio.ensure_future(agreements.agree(5, "a", RoundScalars(100.0), {"a", "b"}))
+        await asyncio.sleep(0)
+        agreements.reset()
+        with pytest.raises(asyncio.CancelledError):
+            await stale
+        return await asyncio.gather(agreements.agree(5, "a", RoundScalars(1.0), {"a", "b"}),
+                                    agreements.agree(5, "b", RoundScalars(2.0), {"a", "b"}))
+
+    assert asyncio.run(scenario()) == [RoundScalars(3.0, False)] * 2

@@ -19,6 +19,25 @@ WORKERS, SHARDS, FEATURES, CLASSES = 2, 2, 8, 4
 SEEDED = threading.Lock()  # models are built in the workers' threads: one seeded construction at a time
 
 
+@pytest.fixture
+def lone(cluster):
+    """lone(module, optimizer): ``imerge.distribute`` on a job of one worker and one shard, aborted after the test."""
+    c = cluster(1, 1)
+    models = []
+
+    def distribute(module, optimizer):
+        models.append(imerge.distribute(module, optimizer, c.worker_config(0)))
+        return models[-1]
+
+    yield distribute
+    for model in models:
+        model.abort()
+
+
+def one_batch():
+    return make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+
+
 def cross_entropy(model: torch.nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
@@ -392,19 +411,15 @@ def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_s
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["model-optimizer", "scripts-own-optimizer"])
-def test_torch_grad_scaler_is_refused_naming_the_fix(cluster, own):
-    c = cluster(1, 1)
+def test_torch_grad_scaler_is_refused_naming_the_fix(lone, own):
     module = Branchy()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1) if own else OptimizerSpec("sgd", lr=0.1)
-    model = imerge.distribute(module, optimizer, c.worker_config(0))
-    try:
-        scaler = torch.amp.GradScaler("cpu")
-        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
-        scaler.scale(F.cross_entropy(model(x), y)).backward()
-        with pytest.raises(UnsupportedUse, match=r"use scaler = model.grad_scaler\(\)"):
-            scaler.step(optimizer if own else model.optimizer)
-    finally:
-        model.abort()
+    model = lone(module, optimizer)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = one_batch()
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    with pytest.raises(UnsupportedUse, match=r"use scaler = model.grad_scaler\(\)"):
+        scaler.step(optimizer if own else model.optimizer)
 
 
 def test_save_then_load_into_another_layout_continues_like_an_uninterrupted_run(cluster, tmp_path):
@@ -439,57 +454,67 @@ def test_save_then_load_into_another_layout_continues_like_an_uninterrupted_run(
     assert_same_params([params for params, _ in results], expected)
 
 
-def test_the_optimizer_state_cannot_be_saved_from_this_process(cluster):
-    c = cluster(1, 1)
+def test_a_file_with_optimizer_state_of_a_parameter_the_model_lacks_is_refused_naming_it(lone, tmp_path):
+    """Loading it would drop that state silently (a renamed layer): it raises, and nothing is imported."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path, edited = tmp_path / "state.safetensors", tmp_path / "edited.safetensors"
+    model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1, momentum=0.9))
+    x, y = one_batch()
+    F.cross_entropy(model(x), y).backward()
+    imerge.save(model, path)
+    with safe_open(str(path), framework="pt") as handle:
+        tensors, metadata = {k: handle.get_tensor(k) for k in handle.keys()}, handle.metadata()
+    momentum = next(k for k in tensors if k.startswith("optim/") and k.endswith("/momentum_buffer"))
+    save_file({**tensors, "optim/ghost.weight/momentum_buffer": tensors[momentum].clone()}, str(edited), metadata)
+    with pytest.raises(imerge.core.errors.InvalidArgument, match=r"does not train: ghost\.weight"):
+        imerge.load(model, edited)
+    short = {**tensors, momentum: tensors[momentum][:-1].clone()}
+    save_file(short, str(edited), metadata)
+    with pytest.raises(imerge.core.errors.InvalidArgument, match=r"'momentum_buffer' of .* elements; the param"):
+        imerge.load(model, edited)
+
+
+def test_the_optimizer_state_cannot_be_saved_from_this_process(lone):
     module = Branchy()
     own = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    model = imerge.distribute(module, own, c.worker_config(0))
-    try:
-        for optimizer in (own, model.optimizer):
-            with pytest.raises(UnsupportedUse, match=r"imerge.save\(model, path\)"):
-                optimizer.state_dict()
-    finally:
-        model.abort()
+    model = lone(module, own)
+    for optimizer in (own, model.optimizer):
+        with pytest.raises(UnsupportedUse, match=r"imerge.save\(model, path\)"):
+            optimizer.state_dict()
 
 
-def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(cluster):
-    c = cluster(1, 1)
-    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
-    try:
-        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
-        F.cross_entropy(model(x), y).backward()
-        with pytest.raises(UnsupportedUse, match=r"use model.clip_grad_norm_\(max_norm\)"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        other = torch.nn.Linear(2, 2)
-        other(torch.ones(1, 2)).sum().backward()
-        assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
-    finally:
-        model.abort()
+def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(lone):
+    model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
+    x, y = one_batch()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnsupportedUse, match=r"use model.clip_grad_norm_\(max_norm\)"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
 
 
-def test_gradients_accumulate_in_place_and_a_local_step_finds_none(cluster):
+def test_gradients_accumulate_in_place_and_a_local_step_finds_none(lone):
     """CPU, T = 1: from a training forward to the end of its backward every .grad is a view of the accumulator
     (autograd adds into it, nothing is copied per gradient); afterwards .grad is None, so the script's own
     optimizer.step() (weight decay included) changes nothing."""
-    c = cluster(1, 1)
     module = Branchy()
     own = torch.optim.SGD(module.parameters(), lr=0.1, weight_decay=0.5)
-    model = imerge.distribute(module, own, c.worker_config(0))
-    try:
-        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
-        loss = F.cross_entropy(model(x), y)
-        storage = model.engine.flat.grads.untyped_storage().data_ptr()
-        assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == storage
-                   for p in model.module.parameters())
-        loss.backward()
-        model.synchronize()
-        assert all(p.grad is None for p in model.module.parameters())
-        before = params_of(model.module)
-        own.step()
-        own.zero_grad()
-        assert all(torch.equal(value, params_of(model.module)[name]) for name, value in before.items())
-    finally:
-        model.abort()
+    model = lone(module, own)
+    x, y = one_batch()
+    loss = F.cross_entropy(model(x), y)
+    storage = model.engine.flat.grads.untyped_storage().data_ptr()
+    assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == storage
+               for p in model.module.parameters())
+    loss.backward()
+    model.synchronize()
+    assert all(p.grad is None for p in model.module.parameters())
+    before = params_of(model.module)
+    own.step()
+    own.zero_grad()
+    assert all(torch.equal(value, params_of(model.module)[name]) for name, value in before.items())
 
 
 class Gate:
@@ -505,7 +530,7 @@ class Gate:
         self.done.wait()
 
 
-def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(cluster):
+def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(lone):
     """A group's completion hands its device copy to the staging and returns: backward ends with every copy
     still pending, nothing is pushed until they complete, and then the sync goes through."""
     from imerge.worker.staging import HostStaging
@@ -519,22 +544,18 @@ def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(cl
             self.gates.append(Gate())
             return self.gates[-1]
 
-    c = cluster(1, 1)
-    model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
-    try:
-        staging = model.engine.comm.staging = GatedStaging(model.engine.flat)
-        x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
-        F.cross_entropy(model(x), y).backward()
-        assert len(staging.gates) == len(model.engine.groups)  # every group completed in backward...
-        assert not any(gate.query() for gate in staging.gates)  # ...and backward returned, its copies pending
-        time.sleep(0.3)
-        assert model.engine.timeline.of("push") == []  # nothing left for the shards before its copy is done
-        for gate in staging.gates:
-            gate.done.set()
-        model.synchronize()
-        assert len({i.args["group"] for i in model.engine.timeline.of("push")}) == len(model.engine.groups)
-    finally:
-        model.abort()
+    model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
+    staging = model.engine.comm.staging = GatedStaging(model.engine.flat)
+    x, y = one_batch()
+    F.cross_entropy(model(x), y).backward()
+    assert len(staging.gates) == len(model.engine.groups)  # every group completed in backward...
+    assert not any(gate.query() for gate in staging.gates)  # ...and backward returned, its copies pending
+    time.sleep(0.3)
+    assert model.engine.timeline.of("push") == []  # nothing left for the shards before its copy is done
+    for gate in staging.gates:
+        gate.done.set()
+    model.synchronize()
+    assert len({i.args["group"] for i in model.engine.timeline.of("push")}) == len(model.engine.groups)
 
 
 def test_backward_with_create_graph_under_no_sync_counts_each_gradient_once(cluster):

@@ -7,11 +7,11 @@ accumulator. With T = 1 each parameter's ``.grad`` is a view of its slice
 (DDP's ``gradient_as_bucket_view``): autograd accumulates straight into the
 accumulator, and nothing is copied per gradient. On a GPU the accumulator and
 the parameters stay on the device; :mod:`.staging` moves them to and from
-pinned host buffers without blocking backward. On a GPU the parameters stay on the device; pushes and pulls go
-through pinned host buffers.
+pinned host buffers without blocking backward.
 """
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import threading
 
@@ -41,13 +41,21 @@ class FlatParams:
                 param.data = view.view_as(param)
                 self.range[id(param)] = (offset, param.numel())
                 offset += param.numel()
+        self._starts = [start for start, _ in self.range.values()]  # increasing: the layout's order
+        self._ids = list(self.range)
 
     def pieces(self, block: Block) -> list[tuple[int, int]]:
         """(id(param), elements of it in the block) for every parameter the block holds a piece of, in order."""
         end = block.offset + block.numel
-        return [(pid, min(end, start + numel) - max(block.offset, start))
-                for pid, (start, numel) in sorted(self.range.items(), key=lambda item: item[1][0])
-                if start < end and block.offset < start + numel]
+        first = max(0, bisect.bisect_right(self._starts, block.offset) - 1)
+        pieces = []
+        for pid in self._ids[first:]:
+            start, numel = self.range[pid]
+            if start >= end:
+                break
+            if block.offset < start + numel:
+                pieces.append((pid, min(end, start + numel) - max(block.offset, start)))
+        return pieces
 
     def host_slice(self, block: Block) -> torch.Tensor:
         return self.host[block.offset:block.offset + block.numel]

@@ -262,7 +262,10 @@ class Hooks:
                               f"waiting for {group} {what}")
         return result
 
-    def _wait_futures(self, group: GroupRuntime, futures: list[concurrent.futures.Future], what: str) -> None:
+    def _wait_futures(self, group: GroupRuntime, futures: list[concurrent.futures.Future], what: str,
+                      block_ids: list[str] | None = None) -> None:
+        """Wait for these futures of the group; the forward's stream then waits for the copies back of the
+        blocks it needs (``block_ids``; all of the group's when None)."""
         if not all(f.done() for f in futures):
             started = time.time()
             with self.timeline.span(f"wait {group.index}", "forward-wait", group=group.index):
@@ -271,8 +274,8 @@ class Hooks:
             self._waited_s += time.time() - started
         for future in futures:
             future.result()  # re-raise a failed sync
-        for block in group.blocks:  # on a GPU: the forward's stream waits for the blocks' copies back
-            self.comm.staging.before_use(self.comm.arrived.get(block.block_id, DONE))
+        for block_id in block_ids if block_ids is not None else [block.block_id for block in group.blocks]:
+            self.comm.staging.before_use(self.comm.arrived.get(block_id, DONE))
 
     def wait_params(self, param_ids: list[int]) -> None:
         """Wait until the blocks holding these parameters are back from their latest sync."""
@@ -285,8 +288,9 @@ class Hooks:
             if self.bucket_views and not group.push_done.is_set():  # backward will accumulate into its slice
                 self._wait(group.push_done.wait, group, "its previous push to finish")
             if group.future is not None:
-                self._wait_futures(group, [group.block_futures[b] for b in sorted(block_ids)],
-                                   f"round {group.round + 1} of blocks {sorted(block_ids)} to be pulled")
+                waited = sorted(block_ids)
+                self._wait_futures(group, [group.block_futures[b] for b in waited],
+                                   f"round {group.round + 1} of blocks {waited} to be pulled", waited)
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:

@@ -92,6 +92,21 @@ def _block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dic
     return states
 
 
+def _check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
+    """Refuse a file whose optimizer state names a parameter this model does not train, or whose per-element
+    state does not match the parameter's size: loading it would drop or misplace that state silently."""
+    numel = {engine.hooks.names[pid]: count for pid, (_, count) in engine.flat.range.items()}
+    unknown = sorted(set(optim) - set(numel))
+    if unknown:
+        raise InvalidArgument(f"imerge.load: {path} holds optimizer state for parameters this model does not "
+                              f"train: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}")
+    for name, by_key in optim.items():
+        for key, value in by_key.items():
+            if value.dim() > 0 and value.numel() != numel[name]:
+                raise InvalidArgument(f"imerge.load: {path} holds optimizer state {key!r} of {name} with "
+                                      f"{value.numel()} elements; the parameter has {numel[name]}")
+
+
 def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
     engine, config = model.engine, model.config
     engine.synchronize()
@@ -111,6 +126,7 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
                 if key.startswith("optim/"):
                     name, _, state_name = key[6:].rpartition("/")
                     optim.setdefault(name, {})[state_name] = value
+            _check_optimizer_state(engine, optim, path)
             engine.loop.run(engine.import_states(_block_states(engine, optim)), config.wait_timeout_s,
                             "the shards to import the loaded state")
         except IMergeError as exc:
