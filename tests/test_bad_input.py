@@ -49,8 +49,9 @@ def init(stub, block_id="b", numel=NUMEL, workers=2, data=None, optimizer=SGD, *
     return stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec), ps_pb2.InitBlockChunk(data=payload)]))
 
 
-def push(stub, block_id="b", worker=0, round_=0, data=None, numel=NUMEL, dtype=ps_pb2.FLOAT32, chunks=None):
-    header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=dtype, numel=numel)
+def push(stub, block_id="b", worker=0, round_=0, data=None, numel=NUMEL, dtype=ps_pb2.FLOAT32, chunks=None,
+         **encoding):
+    header = ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=dtype, numel=numel, **encoding)
     if chunks is None:
         chunks = [floats(np.ones(numel)) if data is None else data]
     messages = [ps_pb2.PushChunk(header=header)] + [ps_pb2.PushChunk(data=c) for c in chunks]
@@ -82,9 +83,55 @@ def test_wrong_dtype_or_size_is_invalid_argument(stub):
     code, details = status_of(lambda: push(stub, dtype=ps_pb2.DTYPE_UNSPECIFIED))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
     code, details = status_of(lambda: push(stub, numel=NUMEL + 1, data=floats(np.ones(NUMEL + 1))))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1001 x float32" in details
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "got 1001 elements, the block holds 1000" in details
     code, details = status_of(lambda: init(stub, "c", dtype=7))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def sparse(indices, values) -> bytes:
+    return np.asarray(indices, dtype="<i4").tobytes() + floats(values)
+
+
+def test_a_payload_whose_encoding_disagrees_with_the_block_compression_is_invalid_argument(stub):
+    init(stub, "h", compression="fp16")
+    init(stub, "k", compression="topk:0.01")
+    half = np.ones(NUMEL, dtype="<f2").tobytes()
+    for block_id, call in (("h", lambda: push(stub, "h")),  # fp32 to an fp16 block
+                           ("h", lambda: push(stub, "h", dtype=ps_pb2.FLOAT16, chunks=[sparse([1], [1.0])],
+                                              encoding=ps_pb2.SPARSE, nnz=1)),
+                           ("k", lambda: push(stub, "k", dtype=ps_pb2.FLOAT16, chunks=[half])),
+                           ("k", lambda: push(stub, "k"))):  # dense fp32 to a top-k block
+        code, details = status_of(call)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "but the block's compression is" in details, details
+    code, details = status_of(lambda: push(stub, "k", chunks=[sparse(range(1001), np.ones(1001))],
+                                           encoding=ps_pb2.SPARSE, nnz=1001))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "1001 sparse pairs, more than" in details
+    code, details = status_of(lambda: init(stub, "z", compression="topk:2"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "compression 'topk:2'" in details
+    assert push(stub, "h", dtype=ps_pb2.FLOAT16, chunks=[half]).pushed == 1  # the right encoding is taken
+
+
+def test_sparse_indices_out_of_range_or_repeated_are_refused_and_nothing_is_applied(stub):
+    init(stub, "k", compression="topk:0.01")
+    for indices, reason in (([3, NUMEL], "outside 0..999"), ([-1, 5], "outside 0..999"),
+                            ([7, 7], "not strictly increasing"), ([9, 4], "not strictly increasing")):
+        code, details = status_of(lambda: push(stub, "k", chunks=[sparse(indices, [5.0, 5.0])],
+                                               encoding=ps_pb2.SPARSE, nnz=2))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in details, details
+    code, details = status_of(lambda: push(stub, "k", chunks=[sparse([1, 2], [1.0])], encoding=ps_pb2.SPARSE,
+                                           nnz=2))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "truncated" in details
+    # nothing of the refused pushes counts: two good pushes make the round, and only they are averaged (SGD lr 0.1)
+    assert push(stub, "k", worker=0, chunks=[sparse([2, 10], [1.0, 2.0])], encoding=ps_pb2.SPARSE, nnz=2).pushed == 1
+    assert push(stub, "k", worker=1, chunks=[sparse([10], [4.0])], encoding=ps_pb2.SPARSE, nnz=1).pushed == 2
+    reply = pull(stub, "k", worker=0)
+    meta = reply[0].meta
+    assert meta.encoding == ps_pb2.SPARSE and meta.nnz == 2 and meta.numel == NUMEL  # the parameters that changed
+    data = b"".join(chunk.data for chunk in reply[1:])
+    assert np.frombuffer(data[:8], "<i4").tolist() == [2, 10]
+    assert np.frombuffer(data[8:], "<f4").tolist() == pytest.approx([-0.05, -0.3])
+    fetched = list(stub.Fetch(ps_pb2.FetchRequest(block_ids=["k"])))  # a fetch sends every element
+    assert fetched[0].meta.encoding == ps_pb2.DENSE and fetched[0].meta.numel == NUMEL
 
 
 def test_round_that_is_not_current_is_failed_precondition(stub):

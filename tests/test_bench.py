@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from imerge.bench.runner import STRATEGIES
+from imerge.bench.runner import SCENARIOS
+
+STRATEGIES = SCENARIOS["tiny"].strategies
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="the testbed needs root and iproute2")

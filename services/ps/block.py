@@ -10,6 +10,13 @@ the worker count and handed to ``torch.optim`` with the round's options (see
 :mod:`.rounds`). The new parameters are serialized once, already cut into the
 chunks that go on the wire, into a snapshot that every pull of that round is
 answered with.
+
+Compression (:mod:`imerge.core.compression`, the block's ``compression``
+mode): fp16/bf16 gradients are widened into the fp32 rows and the snapshot
+holds the parameters in that dtype; a top-k block keeps each worker's sparse
+gradient as it came (no dense row) and adds them in worker order into the
+mean, and its snapshot is the sparse update of the parameters the step
+changed (dense where that is smaller, and after an assignment).
 """
 from __future__ import annotations
 
@@ -21,7 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from imerge.core.codec import CHUNK_BYTES, tensor_view
+from imerge.core.codec import CHUNK_BYTES
+from imerge.core.compression import CAST_MODES, INDEX_BYTES, WIRE_DTYPES, Payload, parse_mode
 from imerge.core.errors import FailedPrecondition, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -38,9 +46,34 @@ def all_finite(values: torch.Tensor) -> bool:
     return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
 
 
-def snapshot_of(param: torch.Tensor) -> list[bytes]:
-    """The parameters as the encoded data frames every pull sends (one copy, shared by all pulls)."""
-    return list(data_frames(tensor_view(param), CHUNK_BYTES))
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """The parameters of a round as every pull sends them: encoded data frames (one copy, shared by all pulls)."""
+
+    frames: list[bytes]
+    numel: int            # the block's elements
+    dtype: str = "float32"
+    nnz: int = -1         # sparse: the (index, value) pairs; -1: dense
+    nbytes: int = 0
+
+    @property
+    def sparse(self) -> bool:
+        return self.nnz >= 0
+
+
+def snapshot_of(param: torch.Tensor, mode: str = "", before: torch.Tensor | None = None) -> Snapshot:
+    """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, with ``before``
+    (the parameters the workers hold), the sparse update of the elements that changed where that is smaller."""
+    kind, _ = parse_mode(mode)
+    payload = Payload(param.to(WIRE_DTYPES[CAST_MODES[kind]]) if kind in CAST_MODES else param)
+    if kind == "topk" and before is not None:
+        changed = (param != before).nonzero().reshape(-1)
+        if changed.numel() * (INDEX_BYTES + 4) < param.numel() * 4:
+            payload = Payload(param[changed], changed.to(torch.int32), param.numel())
+    parts = payload.parts()
+    frames = [frame for part in parts for frame in data_frames(part, CHUNK_BYTES)]
+    return Snapshot(frames, param.numel(), payload.dtype, payload.nnz if payload.sparse else -1,
+                    sum(len(part) for part in parts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +84,7 @@ class BlockMeta:
     num_workers: int
     optimizer: OptimizerSpec
     segments: tuple[int, ...] = ()  # sizes of the pieces of model parameters the block holds (empty: one piece)
+    compression: str = ""           # how its data travel (see imerge.core.compression)
 
     @property
     def pieces(self) -> tuple[int, ...]:
@@ -69,7 +103,9 @@ class BlockState:
         self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
         self.optimizer = meta.optimizer.build(self.pieces)
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
-        self.grads = torch.zeros(meta.num_workers, meta.numel)
+        self.sparse = parse_mode(meta.compression)[0] == "topk"
+        self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
+        self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
         self.round = 0
         self.round_options: RoundOptions | None = None  # what the current round's pushes carry besides data
         self.round_no_grad: set[int] | None = None  # pieces no worker gave a gradient this round (so far)
@@ -78,15 +114,25 @@ class BlockState:
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
-        self.snapshot = snapshot_of(self.flat)
+        self.snapshot = snapshot_of(self.flat, meta.compression)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
 
+    @property
+    def grads(self) -> torch.Tensor:
+        if self._grads is None:
+            self._grads = torch.zeros(self.meta.num_workers, self.meta.numel)
+        return self._grads
+
+    def full_snapshot(self) -> Snapshot:
+        """What a fetch sends: every element (a top-k block's pull snapshot is an update of the last round)."""
+        return snapshot_of(self.flat) if self.snapshot.sparse else self.snapshot
+
     @classmethod
     def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
         meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
-                         image.segments)
+                         image.segments, image.compression)
         block = cls(meta, image.param.clone(), image.init_digest)
         block.load_state(image.state)
         block.round = round_
@@ -107,7 +153,7 @@ class BlockState:
                  for index, piece in enumerate(self.pieces)
                  for name, value in self.optimizer.state.get(piece, {}).items() if isinstance(value, torch.Tensor)}
         return BlockImage(self.meta.block_id, self.meta.num_workers, self.meta.optimizer, self.init_digest,
-                          self.flat.detach().clone(), state, self.meta.segments)
+                          self.flat.detach().clone(), state, self.meta.segments, self.meta.compression)
 
     def missing_workers(self) -> list[int]:
         return sorted(set(range(self.meta.num_workers)) - self.pushed)
@@ -118,9 +164,14 @@ class BlockState:
         if options.assign:
             return None, RoundScalars()
         with metrics.aggregation.time(), torch.no_grad():
-            mean = self.grads[0].clone()
-            for row in self.grads[1:]:
-                mean.add_(row)
+            if self.sparse:  # the workers' sparse gradients added in worker order; zeros elsewhere
+                mean = torch.zeros(self.meta.numel)
+                for payload in self.sparse_grads:
+                    mean.index_add_(0, payload.indices.long(), payload.values)
+            else:
+                mean = self.grads[0].clone()
+                for row in self.grads[1:]:
+                    mean.add_(row)
             mean.div_(self.meta.num_workers)
             if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
                 mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
@@ -136,22 +187,23 @@ class BlockState:
         parameters; a round in which some shard found an inf or NaN is skipped on every block; clipping scales
         the gradient as torch.nn.utils.clip_grad_norm_ does (runs off the event loop)."""
         with torch.no_grad():
-            if options.assign:
+            if options.assign:  # every element: the workers' copies may differ from the parameters anywhere
                 self.flat.copy_(self.grads[0])
-                return snapshot_of(self.flat)
+                return snapshot_of(self.flat, self.meta.compression)
             if total.found_inf:
-                return self.snapshot
+                return snapshot_of(self.flat, self.meta.compression, self.flat) if self.sparse else self.snapshot
             if options.max_norm:
                 mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
                           .clamp(max=1.0))
         for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
             piece.grad = None if index in no_grad else mean[start:end]
         apply_hypers(self.optimizer, self.hypers, options.hypers)
+        before = self.flat.clone() if self.sparse else None
         with metrics.optimizer_step.time():
             self.optimizer.step()
         for piece in self.pieces:
             piece.grad = None
-        return snapshot_of(self.flat)
+        return snapshot_of(self.flat, self.meta.compression, before)
 
     def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
         """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the

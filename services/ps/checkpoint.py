@@ -58,6 +58,7 @@ class BlockImage:
     param: torch.Tensor
     state: dict[str, torch.Tensor]  # "<piece>/<name>" -> the optimizer state of that piece
     segments: tuple[int, ...] = ()  # the sizes of the pieces (empty: one)
+    compression: str = ""           # how the block's data travel (BlockSpec.compression)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +133,7 @@ class CheckpointStore:
                     "sha256": _sha256(temporary / TENSORS),
                     "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
                                             "optimizer": b.optimizer.to_json(), "segments": list(b.segments),
+                                            "compression": b.compression,
                                             "init_digest": b.init_digest, "state": sorted(b.state)}
                                for b in blocks}}
         with open(temporary / MANIFEST, "w") as stream:
@@ -184,5 +186,6 @@ class CheckpointStore:
                 raise CheckpointError(f"{what}: block {block_id} has no parameters of {spec['numel']} elements")
             state = {name: tensors[f"{block_id}/state/{name}"] for name in spec["state"]}
             blocks[block_id] = BlockImage(block_id, spec["num_workers"], OptimizerSpec.from_json(spec["optimizer"]),
-                                          spec["init_digest"], param, state, tuple(spec.get("segments", ())))
+                                          spec["init_digest"], param, state, tuple(spec.get("segments", ())),
+                                          spec.get("compression", ""))
         return Checkpoint(round_, path, blocks)

@@ -23,12 +23,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import FailedPrecondition, IMergeError, InvalidArgument, RequestError
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
-from imerge.wire.frames import frame_payload_bytes, serialize
+from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
+from imerge.wire.frames import serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import status_of
 from imerge.wire.tls import server_credentials
@@ -37,19 +37,12 @@ from .checkpoint import CheckpointStore
 from .config import PSConfig
 from .membership import ShardMembership
 from .rounds import RoundOptions, RoundScalars
+from .block import Snapshot
 from .state import BlockMeta, Shard
 from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
-DTYPE_NAMES = {ps_pb2.FLOAT32: "float32"}
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
-
-
-def dtype_name(value: int, what: str) -> str:
-    try:
-        return DTYPE_NAMES[value]
-    except KeyError:
-        raise InvalidArgument(f"{what}: unsupported dtype {value}") from None
 
 
 def options_of(header: ps_pb2.PushHeader) -> RoundOptions:
@@ -182,7 +175,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def InitBlock(self, request_iterator, context):
         spec = await first_part(request_iterator, "spec", "InitBlock")
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
-                         spec.num_workers, optimizer_from_proto(spec.optimizer), tuple(spec.segments))
+                         spec.num_workers, optimizer_from_proto(spec.optimizer), tuple(spec.segments),
+                         spec.compression)
         self.shard.check_meta(meta)
         await self._check_owner(meta.block_id, meta.num_workers)
         init = await receive_exact(data_parts(request_iterator, f"InitBlock {meta.block_id}"), meta.numel,
@@ -199,7 +193,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                           dtype_name(header.dtype, what), header.numel,
                                                           segments.data(), header.generation, header.fence,
-                                                          header.lane, options_of(header), list(header.no_grad))
+                                                          header.lane, options_of(header), list(header.no_grad),
+                                                          nnz_of(header))
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal
@@ -215,16 +210,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             timeout = min(timeout, max(remaining - 0.2, 0.01))
         return timeout
 
-    async def _send(self, blocks: list[tuple[str, int, list[bytes], tuple[bool, float]]]
+    async def _send(self, blocks: list[tuple[str, int, Snapshot, tuple[bool, float]]]
                     ) -> AsyncIterator[ps_pb2.TensorChunk]:
         for block_id, round_, snapshot, (skipped, grad_norm) in blocks:
-            nbytes = sum(frame_payload_bytes(frame) for frame in snapshot)
-            yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=ps_pb2.FLOAT32,
-                                                            numel=nbytes // BLOCK_DTYPE.itemsize,
-                                                            round=round_, skipped=skipped, grad_norm=grad_norm))
-            for frame in snapshot:  # encoded TensorChunk data messages, sent as they are
+            yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=DTYPE_ENUM[snapshot.dtype],
+                                                            numel=snapshot.numel, round=round_, skipped=skipped,
+                                                            grad_norm=grad_norm, **encoding_fields(snapshot.nnz)))
+            for frame in snapshot.frames:  # encoded TensorChunk data messages, sent as they are
                 yield frame
-            self.shard.counters.bytes_sent += nbytes
+            self.shard.counters.bytes_sent += snapshot.nbytes
 
     async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple:
         round_, snapshot = await self.shard.pull(block_id, request.worker, request.round, timeout,

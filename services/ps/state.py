@@ -28,12 +28,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import torch
 
 from imerge.core.blockstate import block_state_bytes, parse_block_state
-from imerge.core.codec import ChunkAssembler, digest, tensor_view
-from imerge.core.dtypes import BLOCK_DTYPE
+from imerge.core.codec import digest, tensor_view
+from imerge.core.compression import parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 
 from .block import BlockMeta, BlockState, all_finite, snapshot_of
+from .payloads import check_encoding, receive_gradient
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
@@ -175,6 +176,10 @@ class Shard:
             raise InvalidArgument(f"block {meta.block_id}: num_workers {meta.num_workers} "
                                   f"outside 1..{self.max_workers}")
         meta.optimizer.validate()
+        try:
+            parse_mode(meta.compression)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"block {meta.block_id}: {exc}") from None
         if meta.segments and (min(meta.segments) < 1 or sum(meta.segments) != meta.numel):
             raise InvalidArgument(f"block {meta.block_id}: segments of {sum(meta.segments)} elements (each at least "
                                   f"1) do not make up its {meta.numel} elements")
@@ -213,20 +218,21 @@ class Shard:
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
                    data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
                    lane: int = 0, options: RoundOptions = RoundOptions(),
-                   no_grad: Sequence[int] = ()) -> tuple[bool, int]:
+                   no_grad: Sequence[int] = (), nnz: int = -1) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
         push never blocks or spoils a good one; a repeat of a counted push is
-        drained and acknowledged as a duplicate.
+        drained and acknowledged as a duplicate. ``dtype`` and ``nnz`` (-1: dense) are the payload's encoding,
+        which must be the one the block's compression mode makes (dense fp32 for an assignment).
         """
         what = f"push of block {block_id} by worker {worker} for round {round_}"
         self.check_generation(generation, what)
         block = self.block(block_id)
         self._check_worker(block, worker)
-        if dtype != block.meta.dtype or numel != block.meta.numel:
-            raise InvalidArgument(f"{what}: got {numel} x {dtype}, the block holds "
-                                  f"{block.meta.numel} x {block.meta.dtype}")
+        if numel != block.meta.numel:
+            raise InvalidArgument(f"{what}: got {numel} elements, the block holds {block.meta.numel}")
+        check_encoding(block.meta, options.assign, dtype, nnz, what)
         async with block.row_locks[worker]:
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
                 async for _ in data:
@@ -245,24 +251,21 @@ class Shard:
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
             try:
-                assembler = ChunkAssembler(block.grads[worker], what)
-                async for chunk in data:
-                    assembler.feed(chunk)
-                assembler.finish()
-                if self.check_finite and not options.loss_scale and not all_finite(block.grads[worker]):
+                received = await receive_gradient(block, worker, dtype, nnz, data, what)
+                if self.check_finite and not options.loss_scale and not all_finite(received):
                     raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
             finally:
                 block.receiving.discard(worker)
                 self.metrics.pushes_in_flight.dec()
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
-            return False, self._count_push(block, worker)
+            return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
 
-    def _count_push(self, block: BlockState, worker: int) -> int:
+    def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""
         block.pushed.add(worker)
         self.counters.pushes += 1
-        self.counters.bytes_received += block.meta.numel * BLOCK_DTYPE.itemsize
+        self.counters.bytes_received += nbytes
         if len(block.pushed) == block.meta.num_workers:
             task = asyncio.get_running_loop().create_task(self._aggregate(block))
             self._tasks.add(task)
@@ -350,9 +353,9 @@ class Shard:
             with torch.no_grad():
                 block.flat.copy_(param)
             block.load_state(state)
-            block.snapshot = snapshot_of(block.flat)
+            block.snapshot = snapshot_of(block.flat, block.meta.compression)
 
     def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
         self.check_generation(generation, f"fetch of block {block_id}")
         block = self.block(block_id)
-        return block.round, block.snapshot
+        return block.round, block.full_snapshot()

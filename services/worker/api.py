@@ -129,6 +129,10 @@ class DistributedModel(torch.nn.Module):
         """A torch.amp.GradScaler (same arguments and API) whose loss scale travels with the pushes: the shards
         unscale, and skip the step on every shard when any found an inf or NaN."""
         self._refuse_with_interleave("grad_scaler()")
+        if enabled and self.config.compression in ("topk", "mixed"):
+            raise UnsupportedUse(f"grad_scaler() with --compression {self.config.compression}: the top-k residual "
+                                 "would keep gradients of an old loss scale, and an overflow would stay in it for "
+                                 "good; use --compression fp16 or bf16 (or none) with a grad scaler")
         return ShardGradScaler(self.engine.hooks, self.engine.flat.device.type, init_scale, growth_factor,
                                backoff_factor, growth_interval, enabled)
 

@@ -36,6 +36,7 @@ from .buffers import FlatParams, GroupRuntime
 from .metrics import WorkerMetrics
 from .staging import DONE, HostStaging, Ready, staging_for
 from .transport import NO_OPTIONS, PushOptions, ShardClient
+from .wire_compression import Compression, meta_nbytes, payload_nbytes
 
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
@@ -54,10 +55,6 @@ class Sync:
     iteration: int
     options: dict[str, PushOptions]  # block id -> what its push says besides the data
     ready: Ready = DONE  # when the group's gradients may be read for the wire (a device copy's event)
-
-    def item(self, block: Any, grad: Any) -> tuple:
-        """What a push stream carries of one block: (id, gradient, round, options)."""
-        return block.block_id, grad, self.group.round, self.options.get(block.block_id, NO_OPTIONS)
 
     def fail(self, exc: BaseException) -> None:
         """Route a failed sync to whoever waits on the group or on any of its blocks."""
@@ -148,7 +145,8 @@ class Communicator:
 
     def __init__(self, comm: CommLoop, clients: list[ShardClient], flat: FlatParams, slots: NoSlots, *,
                  rank: int, priority: bool, rpc_timeout_s: float, pull_timeout_s: float, generation: int,
-                 metrics: WorkerMetrics, timeline: Timeline, slot_scope: str = "group", slot_width: int = 1):
+                 metrics: WorkerMetrics, timeline: Timeline, slot_scope: str = "group", slot_width: int = 1,
+                 compression: dict[str, str] | None = None):
         self.comm, self.clients, self.flat, self.slots = comm, clients, flat, slots
         self.rank, self.generation = rank, generation
         self.slot_scope = slot_scope
@@ -164,6 +162,7 @@ class Communicator:
         self.round_results: dict[int, RoundResult] = {}  # by the round a pulled block came back at (the latest)
         self.staging: HostStaging = staging_for(flat)  # device <-> wire (a seam: tests may gate its copies)
         self.arrived: dict[str, Ready] = {}  # block id -> when its latest pulled parameters may be used
+        self.compression = Compression(compression or {})
         self._consumer = comm.submit(self._consume())
 
     # -- the queue (called from the training thread) -------------------------------------
@@ -238,7 +237,7 @@ class Communicator:
                 if pending.failed:
                     continue
                 batch.append((pending, block))
-                nbytes += block.numel * BYTES_PER_ELEMENT
+                nbytes += self.compression.estimate(block)
             if batch:
                 await self._start_batch(sender, batch, nbytes)
 
@@ -262,7 +261,8 @@ class Communicator:
         try:
             for sync in {id(p.sync): p.sync for p, _ in batch}.values():
                 await wait_ready(sync.ready)
-            items = [p.sync.item(b, self.staging.wire_grads(b.offset, b.numel)) for p, b in batch]
+            items = [self._item(p.sync, b) for p, b in batch]
+            nbytes = sum(self.compression.nbytes(item) for item in items)
             if self.slots.holds_flags:
                 span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
                                            lambda fence: self._timed_push(shard, items, nbytes, fence, written))
@@ -275,8 +275,8 @@ class Communicator:
                 pending.fail(exc)
             return
         per_sync: dict[int, list] = {}
-        for pending, block in batch:
-            per_sync.setdefault(id(pending), [pending, 0])[1] += block.numel * BYTES_PER_ELEMENT
+        for (pending, block), item in zip(batch, items):
+            per_sync.setdefault(id(pending), [pending, 0])[1] += self.compression.nbytes(item)
         for pending, sync_bytes in per_sync.values():
             self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
                               iteration=pending.sync.iteration)
@@ -299,19 +299,32 @@ class Communicator:
         start = self.rank % len(shards)
         await wait_ready(sync.ready)
         for shard in shards[start:] + shards[:start]:
-            span = await self._push_shard_in_slot(sync, shard, group.by_shard[shard])
-            self._record_push(shard, span, group.shard_bytes(shard), group=group.index, iteration=sync.iteration)
+            span, nbytes = await self._push_shard_in_slot(sync, shard, group.by_shard[shard])
+            self._record_push(shard, span, nbytes, group=group.index, iteration=sync.iteration)
         self.staging.pushed(group.group.offset, group.group.numel)
 
-    async def _push_shard_in_slot(self, sync: Sync, shard: int, blocks: list) -> tuple[float, float]:
+    async def _push_shard_in_slot(self, sync: Sync, shard: int, blocks: list) -> tuple[tuple[float, float], int]:
         """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the
         order the next forward needs them (the reverse of backward order; every worker the same), so the shard
         completes, and answers the pulls of, the earliest layers' blocks first."""
         group = sync.group
-        items = [sync.item(b, self.staging.wire_grads(b.offset, b.numel)) for b in self._push_order(blocks)]
-        nbytes = group.shard_bytes(shard)
-        return await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
+        items = [self._item(sync, b) for b in self._push_order(blocks)]
+        nbytes = sum(self.compression.nbytes(item) for item in items)
+        span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))
+        return span, nbytes
+
+    def _item(self, sync: Sync, block: Any) -> tuple:
+        """What a push stream carries of one block: (id, payload, round, options), compressed once per sync."""
+        grad = self.staging.wire_grads(block.offset, block.numel)
+        options = sync.options.get(block.block_id, NO_OPTIONS)
+        payload = grad if options.assign else self.compression.compress(block, grad, options.loss_scale > 0)
+        if payload is not grad and options.no_grad:
+            options = dataclasses.replace(options, no_grad=self.compression.still_without_grad(
+                block, payload, options.no_grad, self.flat))
+        self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT,
+                           payload_nbytes(payload))
+        return block.block_id, payload, sync.group.round, options
 
     async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
         """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
@@ -369,9 +382,16 @@ class Communicator:
             self.round_results.pop(round_ - 8, None)
             sync.block_futures[block_id].set_result(round_)
 
+        wire: dict[str, int] = {}
+
+        def counted(block_id: str, round_: int, meta: Any) -> None:
+            wire[block_id] = meta_nbytes(meta)
+            arrived(block_id, round_, meta)
+
         await self.clients[shard].pull_into([(b.block_id, self.flat.host_slice(b)) for b in blocks], self.rank,
-                                            group.round, self.pull_timeout_s, self.generation, on_block=arrived)
-        self.metrics.pulled(shard, group.shard_bytes(shard))
+                                            group.round, self.pull_timeout_s, self.generation, on_block=counted)
+        self.metrics.pulled(shard, sum(wire.values()))
+        self.metrics.moved(group.index, "pull", group.shard_bytes(shard), sum(wire.values()))
 
     # -- closing -------------------------------------------------------------------------------
     def close(self, groups: list[GroupRuntime]) -> None:

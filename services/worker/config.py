@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from imerge.core.compression import MODES, CompressionSpec
 from imerge.core.config import CommonConfig, TlsConfig, check_choices, option, require
 from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
 from imerge.core.slots import SLOT_SCOPES, SLOTS
@@ -42,6 +43,15 @@ class ScheduleConfig:
     flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")
     profile_iters: int = option(5, "iterations profiled before --fusion cost plans the groups")
     trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
+    compression: str = option("none", "what travels on the wire (docs/compression.md): none (fp32), fp16 or bf16 "
+                                      "(gradients and parameters in that dtype), topk (the --topk-ratio largest "
+                                      "gradient elements with error feedback; pulls send the parameters that "
+                                      "changed), mixed (groups under --mixed-threshold-kib fp16, larger ones topk)",
+                              choices=MODES)
+    topk_ratio: float = option(0.01, "with --compression topk or mixed: the fraction of a block's gradient elements "
+                                     "pushed (the largest by magnitude)")
+    mixed_threshold_kib: float = option(256.0, "with --compression mixed: groups smaller than this (fp32 KiB) "
+                                               "travel fp16, larger ones topk")
     buffers: str = option("broadcast", "model buffers (BatchNorm statistics): broadcast (worker 0's before every "
                                        "forward, as DDP's broadcast_buffers), average (the workers' mean), or off",
                           choices=BUFFER_MODES)
@@ -55,6 +65,14 @@ class ScheduleConfig:
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
         require(self.flag_lease_s > 0, "flag_lease_s", "must be positive")
         require(self.profile_iters >= 2, "profile_iters", "must be at least 2")
+        require(0 < self.topk_ratio <= 1, "topk_ratio", "must lie in (0, 1]")
+        require(self.mixed_threshold_kib >= 0, "mixed_threshold_kib", "must be >= 0")
+        require(self.interleave_period == 1 or self.compression in ("none", "fp16", "bf16"), "compression",
+                f"{self.compression} needs --interleave-period 1: a top-k pull sends only the parameters the "
+                "shard changed, which would leave a worker's local steps in place")
+
+    def compression_spec(self) -> CompressionSpec:
+        return CompressionSpec(self.compression, self.topk_ratio, int(self.mixed_threshold_kib * 1024))
 
     def plan_options(self) -> PlanOptions:
         return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from imerge.control.messages import COST_PLAN, BlocksReady
+from imerge.core.compression import block_modes
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.planning import Plan
 from imerge.core.slots import effective_policy, make_slots, resolve_width
@@ -64,7 +65,8 @@ class SyncEngine:
         self.comm = Communicator(self.loop, clients, self.flat, slots, rank=config.rank, priority=config.priority,
                                  rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
                                  generation=generation, metrics=self.metrics, timeline=self.timeline,
-                                 slot_scope=config.slot_scope, slot_width=width)
+                                 slot_scope=config.slot_scope, slot_width=width,
+                                 compression=block_modes(config.compression_spec(), plan))
         self.hooks = Hooks(self.flat, self.comm, config, optimizer, self.metrics, self.timeline,
                            {id(by_name[n]): n for n in names})
         self.hooks.buffer_sync = BufferSync(model, store, rank=config.rank, world_size=config.world_size,
@@ -113,7 +115,7 @@ class SyncEngine:
         if self.hooks.iteration == self.config.profile_iters:
             self.synchronize()
             plan = cost_plan(self.store, self.hooks.profiler, self.plan, self.config.rank,
-                             self.config.wait_timeout_s)
+                             self.config.wait_timeout_s, self.comm.compression.estimate)
             self.use_plan(plan, self.block_rounds())
             self.hooks.schedule_start = self.hooks.iteration
             self._stop_profiling()
@@ -158,7 +160,8 @@ class SyncEngine:
             self.comm.clients[b.shard].init_block(b.block_id, self.plan.num_workers,
                                                   self.optimizer.spec.group(self.plan.units[b.unit].group),
                                                   self.flat.host_slice(b), self.config.rpc_timeout_s,
-                                                  [numel for _, numel in self.flat.pieces(b)])
+                                                  [numel for _, numel in self.flat.pieces(b)],
+                                                  self.comm.compression.mode(b.block_id))
             for b in self.plan.blocks))
 
     async def export_states(self) -> dict[str, bytes]:

@@ -34,6 +34,11 @@ class WorkerMetrics:
                                     registry=registry)
         self._flag_held = Counter("imerge_worker_flag_held_seconds", "Time this worker held a group's slot flag",
                                   ["worker", "group"], registry=registry)
+        self._raw = Counter("imerge_worker_uncompressed_bytes", "Bytes a group's pushes (direction push) and pulls "
+                            "(direction pull) would have moved in fp32", ["worker", "group", "direction"],
+                            registry=registry)
+        self._wire = Counter("imerge_worker_wire_bytes", "Bytes a group's pushes and pulls moved on the wire, after "
+                             "compression (--compression)", ["worker", "group", "direction"], registry=registry)
         self.groups_synced = Gauge("imerge_worker_groups_synced", "Groups the last iteration pushed",
                                    ["worker"], registry=registry).labels(worker=worker)
 
@@ -42,6 +47,11 @@ class WorkerMetrics:
 
     def pulled(self, shard: int, nbytes: int) -> None:
         self._pulled.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
+
+    def moved(self, group: int, direction: str, raw_bytes: int, wire_bytes: int) -> None:
+        """Bytes of a group's push or pull before and after compression."""
+        self._raw.labels(worker=self.rank, group=str(group), direction=direction).inc(raw_bytes)
+        self._wire.labels(worker=self.rank, group=str(group), direction=direction).inc(wire_bytes)
 
     def group_synced(self, group: int) -> None:
         self._group_syncs.labels(worker=self.rank, group=str(group)).inc()

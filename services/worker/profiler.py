@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from imerge.control.messages import COST_PLAN, Profile
@@ -71,11 +72,18 @@ class Profiler:
         return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
 
 
-def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float) -> Plan:
+def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
+              wire_bytes: Callable[[Any], int] | None = None) -> Plan:
     """After the profiled iterations: submit the profile (worker 0), wait for the cost plan and check that it
-    only regroups the blocks of ``current``."""
+    only regroups the blocks of ``current``. ``wire_bytes(block)``: what a push of the block carries (after
+    compression), so that the cost model prices the bytes the pushes were measured with."""
     if rank == 0:
-        profile = profiler.summary([u.numel * BYTES_PER_ELEMENT for u in current.units])
+        unit_bytes = [u.numel * BYTES_PER_ELEMENT for u in current.units]
+        if wire_bytes is not None:
+            unit_bytes = [0] * len(current.units)
+            for block in current.blocks:
+                unit_bytes[block.unit] += wire_bytes(block)
+        profile = profiler.summary(unit_bytes)
         log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", profile.alpha_s,
                  profile.beta_s_per_byte, profile.ready_s[-1])
         store.submit_profile(profile)

@@ -17,11 +17,13 @@ from typing import Any
 import grpc
 import torch
 
-from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, tensor_view
+from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, PayloadReceiver, tensor_view
+from imerge.core.compression import Payload
 from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
 from imerge.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME
+from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
 from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
@@ -56,6 +58,31 @@ class PushOptions:
 NO_OPTIONS = PushOptions()
 
 
+class BlockReceiver:
+    """A compressed block on its way into its target: fp16/bf16 parameters widened, or a sparse update written
+    at its indices (the other elements keep what the worker holds, which is what the shard last sent)."""
+
+    def __init__(self, meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str):
+        self._target = target
+        self._receiver = PayloadReceiver(target.numel(), dtype_name(meta.dtype, what), nnz_of(meta), what)
+
+    def feed(self, data: bytes) -> None:
+        self._receiver.feed(data)
+
+    def finish(self) -> None:
+        payload = self._receiver.finish()
+        if payload.sparse:
+            self._target[payload.indices.long()] = payload.values.float()
+        else:
+            self._target.copy_(payload.values)
+
+
+def receiver_for(meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str) -> ChunkAssembler | BlockReceiver:
+    if meta.dtype == ps_pb2.FLOAT32 and meta.encoding == ps_pb2.DENSE:
+        return ChunkAssembler(target, what)  # straight into the parameters
+    return BlockReceiver(meta, target, what)
+
+
 class ShardClient:
     def __init__(self, address: str, tls: TlsConfig | None = None):
         self.address = address
@@ -81,10 +108,10 @@ class ShardClient:
     @_translated
     async def init_block(self, block_id: str, num_workers: int, optimizer: OptimizerSpec,
                          init: torch.Tensor, timeout_s: float,
-                         segments: Sequence[int] = ()) -> ps_pb2.InitBlockReply:
+                         segments: Sequence[int] = (), compression: str = "") -> ps_pb2.InitBlockReply:
         options = json.dumps(optimizer.kwargs, sort_keys=True)
         spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=init.numel(),
-                                num_workers=num_workers, segments=segments,
+                                num_workers=num_workers, segments=segments, compression=compression,
                                 optimizer=ps_pb2.OptimizerSpec(name=optimizer.name, options_json=options))
 
         async def chunks() -> AsyncIterator[ps_pb2.InitBlockChunk | bytes]:
@@ -99,17 +126,21 @@ class ShardClient:
                    generation: int = 0, fence: int = 0, lane: int = 0,
                    written: asyncio.Event | None = None) -> ps_pb2.PushReply:
         """Push several blocks' gradients, each (block id, gradient, round[, PushOptions]), in one stream: a
-        header, then the data, per block. ``written`` is set once the last data has been handed to gRPC."""
+        header, then the data, per block. A gradient is an fp32 tensor or a compressed :class:`Payload`.
+        ``written`` is set once the last data has been handed to gRPC."""
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
             for block_id, grad, round_, *rest in blocks:
                 options = rest[0] if rest else NO_OPTIONS
+                payload = grad if isinstance(grad, Payload) else Payload(grad)
                 yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(
-                    block_id=block_id, worker=worker, round=round_, dtype=ps_pb2.FLOAT32, numel=grad.numel(),
-                    generation=generation, fence=fence, lane=lane, hypers=options.hypers, no_grad=options.no_grad,
-                    assign=options.assign, loss_scale=options.loss_scale, max_norm=options.max_norm))
-                for frame in data_frames(tensor_view(grad), CHUNK_BYTES):  # PushChunk data, encoded once
-                    yield frame
+                    block_id=block_id, worker=worker, round=round_, dtype=DTYPE_ENUM[payload.dtype],
+                    numel=payload.numel, generation=generation, fence=fence, lane=lane, hypers=options.hypers,
+                    no_grad=options.no_grad, assign=options.assign, loss_scale=options.loss_scale,
+                    max_norm=options.max_norm, **encoding_fields(payload.nnz if payload.sparse else -1)))
+                for part in payload.parts():
+                    for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
+                        yield frame
             if written is not None:
                 written.set()
 
@@ -123,7 +154,7 @@ class ShardClient:
         pending = dict(targets)
         rounds: dict[str, int] = {}
         metas: dict[str, ps_pb2.TensorMeta] = {}
-        current: tuple[str, ChunkAssembler] | None = None
+        current: tuple[str, ChunkAssembler | BlockReceiver] | None = None
 
         def finish() -> None:
             block_id, assembler = current
@@ -143,7 +174,7 @@ class ShardClient:
                 if chunk.meta.numel != target.numel():
                     raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
                                           f"expected {target.numel()}", address=self.address)
-                current = block_id, ChunkAssembler(target, f"{self.address}: {what}: block {block_id}")
+                current = block_id, receiver_for(chunk.meta, target, f"{self.address}: {what}: block {block_id}")
                 rounds[block_id], metas[block_id] = chunk.meta.round, chunk.meta
             elif current is None:
                 raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta",

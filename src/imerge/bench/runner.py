@@ -39,6 +39,9 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "imerge-T2": dict(fusion="cost", priority=True, slots="ack", interleave_period=2),
     "imerge-T4": dict(fusion="cost", priority=True, slots="ack", interleave_period=4),
 }
+SCHEDULES = tuple(STRATEGIES)  # the strategies without compression
+STRATEGIES.update({f"imerge-{mode}": dict(fusion="cost", priority=True, slots="ack", compression=mode)
+                   for mode in ("fp16", "bf16", "topk", "mixed")})
 INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
 INCAST["slots-ack-group"] = STRATEGIES["imerge-group"]
 
@@ -63,7 +66,7 @@ SCENARIOS = {
     "B2": Scenario("vgg", 8, 3, 3),
     "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
     "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
-    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12),
+    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12, strategies=SCHEDULES + ("imerge-topk",)),
 }
 
 

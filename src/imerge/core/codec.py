@@ -1,7 +1,8 @@
 """Flat tensors as raw little-endian bytes, split into and rebuilt from chunks.
 
-Pure: imports neither grpc nor redis. Only fp32 travels today; the dtype
-table (:mod:`imerge.core.dtypes`) is where another element type would be added.
+Pure: imports neither grpc nor redis. A block's parameters are fp32; on the
+wire they may travel compressed (:mod:`imerge.core.compression`), which
+:class:`PayloadReceiver` reads back.
 """
 from __future__ import annotations
 
@@ -55,3 +56,35 @@ class ChunkAssembler:
         if self._offset != self._target.size:
             raise InvalidArgument(f"{self._what}: stream truncated: {self._offset} of "
                                   f"{self._target.size} declared elements arrived")
+
+
+class PayloadReceiver:
+    """Collects the bytes of one compressed payload (exactly its declared size) and decodes it.
+
+    ``nnz`` -1 is a dense payload of ``numel`` elements of ``dtype``; otherwise ``nnz`` int32 indices followed by
+    ``nnz`` values, whose indices :func:`finish` checks. The buffer is bounded by the block's size.
+    """
+
+    def __init__(self, numel: int, dtype: str, nnz: int, what: str):
+        from imerge.core.compression import INDEX_BYTES, WIRE_DTYPES
+
+        self._dtype, self._numel, self._nnz, self._what = WIRE_DTYPES[dtype], numel, nnz, what
+        itemsize = self._dtype.itemsize
+        self._index_bytes = max(nnz, 0) * INDEX_BYTES
+        size = self._index_bytes + nnz * itemsize if nnz >= 0 else numel * itemsize
+        self._buffer = torch.empty(size, dtype=torch.uint8)
+        self._assembler = ChunkAssembler(self._buffer, what)
+
+    def feed(self, data: bytes) -> None:
+        self._assembler.feed(data)
+
+    def finish(self):
+        from imerge.core.compression import Payload, check_sparse
+
+        self._assembler.finish()
+        values = self._buffer[self._index_bytes:].view(self._dtype)
+        if self._nnz < 0:
+            return Payload(values)
+        indices = self._buffer[:self._index_bytes].view(torch.int32)
+        check_sparse(indices, self._numel, self._what)
+        return Payload(values, indices, self._numel)

@@ -60,6 +60,12 @@ DASHBOARDS: dict[str, tuple[str, list[tuple[str, str, str, list[tuple[str, str]]
          [("group:imerge_slot_occupancy:ratio", "group {{group}}")]),
         ("Groups synced per iteration", "timeseries", "none",
          [("job:imerge_groups_per_iteration:mean1m", "groups per iteration")]),
+        ("Compression ratio: fp32 bytes / wire bytes (--compression)", "timeseries", "none",
+         [("sum by (direction) (rate(imerge_worker_uncompressed_bytes_total[1m])) / "
+           "sum by (direction) (rate(imerge_worker_wire_bytes_total[1m]))", "{{direction}}")]),
+        ("Bytes per second per group, before and after compression", "timeseries", "Bps",
+         [("sum by (group) (rate(imerge_worker_uncompressed_bytes_total[1m]))", "group {{group}} fp32"),
+          ("sum by (group) (rate(imerge_worker_wire_bytes_total[1m]))", "group {{group}} on the wire")]),
         ("Flags per second", "timeseries", "none",
          [("rate(imerge_coordinator_flags_granted_total[1m])", "granted"),
           ("rate(imerge_coordinator_flags_contended_total[1m])", "contended"),

@@ -43,7 +43,11 @@ def plain_manifests() -> str:
     return MANIFEST_HEADER + "---\n" + "\n---\n".join(documents) + "\n"
 
 
+MANIFESTS = DEPLOY / "k8s" / "manifests" / "imerge.yaml"
+
+
 def derived_files() -> dict[Path, str]:
+    """The generated files but the plain manifests (rendered from the chart once these are written)."""
     files: dict[Path, str] = {}
     for name, text in render_dashboards().items():
         files[DEPLOY / "grafana" / "dashboards" / name] = text
@@ -52,14 +56,15 @@ def derived_files() -> dict[Path, str]:
     files[DEPLOY / "compose" / "prometheus.yml"] = prometheus_config(
         {role: f"{role}:{COMPOSE_METRICS_PORT}" for role in COMPOSE_ROLES}, "demo",
         Path("/etc/prometheus/rules.yml"), interval_s=5)
-    files[DEPLOY / "k8s" / "manifests" / "imerge.yaml"] = plain_manifests()
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
     check = "--check" in (argv if argv is not None else sys.argv[1:])
     stale = []
-    for path, text in derived_files().items():
+    # the manifests last, rendered once the chart's own copies (dashboards, rules) are written
+    for path, make in [*((p, lambda t=t: t) for p, t in derived_files().items()), (MANIFESTS, plain_manifests)]:
+        text = make()
         if path.exists() and path.read_text() == text:
             continue
         stale.append(str(path.relative_to(ROOT)))

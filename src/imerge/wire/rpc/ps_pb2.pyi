@@ -11,8 +11,19 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DENSE: _ClassVar[Encoding]
+    SPARSE: _ClassVar[Encoding]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+DENSE: Encoding
+SPARSE: Encoding
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "options_json")
@@ -23,20 +34,22 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., options_json: _Optional[str] = ...) -> None: ...
 
 class BlockSpec(_message.Message):
-    __slots__ = ("block_id", "dtype", "numel", "num_workers", "optimizer", "segments")
+    __slots__ = ("block_id", "dtype", "numel", "num_workers", "optimizer", "segments", "compression")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     dtype: DType
     numel: int
     num_workers: int
     optimizer: OptimizerSpec
     segments: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
+    compression: str
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., num_workers: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., segments: _Optional[_Iterable[int]] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class InitBlockChunk(_message.Message):
     __slots__ = ("spec", "data")
@@ -57,7 +70,7 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad", "assign", "loss_scale", "max_norm")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad", "assign", "loss_scale", "max_norm", "encoding", "nnz")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +84,8 @@ class PushHeader(_message.Message):
     ASSIGN_FIELD_NUMBER: _ClassVar[int]
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     MAX_NORM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
@@ -84,7 +99,9 @@ class PushHeader(_message.Message):
     assign: bool
     loss_scale: float
     max_norm: float
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ..., assign: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., max_norm: _Optional[float] = ...) -> None: ...
+    encoding: Encoding
+    nnz: int
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ..., assign: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., max_norm: _Optional[float] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., nnz: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -133,20 +150,24 @@ class FetchRequest(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TensorMeta(_message.Message):
-    __slots__ = ("block_id", "dtype", "numel", "round", "skipped", "grad_norm")
+    __slots__ = ("block_id", "dtype", "numel", "round", "skipped", "grad_norm", "encoding", "nnz")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    NNZ_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     dtype: DType
     numel: int
     round: int
     skipped: bool
     grad_norm: float
-    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ..., skipped: _Optional[bool] = ..., grad_norm: _Optional[float] = ...) -> None: ...
+    encoding: Encoding
+    nnz: int
+    def __init__(self, block_id: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., round: _Optional[int] = ..., skipped: _Optional[bool] = ..., grad_norm: _Optional[float] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., nnz: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("meta", "data")

@@ -1,0 +1,58 @@
+"""A push's payload on the shard: its encoding checked against the block's compression mode, then received.
+
+A dense fp32 gradient is written straight into the worker's row; an fp16 or
+bf16 one is widened into it; a top-k one is kept sparse, as it came, until the
+round averages. A payload is applied only once it arrived whole and its
+indices are in range: a bad one leaves the block as it was.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import torch
+
+from imerge.core.codec import ChunkAssembler, PayloadReceiver
+from imerge.core.compression import WIRE_DTYPES, expected_encoding
+from imerge.core.errors import InvalidArgument
+
+from .block import BlockMeta, BlockState
+
+
+def describe(dtype: str, nnz: int) -> str:
+    return f"dense {dtype}" if nnz < 0 else f"sparse {dtype} ({nnz} pairs)"
+
+
+def check_encoding(meta: BlockMeta, assign: bool, dtype: str, nnz: int, what: str) -> None:
+    """Refuse a payload whose encoding is not the one the block's mode makes (an assignment is dense fp32)."""
+    if dtype not in WIRE_DTYPES:
+        raise InvalidArgument(f"{what}: dtype {dtype} is not one of {', '.join(WIRE_DTYPES)}")
+    want_dtype, want_sparse = ("float32", False) if assign else expected_encoding(meta.compression)
+    if (dtype, nnz >= 0) != (want_dtype, want_sparse):
+        mode = meta.compression or "none"
+        raise InvalidArgument(f"{what}: a {describe(dtype, nnz)} payload, but the block's compression is {mode!r}, "
+                              f"whose {'assignments' if assign else 'gradients'} travel "
+                              f"{'sparse' if want_sparse else 'dense'} {want_dtype}")
+    if nnz > meta.numel:
+        raise InvalidArgument(f"{what}: {nnz} sparse pairs, more than the block's {meta.numel} elements")
+
+
+async def receive_gradient(block: BlockState, worker: int, dtype: str, nnz: int, data: AsyncIterator[bytes],
+                           what: str) -> torch.Tensor:
+    """Receive the worker's payload into its place on the block; return what arrived (the values checked for
+    finiteness)."""
+    if dtype == "float32" and nnz < 0:  # no compression: straight into the row
+        row = block.grads[worker]
+        assembler = ChunkAssembler(row, what)
+        async for chunk in data:
+            assembler.feed(chunk)
+        assembler.finish()
+        return row
+    receiver = PayloadReceiver(block.meta.numel, dtype, nnz, what)
+    async for chunk in data:
+        receiver.feed(chunk)
+    payload = receiver.finish()
+    if nnz >= 0:
+        block.sparse_grads[worker] = payload
+        return payload.values
+    block.grads[worker].copy_(payload.values)
+    return block.grads[worker]

@@ -1,0 +1,90 @@
+"""The worker's side of compression: each block's compressor (and its error-feedback residual), and the wire
+bytes of what goes out and comes back.
+
+A block's mode is fixed when the job's first plan is made (see
+:func:`imerge.core.compression.block_modes`); its compressor lives as long as
+the worker's engine, so a top-k residual carries over from one round to the
+next. Compression runs on the comm thread, once per sync of a block, after
+the group's device copy completed.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+import torch
+
+from imerge.core.compression import (CAST_MODES, Compressor, Payload, make_compressor, parse_mode, payload_bytes,
+                                     topk_count)
+from imerge.core.errors import UnsupportedUse
+from imerge.core.planning import BYTES_PER_ELEMENT
+from imerge.wire.encoding import dtype_name, nnz_of
+
+
+def finite(values: torch.Tensor) -> bool:
+    return math.isfinite(float(values.sum(dtype=torch.float32))) or bool(torch.isfinite(values).all())
+
+
+def payload_nbytes(payload: Payload | torch.Tensor) -> int:
+    return payload.nbytes if isinstance(payload, Payload) else payload.numel() * BYTES_PER_ELEMENT
+
+
+def meta_nbytes(meta: Any) -> int:
+    """The wire bytes of a pulled block, from its TensorMeta."""
+    return payload_bytes(meta.numel, dtype_name(meta.dtype, "pull"), nnz_of(meta))
+
+
+class Compression:
+    def __init__(self, modes: dict[str, str]):
+        self.modes = modes  # block id -> mode ("" none)
+        self._compressors: dict[str, Compressor] = {}
+
+    def mode(self, block_id: str) -> str:
+        return self.modes.get(block_id, "")
+
+    def compress(self, block: Any, grad: torch.Tensor, scaled: bool = False) -> Payload | torch.Tensor:
+        """The block's payload. An fp16 payload that overflowed is an error, unless the gradient is loss-scaled
+        (``scaled``: the grad scaler expects the overflow, and the shards skip the round)."""
+        mode = self.mode(block.block_id)
+        if not mode:
+            return grad
+        compressor = self._compressors.get(block.block_id)
+        if compressor is None:
+            compressor = self._compressors[block.block_id] = make_compressor(mode, block.numel)
+        payload = compressor.compress(grad)[0]
+        if mode == "fp16" and not scaled and not finite(payload.values) and finite(grad):
+            raise UnsupportedUse(f"block {block.block_id}: a gradient element beyond fp16's range (65504) "
+                                 f"became infinite with --compression fp16; use bf16 (fp32's range), or a grad "
+                                 f"scaler (model.grad_scaler()), which skips such a round")
+        return payload
+
+    def estimate(self, block: Any) -> int:
+        """The bytes a push of the block will carry (before it is compressed)."""
+        kind, ratio = parse_mode(self.mode(block.block_id))
+        if kind == "topk":
+            return payload_bytes(block.numel, "float32", topk_count(ratio, block.numel))
+        return payload_bytes(block.numel, CAST_MODES.get(kind, "float32"), -1)
+
+    @staticmethod
+    def nbytes(item: tuple) -> int:
+        return payload_nbytes(item[1])
+
+    @staticmethod
+    def still_without_grad(block: Any, payload: Payload, no_grad: tuple[int, ...], flat: Any) -> tuple[int, ...]:
+        """The pieces without gradient that the payload carries nothing of. A top-k payload may carry a piece's
+        residual from earlier rounds although the piece got no gradient now: that piece is stepped with it."""
+        if not payload.sparse:
+            return no_grad
+        starts, start = [], 0
+        for _, numel in flat.pieces(block):
+            starts.append(start)
+            start += numel
+        starts.append(start)
+        indices = payload.indices.tolist()
+        kept = []
+        for piece in no_grad:
+            first = bisect.bisect_left(indices, starts[piece])
+            if first == len(indices) or indices[first] >= starts[piece + 1]:
+                kept.append(piece)
+        return tuple(kept)

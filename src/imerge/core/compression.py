@@ -1,0 +1,222 @@
+"""Compression of the data on the wire: one interface, Horovod style, and the payloads it makes.
+
+A compressor turns a block's flat fp32 tensor into a :class:`Payload` and a
+context (``compress(tensor) -> (payload, ctx)``) and back
+(``decompress(payload, ctx) -> tensor``):
+
+* ``none``: the fp32 tensor itself (dense).
+* ``fp16`` / ``bf16``: the tensor rounded to that type (dense, half the bytes).
+* ``topk``: the ``ratio`` largest elements by magnitude, as (indices, fp32
+  values), with error feedback: what a worker did not send is its residual,
+  added to its next gradient of that block before the selection.
+
+A block's *mode* (``"fp16"``, ``"bf16"``, ``"topk:0.01"``, ``""`` for none)
+is fixed when the block is created (``BlockSpec.compression``): the shard
+refuses a push whose encoding disagrees with it. ``mixed`` chooses per group:
+groups under a byte threshold fp16, larger ones top-k.
+
+On the wire a dense payload is its values' bytes; a sparse one is ``nnz``
+little-endian int32 indices (strictly increasing) followed by ``nnz`` values.
+Pure: no grpc, no redis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import torch
+
+from imerge.core.errors import ConfigError, InvalidArgument
+
+MODES = ("none", "fp16", "bf16", "topk", "mixed")
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CAST_MODES = {"fp16": "float16", "bf16": "bfloat16"}
+INDEX_BYTES = 4  # int32: a block holds at most 2**31 - 1 elements
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """What travels of one block: dense values, or (indices, values) of a sparse tensor."""
+
+    values: torch.Tensor                  # contiguous CPU float32 / float16 / bfloat16
+    indices: torch.Tensor | None = None   # int32, strictly increasing (sparse)
+    length: int = -1                      # sparse: the dense tensor's element count
+
+    @property
+    def numel(self) -> int:
+        """The elements of the tensor it stands for (a sparse payload's dense size)."""
+        return self.length if self.sparse else self.values.numel()
+
+    @property
+    def dtype(self) -> str:
+        return str(self.values.dtype).removeprefix("torch.")
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
+
+    @property
+    def nnz(self) -> int:
+        return self.values.numel() if self.sparse else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(part) for part in self.parts())
+
+    def parts(self) -> list[memoryview]:
+        """The payload's bytes as they go on the wire, without a copy: [indices,] values."""
+        tensors = [self.indices, self.values] if self.sparse else [self.values]
+        return [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
+
+
+class Compressor(Protocol):
+    mode: str
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]: ...
+
+    def decompress(self, payload: Payload, numel: int) -> torch.Tensor: ...
+
+
+class NoneCompressor:
+    mode = ""
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
+        return Payload(tensor), tensor.numel()
+
+    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
+        return payload.values
+
+
+class CastCompressor:
+    """The tensor rounded to fp16 or bf16 (round to nearest even, as ``Tensor.to``)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.dtype = WIRE_DTYPES[CAST_MODES[mode]]
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
+        return Payload(tensor.to(self.dtype)), tensor.numel()
+
+    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
+        return payload.values.float()
+
+
+def topk_count(ratio: float, numel: int) -> int:
+    """Elements a top-k payload of a block of ``numel`` carries: ceil(ratio * numel), at least 1."""
+    return min(numel, max(1, math.ceil(ratio * numel)))
+
+
+def select_topk(tensor: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (int64, increasing) of the ``k`` elements of largest magnitude."""
+    return torch.topk(tensor.abs(), k, sorted=False).indices.sort().values
+
+
+class TopKCompressor:
+    """Top-k by magnitude with error feedback: one instance per block (it holds the block's residual)."""
+
+    def __init__(self, ratio: float, numel: int):
+        self.mode = f"topk:{ratio:g}"
+        self.k = topk_count(ratio, numel)
+        self.residual = torch.zeros(numel)
+
+    def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
+        corrected = tensor + self.residual
+        indices = select_topk(corrected, self.k)
+        values = corrected[indices]
+        corrected[indices] = 0.0
+        self.residual = corrected
+        return Payload(values, indices.to(torch.int32), tensor.numel()), tensor.numel()
+
+    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
+        return densify(payload, numel)
+
+
+def densify(payload: Payload, numel: int) -> torch.Tensor:
+    dense = torch.zeros(numel)
+    dense[payload.indices.long()] = payload.values.float()
+    return dense
+
+
+def make_compressor(mode: str, numel: int) -> Compressor:
+    """The compressor of a block whose mode is ``mode`` (see :func:`parse_mode`)."""
+    kind, ratio = parse_mode(mode)
+    if kind == "topk":
+        return TopKCompressor(ratio, numel)
+    return CastCompressor(kind) if kind in CAST_MODES else NoneCompressor()
+
+
+def parse_mode(mode: str) -> tuple[str, float]:
+    """A block's mode as (kind, top-k ratio): "" -> ("none", 0), "fp16", "bf16", "topk:0.01"."""
+    kind, _, ratio = mode.partition(":")
+    if mode in ("", "none"):
+        return "none", 0.0
+    if kind in CAST_MODES and not ratio:
+        return kind, 0.0
+    if kind == "topk":
+        try:
+            value = float(ratio)
+        except ValueError:
+            value = math.nan
+        if 0 < value <= 1:
+            return "topk", value
+    raise InvalidArgument(f"compression {mode!r} is not one of '', fp16, bf16, topk:<ratio in (0, 1]>")
+
+
+def expected_encoding(mode: str) -> tuple[str, bool]:
+    """(dtype, sparse) of a gradient payload of a block in ``mode``."""
+    kind, _ = parse_mode(mode)
+    return CAST_MODES.get(kind, "float32"), kind == "topk"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionSpec:
+    """What a run compresses: ``mode`` (none, fp16, bf16, topk, mixed), the top-k ``ratio``, and for mixed the
+    group size under which a group goes fp16 (``threshold_bytes``) rather than top-k."""
+
+    mode: str = "none"
+    ratio: float = 0.01
+    threshold_bytes: int = 256 << 10
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--compression: {self.mode!r} is not one of {', '.join(MODES)}")
+        if not 0 < self.ratio <= 1:
+            raise ConfigError(f"--topk-ratio: {self.ratio} is not in (0, 1]")
+        if self.threshold_bytes < 0:
+            raise ConfigError(f"--mixed-threshold-kib: {self.threshold_bytes / 1024:g} is negative")
+
+    def block_mode(self, group_bytes: int) -> str:
+        """The mode of a block of a group of ``group_bytes`` (fp32) bytes."""
+        if self.mode == "mixed":
+            return "fp16" if group_bytes < self.threshold_bytes else f"topk:{self.ratio:g}"
+        if self.mode == "topk":
+            return f"topk:{self.ratio:g}"
+        return "" if self.mode == "none" else self.mode
+
+
+def payload_bytes(numel: int, dtype: str, nnz: int) -> int:
+    """The wire bytes of a payload: dense (``nnz`` -1) or ``nnz`` (index, value) pairs."""
+    itemsize = WIRE_DTYPES[dtype].itemsize
+    return numel * itemsize if nnz < 0 else nnz * (INDEX_BYTES + itemsize)
+
+
+def check_sparse(indices: torch.Tensor, numel: int, what: str) -> None:
+    """Refuse indices outside 0..numel-1 or not strictly increasing (a repeated index would count twice)."""
+    if indices.numel() == 0:
+        return
+    if int(indices[0]) < 0 or int(indices[-1]) >= numel:
+        raise InvalidArgument(f"{what}: sparse indices outside 0..{numel - 1} "
+                              f"(from {int(indices[0])} to {int(indices[-1])})")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise InvalidArgument(f"{what}: sparse indices are not strictly increasing")
+
+
+def block_modes(spec: CompressionSpec, plan) -> dict[str, str]:
+    """Each block's mode, by the size of its group in ``plan`` (the job's first plan: a block keeps its mode when a
+    cost plan regroups the blocks later)."""
+    modes = {}
+    for group in plan.groups:
+        for index in group.blocks:
+            modes[plan.blocks[index].block_id] = spec.block_mode(group.numel * 4)
+    return modes

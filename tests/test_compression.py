@@ -1,0 +1,209 @@
+"""Compression on the wire: each mode equals one process that compresses every worker's gradient the same way."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import imerge
+from imerge.core.compression import CompressionSpec, TopKCompressor, block_modes, parse_mode
+from imerge.core.errors import ConfigError
+from imerge.core.optim import OptimizerSpec
+from imerge.workloads.models import build_model
+
+WORKERS, SHARDS, STEPS, BATCH = 2, 2, 12, 16
+SGD = OptimizerSpec("sgd", lr=0.05)
+SGD_MOMENTUM = OptimizerSpec("sgd", lr=0.05, momentum=0.9, weight_decay=5e-4)
+ADAM = OptimizerSpec("adam", lr=1e-3)
+CASES = {  # id: (optimizer, worker options)
+    "fp16": (SGD_MOMENTUM, {"compression": "fp16"}),
+    "bf16": (ADAM, {"compression": "bf16"}),
+    "topk-sparse-pulls": (SGD, {"compression": "topk", "topk_ratio": 0.05}),
+    "topk-momentum": (SGD_MOMENTUM, {"compression": "topk", "topk_ratio": 0.02}),
+    "mixed": (SGD, {"compression": "mixed", "topk_ratio": 0.1, "mixed_threshold_kib": 2}),
+}
+
+
+def batches(seed: int = 3):
+    generator = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(BATCH, 1, 8, 8, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator))
+             for _ in range(WORKERS)] for _ in range(STEPS)]
+
+
+def wire_bytes(engine, direction: str) -> tuple[float, float]:
+    """(fp32 bytes, wire bytes) this worker's syncs moved in ``direction``."""
+    totals = {"imerge_worker_uncompressed_bytes_total": 0.0, "imerge_worker_wire_bytes_total": 0.0}
+    for family in engine.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name in totals and sample.labels.get("direction") == direction:
+                totals[sample.name] += sample.value
+    return tuple(totals.values())
+
+
+def distributed_run(cluster, spec, data, options):
+    models = [build_model("digits-cnn", seed=0) for _ in range(WORKERS)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], spec, cluster.worker_config(rank, **options))
+        engine = model.engine
+        layout = sorted((engine.flat.range[pid][0], engine.hooks.names[pid], engine.flat.range[pid][1])
+                        for pid in engine.flat.range)
+        blocks = [(b.offset, b.numel, engine.comm.compression.mode(b.block_id)) for b in engine.plan.blocks]
+        for step in data:
+            x, y = step[rank]
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.close()
+        params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        return params, layout, sorted(blocks), wire_bytes(engine, "push"), wire_bytes(engine, "pull")
+
+    return cluster.run_workers(body)
+
+
+class ReferenceCompression:
+    """Written from the documented semantics, independently of the product's compressors."""
+
+    def __init__(self, mode: str, numel: int):
+        self.kind, ratio = parse_mode(mode)
+        self.k = min(numel, max(1, math.ceil(ratio * numel)))
+        self.residual = torch.zeros(numel)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient as the shard will see it (dense fp32)."""
+        if self.kind == "fp16":
+            return grad.half().float()
+        if self.kind == "bf16":
+            return grad.bfloat16().float()
+        if self.kind == "none":
+            return grad
+        corrected = grad + self.residual
+        sent = torch.zeros_like(corrected)
+        chosen = torch.topk(corrected.abs(), self.k).indices
+        sent[chosen] = corrected[chosen]
+        self.residual = corrected - sent
+        return sent
+
+    def received(self, params: torch.Tensor) -> torch.Tensor:
+        """What a worker holds of the shard's parameters after a pull (or the first fetch)."""
+        if self.kind in ("fp16", "bf16"):
+            return params.half().float() if self.kind == "fp16" else params.bfloat16().float()
+        return params.clone()
+
+
+def reference_run(spec, data, layout, blocks) -> dict[str, torch.Tensor]:
+    master = build_model("digits-cnn", seed=0)
+    optimizer = spec.build(list(master.parameters()))
+    named = dict(master.named_parameters())
+    worker_model = build_model("digits-cnn", seed=0)
+    worker_named = dict(worker_model.named_parameters())
+
+    def flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tensors[name].detach().reshape(-1) for _, name, _ in layout])
+
+    def unflat(vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: vector[offset:offset + numel].view_as(named[name]) for offset, name, numel in layout}
+
+    compressors = [[ReferenceCompression(mode, numel) for _, numel, mode in blocks] for _ in range(WORKERS)]
+
+    def received() -> torch.Tensor:
+        master_flat = flat(named)
+        return torch.cat([compressors[0][i].received(master_flat[offset:offset + numel])
+                          for i, (offset, numel, _) in enumerate(blocks)])
+
+    held = received()
+    for step in data:
+        with torch.no_grad():
+            for name, value in unflat(held).items():
+                worker_named[name].copy_(value)
+        total = None
+        for rank, (x, y) in enumerate(step):
+            worker_model.zero_grad()
+            torch.nn.functional.cross_entropy(worker_model(x), y).backward()
+            grad = flat({n: p.grad for n, p in worker_named.items()})
+            seen = torch.cat([compressors[rank][i](grad[offset:offset + numel])
+                              for i, (offset, numel, _) in enumerate(blocks)])
+            total = seen.clone() if total is None else total.add_(seen)
+        for name, value in unflat(total.div_(WORKERS)).items():
+            named[name].grad = value.clone()
+        optimizer.step()
+        held = received()
+    return {name: value.clone() for name, value in unflat(held).items()}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_mode_equals_one_process_that_compresses_the_same_way(cluster, case):
+    spec, options = CASES[case]
+    data = batches()
+    results = distributed_run(cluster(WORKERS, SHARDS), spec, data, options)
+    _, layout, blocks, (push_raw, push_wire), (pull_raw, pull_wire) = results[0]
+    expected = reference_run(spec, data, layout, blocks)
+    initial = dict(build_model("digits-cnn", seed=0).named_parameters())
+    for worker, (params, *_) in enumerate(results):
+        for name, value in expected.items():
+            assert not torch.equal(value, initial[name]), f"{name} never trained"
+            torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0,
+                                       msg=lambda m: f"{case}, worker {worker}, {name}: {m}")
+    modes = {parse_mode(mode)[0] for *_, mode in blocks}
+    assert push_raw > 0 and pull_raw > 0
+    if case in ("fp16", "bf16"):
+        assert modes == {case} and push_wire == push_raw / 2 and pull_wire == pull_raw / 2
+    if case == "topk-sparse-pulls":  # plain SGD changes only what some worker sent: the pulls are sparse
+        assert push_wire < 0.1 * push_raw + 1024 and pull_wire < 0.5 * pull_raw, (push_wire, pull_wire)
+    if case == "mixed":
+        assert modes == {"fp16", "topk"}, blocks
+
+
+def test_topk_error_feedback_sends_the_residual_later():
+    compressor = TopKCompressor(0.25, 8)
+    payload, _ = compressor.compress(torch.tensor([0.0, 5.0, 0.0, 1.0, 0.0, 0.0, -3.0, 0.5]))
+    assert payload.indices.tolist() == [1, 6] and payload.values.tolist() == [5.0, -3.0]
+    assert compressor.residual.tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.5]
+    payload, _ = compressor.compress(torch.tensor([0.0, 0.1, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    assert payload.indices.tolist() == [3, 7] and payload.values.tolist() == [2.0, 0.5]  # 1 + 1, and 0.5 held over
+    assert compressor.decompress(payload, 8).tolist() == [0, 0, 0, 2.0, 0, 0, 0, 0.5]
+
+
+def test_mixed_sends_small_groups_fp16_and_large_ones_topk():
+    spec = CompressionSpec("mixed", ratio=0.01, threshold_bytes=1024)
+    assert spec.block_mode(1000) == "fp16" and spec.block_mode(1024) == "topk:0.01"
+    assert CompressionSpec("bf16").block_mode(1 << 30) == "bf16" and CompressionSpec().block_mode(8) == ""
+
+    class Plan:  # the two attributes block_modes reads
+        blocks = [type("B", (), {"block_id": i}) for i in "abc"]
+        groups = [type("G", (), {"numel": 100, "blocks": (0,)}), type("G", (), {"numel": 1000, "blocks": (1, 2)})]
+
+    assert block_modes(spec, Plan) == {"a": "fp16", "b": "topk:0.01", "c": "topk:0.01"}
+
+
+def test_bad_compression_options_name_the_option():
+    from imerge.worker.config import WorkerConfig
+
+    for options, option in (({"compression": "zip"}, "compression"), ({"topk_ratio": 0.0}, "topk"),
+                            ({"compression": "topk", "interleave_period": 2}, "interleave-period")):
+        with pytest.raises(ConfigError, match=option):
+            WorkerConfig(**options)
+
+
+def test_a_grad_scaler_with_topk_is_refused_naming_the_cause(cluster):
+    from imerge.core.errors import UnsupportedUse
+
+    c = cluster(1, 1)
+    model = imerge.distribute(build_model("digits-cnn", seed=0), SGD, c.worker_config(0, compression="topk"))
+    try:
+        with pytest.raises(UnsupportedUse, match="grad_scaler\\(\\) with --compression topk: the top-k residual"):
+            model.grad_scaler()
+    finally:
+        model.abort()
+
+
+def test_an_fp16_overflow_raises_naming_the_cause_instead_of_pushing_infinity(cluster):
+    from imerge.core.errors import UnsupportedUse
+
+    c = cluster(1, 1)
+    model = imerge.distribute(torch.nn.Linear(4, 2), SGD, c.worker_config(0, compression="fp16"))
+    try:
+        model(torch.full((3, 4), 1e6)).sum().backward()  # weight gradient 3e6: beyond fp16's 65504
+        with pytest.raises(UnsupportedUse, match=r"beyond fp16's range \(65504\) .* use bf16"):
+            model.synchronize()
+    finally:
+        model.abort()
