@@ -21,6 +21,7 @@ CASES = {  # id: (optimizer, worker options)
     "bf16": (ADAM, {"compression": "bf16"}),
     "topk-sparse-pulls": (SGD, {"compression": "topk", "topk_ratio": 0.05}),
     "topk-momentum": (SGD_MOMENTUM, {"compression": "topk", "topk_ratio": 0.02}),
+    "topk-bounded-pulls": (SGD_MOMENTUM, {"compression": "topk", "topk_ratio": 0.02, "topk_pull_ratio": 0.03}),
     "mixed": (SGD, {"compression": "mixed", "topk_ratio": 0.1, "mixed_threshold_kib": 2}),
 }
 
@@ -64,9 +65,12 @@ class ReferenceCompression:
     """Written from the documented semantics, independently of the product's compressors."""
 
     def __init__(self, mode: str, numel: int):
-        self.kind, ratio = parse_mode(mode)
-        self.k = min(numel, max(1, math.ceil(ratio * numel)))
+        block = parse_mode(mode)
+        self.kind = block.kind
+        self.k = min(numel, max(1, math.ceil(block.ratio * numel)))
+        self.pull_k = min(numel, max(1, math.ceil(block.pull_ratio * numel))) if block.pull_ratio else numel
         self.residual = torch.zeros(numel)
+        self.held = None  # top-k: what the workers hold of the block
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient as the shard will see it (dense fp32)."""
@@ -87,7 +91,15 @@ class ReferenceCompression:
         """What a worker holds of the shard's parameters after a pull (or the first fetch)."""
         if self.kind in ("fp16", "bf16"):
             return params.half().float() if self.kind == "fp16" else params.bfloat16().float()
-        return params.clone()
+        if self.kind == "none":
+            return params.clone()
+        if self.held is None:  # the first fetch: every element
+            self.held = params.clone()
+        changed = (params != self.held).nonzero().reshape(-1)
+        if changed.numel() > self.pull_k:  # the largest changes; the others are owed
+            changed = torch.topk((params - self.held).abs(), self.pull_k).indices
+        self.held[changed] = params[changed]
+        return self.held.clone()
 
 
 def reference_run(spec, data, layout, blocks) -> dict[str, torch.Tensor]:
@@ -143,12 +155,14 @@ def test_each_mode_equals_one_process_that_compresses_the_same_way(cluster, case
             assert not torch.equal(value, initial[name]), f"{name} never trained"
             torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0,
                                        msg=lambda m: f"{case}, worker {worker}, {name}: {m}")
-    modes = {parse_mode(mode)[0] for *_, mode in blocks}
+    modes = {parse_mode(mode).kind for *_, mode in blocks}
     assert push_raw > 0 and pull_raw > 0
     if case in ("fp16", "bf16"):
         assert modes == {case} and push_wire == push_raw / 2 and pull_wire == pull_raw / 2
     if case == "topk-sparse-pulls":  # plain SGD changes only what some worker sent: the pulls are sparse
         assert push_wire < 0.1 * push_raw + 1024 and pull_wire < 0.5 * pull_raw, (push_wire, pull_wire)
+    if case == "topk-bounded-pulls":  # at most 3% of each block as index + value: 6% of the fp32 bytes
+        assert pull_wire <= 0.07 * pull_raw, (pull_wire, pull_raw)
     if case == "mixed":
         assert modes == {"fp16", "topk"}, blocks
 

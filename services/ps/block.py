@@ -15,8 +15,9 @@ Compression (:mod:`imerge.core.compression`, the block's ``compression``
 mode): fp16/bf16 gradients are widened into the fp32 rows and the snapshot
 holds the parameters in that dtype; a top-k block keeps each worker's sparse
 gradient as it came (no dense row) and adds them in worker order into the
-mean, and its snapshot is the sparse update of the parameters the step
-changed (dense where that is smaller, and after an assignment).
+mean, and its snapshot is the sparse update of what every worker holds
+(``held``): the parameters that changed, or the largest changes when a pull
+ratio bounds it (dense where that is smaller, and after an assignment).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.compression import CAST_MODES, INDEX_BYTES, WIRE_DTYPES, Payload, parse_mode
+from imerge.core.compression import WIRE_DTYPES, Payload, parse_mode, sparse_update
 from imerge.core.errors import FailedPrecondition, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -61,15 +62,14 @@ class Snapshot:
         return self.nnz >= 0
 
 
-def snapshot_of(param: torch.Tensor, mode: str = "", before: torch.Tensor | None = None) -> Snapshot:
-    """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, with ``before``
-    (the parameters the workers hold), the sparse update of the elements that changed where that is smaller."""
-    kind, _ = parse_mode(mode)
-    payload = Payload(param.to(WIRE_DTYPES[CAST_MODES[kind]]) if kind in CAST_MODES else param)
-    if kind == "topk" and before is not None:
-        changed = (param != before).nonzero().reshape(-1)
-        if changed.numel() * (INDEX_BYTES + 4) < param.numel() * 4:
-            payload = Payload(param[changed], changed.to(torch.int32), param.numel())
+def snapshot_of(param: torch.Tensor, mode: str = "", held: torch.Tensor | None = None) -> Snapshot:
+    """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, given what the
+    workers hold (``held``, brought up to date), the sparse update (see :func:`sparse_update`)."""
+    block = parse_mode(mode)
+    if held is not None:
+        payload = sparse_update(param, held, block.pull_ratio)
+    else:
+        payload = Payload(param.to(WIRE_DTYPES[block.cast]) if block.cast != "float32" else param)
     parts = payload.parts()
     frames = [frame for part in parts for frame in data_frames(part, CHUNK_BYTES)]
     return Snapshot(frames, param.numel(), payload.dtype, payload.nnz if payload.sparse else -1,
@@ -103,7 +103,8 @@ class BlockState:
         self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
         self.optimizer = meta.optimizer.build(self.pieces)
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
-        self.sparse = parse_mode(meta.compression)[0] == "topk"
+        self.sparse = parse_mode(meta.compression).kind == "topk"
+        self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters
         self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
         self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
         self.round = 0
@@ -126,8 +127,15 @@ class BlockState:
         return self._grads
 
     def full_snapshot(self) -> Snapshot:
-        """What a fetch sends: every element (a top-k block's pull snapshot is an update of the last round)."""
-        return snapshot_of(self.flat) if self.snapshot.sparse else self.snapshot
+        """What a fetch sends: every element of what the workers hold (a top-k block's pull snapshot is an update
+        of it)."""
+        return snapshot_of(self.held) if self.sparse else self.snapshot
+
+    def reset_held(self) -> Snapshot:
+        """After an assignment or an import: the workers will hold the parameters as they are (every element)."""
+        if self.sparse:
+            self.held.copy_(self.flat)
+        return snapshot_of(self.flat, self.meta.compression)
 
     @classmethod
     def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
@@ -189,21 +197,20 @@ class BlockState:
         with torch.no_grad():
             if options.assign:  # every element: the workers' copies may differ from the parameters anywhere
                 self.flat.copy_(self.grads[0])
-                return snapshot_of(self.flat, self.meta.compression)
+                return self.reset_held()
             if total.found_inf:
-                return snapshot_of(self.flat, self.meta.compression, self.flat) if self.sparse else self.snapshot
+                return snapshot_of(self.flat, self.meta.compression, self.held) if self.sparse else self.snapshot
             if options.max_norm:
                 mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
                           .clamp(max=1.0))
         for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
             piece.grad = None if index in no_grad else mean[start:end]
         apply_hypers(self.optimizer, self.hypers, options.hypers)
-        before = self.flat.clone() if self.sparse else None
         with metrics.optimizer_step.time():
             self.optimizer.step()
         for piece in self.pieces:
             piece.grad = None
-        return snapshot_of(self.flat, self.meta.compression, before)
+        return snapshot_of(self.flat, self.meta.compression, self.held)
 
     def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
         """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the

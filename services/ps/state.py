@@ -33,7 +33,7 @@ from imerge.core.compression import parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 
-from .block import BlockMeta, BlockState, all_finite, snapshot_of
+from .block import BlockMeta, BlockState, all_finite
 from .payloads import check_encoding, receive_gradient
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
@@ -353,7 +353,7 @@ class Shard:
             with torch.no_grad():
                 block.flat.copy_(param)
             block.load_state(state)
-            block.snapshot = snapshot_of(block.flat, block.meta.compression)
+            block.snapshot = block.reset_held()
 
     def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
         self.check_generation(generation, f"fetch of block {block_id}")

@@ -50,6 +50,10 @@ class ScheduleConfig:
                               choices=MODES)
     topk_ratio: float = option(0.01, "with --compression topk or mixed: the fraction of a block's gradient elements "
                                      "pushed (the largest by magnitude)")
+    topk_pull_ratio: float = option(0.0, "with --compression topk or mixed: the most a pull sends of a block, as a "
+                                          "fraction of its parameters (the largest changes since what the workers "
+                                          "hold; the rest follow in later pulls); 0: every parameter that changed, "
+                                          "so the workers' copies stay exact")
     mixed_threshold_kib: float = option(256.0, "with --compression mixed: groups smaller than this (fp32 KiB) "
                                                "travel fp16, larger ones topk")
     buffers: str = option("broadcast", "model buffers (BatchNorm statistics): broadcast (worker 0's before every "
@@ -67,12 +71,14 @@ class ScheduleConfig:
         require(self.profile_iters >= 2, "profile_iters", "must be at least 2")
         require(0 < self.topk_ratio <= 1, "topk_ratio", "must lie in (0, 1]")
         require(self.mixed_threshold_kib >= 0, "mixed_threshold_kib", "must be >= 0")
+        require(0 <= self.topk_pull_ratio <= 1, "topk_pull_ratio", "must lie in [0, 1]")
         require(self.interleave_period == 1 or self.compression in ("none", "fp16", "bf16"), "compression",
                 f"{self.compression} needs --interleave-period 1: a top-k pull sends only the parameters the "
                 "shard changed, which would leave a worker's local steps in place")
 
     def compression_spec(self) -> CompressionSpec:
-        return CompressionSpec(self.compression, self.topk_ratio, int(self.mixed_threshold_kib * 1024))
+        return CompressionSpec(self.compression, self.topk_ratio, int(self.mixed_threshold_kib * 1024),
+                               self.topk_pull_ratio)
 
     def plan_options(self) -> PlanOptions:
         return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),

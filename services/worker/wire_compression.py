@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from imerge.core.compression import (CAST_MODES, Compressor, Payload, make_compressor, parse_mode, payload_bytes,
+from imerge.core.compression import (Compressor, Payload, make_compressor, parse_mode, payload_bytes,
                                      topk_count)
 from imerge.core.errors import UnsupportedUse
 from imerge.core.planning import BYTES_PER_ELEMENT
@@ -61,10 +61,10 @@ class Compression:
 
     def estimate(self, block: Any) -> int:
         """The bytes a push of the block will carry (before it is compressed)."""
-        kind, ratio = parse_mode(self.mode(block.block_id))
-        if kind == "topk":
-            return payload_bytes(block.numel, "float32", topk_count(ratio, block.numel))
-        return payload_bytes(block.numel, CAST_MODES.get(kind, "float32"), -1)
+        mode = parse_mode(self.mode(block.block_id))
+        if mode.kind == "topk":
+            return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
+        return payload_bytes(block.numel, mode.cast, -1)
 
     @staticmethod
     def nbytes(item: tuple) -> int:

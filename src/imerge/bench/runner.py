@@ -42,6 +42,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
 SCHEDULES = tuple(STRATEGIES)  # the strategies without compression
 STRATEGIES.update({f"imerge-{mode}": dict(fusion="cost", priority=True, slots="ack", compression=mode)
                    for mode in ("fp16", "bf16", "topk", "mixed")})
+STRATEGIES["imerge-topk-pull"] = dict(STRATEGIES["imerge-topk"], topk_pull_ratio=0.01)
 INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
 INCAST["slots-ack-group"] = STRATEGIES["imerge-group"]
 

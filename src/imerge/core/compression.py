@@ -138,35 +138,75 @@ def densify(payload: Payload, numel: int) -> torch.Tensor:
     return dense
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockMode:
+    """How one block's data travel: ``kind`` (none, fp16, bf16, topk), the top-k ``ratio`` of a push, and the
+    most a pull sends of the block (``pull_ratio``; 0: every parameter that changed)."""
+
+    kind: str = "none"
+    ratio: float = 0.0
+    pull_ratio: float = 0.0
+
+    def __str__(self) -> str:
+        if self.kind != "topk":
+            return "" if self.kind == "none" else self.kind
+        return f"topk:{self.ratio:g}" + (f":{self.pull_ratio:g}" if self.pull_ratio else "")
+
+    @property
+    def cast(self) -> str:
+        """The wire dtype of a dense payload."""
+        return CAST_MODES.get(self.kind, "float32")
+
+
 def make_compressor(mode: str, numel: int) -> Compressor:
     """The compressor of a block whose mode is ``mode`` (see :func:`parse_mode`)."""
-    kind, ratio = parse_mode(mode)
-    if kind == "topk":
-        return TopKCompressor(ratio, numel)
-    return CastCompressor(kind) if kind in CAST_MODES else NoneCompressor()
+    block = parse_mode(mode)
+    if block.kind == "topk":
+        return TopKCompressor(block.ratio, numel)
+    return CastCompressor(block.kind) if block.kind in CAST_MODES else NoneCompressor()
 
 
-def parse_mode(mode: str) -> tuple[str, float]:
-    """A block's mode as (kind, top-k ratio): "" -> ("none", 0), "fp16", "bf16", "topk:0.01"."""
-    kind, _, ratio = mode.partition(":")
+def _ratio(text: str, zero_ok: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        return math.nan
+    return value if (0 <= value <= 1 if zero_ok else 0 < value <= 1) else math.nan
+
+
+def parse_mode(mode: str) -> BlockMode:
+    """A block's mode: "" (none), "fp16", "bf16", "topk:<ratio>" or "topk:<ratio>:<pull ratio>"."""
+    kind, *ratios = mode.split(":")
     if mode in ("", "none"):
-        return "none", 0.0
-    if kind in CAST_MODES and not ratio:
-        return kind, 0.0
-    if kind == "topk":
-        try:
-            value = float(ratio)
-        except ValueError:
-            value = math.nan
-        if 0 < value <= 1:
-            return "topk", value
-    raise InvalidArgument(f"compression {mode!r} is not one of '', fp16, bf16, topk:<ratio in (0, 1]>")
+        return BlockMode()
+    if kind in CAST_MODES and not ratios:
+        return BlockMode(kind)
+    if kind == "topk" and len(ratios) in (1, 2):
+        ratio, pull = _ratio(ratios[0], False), _ratio(ratios[1], True) if len(ratios) == 2 else 0.0
+        if not (math.isnan(ratio) or math.isnan(pull)):
+            return BlockMode("topk", ratio, pull)
+    raise InvalidArgument(f"compression {mode!r} is not one of '', fp16, bf16, topk:<ratio in (0, 1]>"
+                          f"[:<pull ratio in [0, 1]>]")
 
 
 def expected_encoding(mode: str) -> tuple[str, bool]:
     """(dtype, sparse) of a gradient payload of a block in ``mode``."""
-    kind, _ = parse_mode(mode)
-    return CAST_MODES.get(kind, "float32"), kind == "topk"
+    block = parse_mode(mode)
+    return block.cast, block.kind == "topk"
+
+
+def sparse_update(param: torch.Tensor, held: torch.Tensor, pull_ratio: float) -> Payload:
+    """What a pull of a top-k block sends, given what the workers hold (``held``, brought up to date in place):
+    every parameter that changed, or with ``pull_ratio`` at most that fraction of the block, the largest changes
+    (the rest stay owed, like a push's residual). Sparse (index + fp32 value) where smaller than dense."""
+    changed = (param != held).nonzero().reshape(-1)
+    limit = topk_count(pull_ratio, param.numel()) if pull_ratio else param.numel()
+    if changed.numel() > limit:
+        changed = select_topk(param - held, limit)
+    held[changed] = param[changed]
+    if changed.numel() * (INDEX_BYTES + 4) < param.numel() * 4:
+        return Payload(held[changed], changed.to(torch.int32), param.numel())
+    return Payload(held)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +217,7 @@ class CompressionSpec:
     mode: str = "none"
     ratio: float = 0.01
     threshold_bytes: int = 256 << 10
+    pull_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -185,13 +226,16 @@ class CompressionSpec:
             raise ConfigError(f"--topk-ratio: {self.ratio} is not in (0, 1]")
         if self.threshold_bytes < 0:
             raise ConfigError(f"--mixed-threshold-kib: {self.threshold_bytes / 1024:g} is negative")
+        if not 0 <= self.pull_ratio <= 1:
+            raise ConfigError(f"--topk-pull-ratio: {self.pull_ratio} is not in [0, 1]")
 
     def block_mode(self, group_bytes: int) -> str:
         """The mode of a block of a group of ``group_bytes`` (fp32) bytes."""
+        topk = str(BlockMode("topk", self.ratio, self.pull_ratio))
         if self.mode == "mixed":
-            return "fp16" if group_bytes < self.threshold_bytes else f"topk:{self.ratio:g}"
+            return "fp16" if group_bytes < self.threshold_bytes else topk
         if self.mode == "topk":
-            return f"topk:{self.ratio:g}"
+            return topk
         return "" if self.mode == "none" else self.mode
 
 
