@@ -221,3 +221,18 @@ def test_an_fp16_overflow_raises_naming_the_cause_instead_of_pushing_infinity(cl
             model.synchronize()
     finally:
         model.abort()
+
+
+def test_bench_compression_reports_the_cpu_cost_and_the_bytes_of_every_mode():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "compression", "--iters", "1", "--workers", "2"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): [float(cell) for cell in line.split("|")[2:-1]]
+            for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| mode")}
+    assert set(rows) == {"none", "fp16", "bf16", "topk"}, result.stdout
+    assert rows["fp16"][2] == pytest.approx(rows["none"][2] / 2, rel=1e-3)  # push MB: half of fp32
+    assert rows["topk"][2] < 0.03 * rows["none"][2] and rows["none"][4] == 0.0  # 1% as index + value
+    assert all(cpu >= 0 for row in rows.values() for cpu in row[:2])

@@ -130,6 +130,13 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     config = from_namespace(BenchConfig, args)
     logging.basicConfig(level=logging.WARNING, format="imerge bench: %(message)s")
+    if args.scenario == "compression":  # CPU only
+        from imerge.bench.compression_cost import compression_markdown, run_compression_cost
+
+        workers = config.workers or 3
+        print(compression_markdown(run_compression_cost(workers=workers, iters=config.iters or 5,
+                                                        rate_mbit=config.rate_mbit or 1000.0)))
+        return 0
     if args.scenario == "datapath":  # on loopback: no testbed, no root
         from imerge.bench.datapath import run_datapath
         from imerge.bench.report import datapath_markdown
@@ -207,8 +214,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             add_options(sub, config)
         sub.set_defaults(run=runner, command=[])
         if name == "bench":
-            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling over --sizes), tiny, or datapath "
-                                              "(PS against DDP on loopback: s/it, GB/s and CPU s/GB per process)")
+            sub.add_argument("scenario", help="B1, B2, B3 (incast), B4 (scaling over --sizes), tiny, datapath (PS "
+                                              "against DDP on loopback: s/it, GB/s and CPU s/GB per process), or "
+                                              "compression (the CPU each --compression mode costs on ResNet-18's "
+                                              "gradient, against the link time it saves at --rate-mbit)")
         subparsers[name] = sub
     return parser, subparsers
 

@@ -266,7 +266,7 @@ def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict
 def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
     """The scenario with the command line's overrides, and the strategies to run."""
     if name not in SCENARIOS:
-        raise IMergeError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+        raise IMergeError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}, datapath, compression")
     scenario = SCENARIOS[name]
     if config.workers:
         scenario = dataclasses.replace(scenario, workers=config.workers, sizes=(),
