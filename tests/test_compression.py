@@ -236,3 +236,10 @@ def test_bench_compression_reports_the_cpu_cost_and_the_bytes_of_every_mode():
     assert rows["fp16"][2] == pytest.approx(rows["none"][2] / 2, rel=1e-3)  # push MB: half of fp32
     assert rows["topk"][2] < 0.03 * rows["none"][2] and rows["none"][4] == 0.0  # 1% as index + value
     assert all(cpu >= 0 for row in rows.values() for cpu in row[:2])
+
+
+def test_a_compression_spec_built_directly_names_the_option():
+    for kwargs, option in (({"mode": "zip"}, "--compression"), ({"ratio": 2.0}, "--topk-ratio"),
+                           ({"pull_ratio": -1.0}, "--topk-pull-ratio"), ({"threshold_bytes": -1}, "--mixed")):
+        with pytest.raises(ConfigError, match=option):
+            CompressionSpec(**kwargs)

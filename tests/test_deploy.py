@@ -216,7 +216,7 @@ def check_container(where: str, argv: list[str], env: dict[str, str], ports: set
 
 def test_compose_passes_only_what_imerge_reads_and_exposes_what_it_listens_on():
     services = compose_services()
-    targets = json.loads((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    targets = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     scraped = {t for c in targets for t in c["targets"]}
     imerge_services = {n: s for n, s in services.items() if s.get("image", "").startswith("imerge")}
     assert set(imerge_services) == {"coordinator", "ps0", "ps1", "worker0", "worker1"}

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 IMERGE = [sys.executable, "-m", "imerge"]
 
@@ -60,7 +61,7 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
                     "state.safetensors", "worker0.log", "worker1.log"]  # state.safetensors: for --resume
     roles = json.loads((tmp_path / "logs" / "roles.json").read_text())
     assert sorted(roles) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]
-    scrape = json.loads((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]
+    scrape = yaml.safe_load((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]
     assert sorted(c["labels"]["role"] for c in scrape["static_configs"]) == \
         ["coordinator", "ps0", "ps1", "worker0", "worker1"]
     for rank in (0, 1):  # Chrome trace JSON that Perfetto opens

@@ -167,7 +167,7 @@ def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_pa
     try:
         config = tmp_path / "job" / "prometheus.yml"
         wait_for("the launcher's prometheus.yml", config.exists, 60)
-        targets = [t for c in json.loads(config.read_text())["scrape_configs"][0]["static_configs"]
+        targets = [t for c in yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"]
                    for t in c["targets"]]
         assert len(targets) == 5  # coordinator, 2 shards, 2 workers
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from imerge.bench.testbed import MARKERS, LinkSpec, Testbed, TestbedError
 
@@ -136,7 +136,7 @@ def test_a_run_killed_midway_leaves_nothing(tmp_path, sig):
     namespaces = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True,
                                             text=True).stdout.split() if n.startswith("imtb")]
     assert len(namespaces) == 6  # switch, redis, coordinator, ps0, worker0, worker1
-    scrape = json.loads((tmp_path / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
+    scrape = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"]
     assert sorted(t for c in scrape for t in c["targets"]) == \
         ["coordinator:9400", "ps0:9400", "worker0:9400", "worker1:9400"]
     worker0 = next(n for n in namespaces if n.endswith("-3"))  # hosts: redis, coordinator, ps0, worker0, ...

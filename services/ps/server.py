@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.errors import FailedPrecondition, IMergeError, InvalidArgument, RequestError
+from imerge.core.errors import ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
@@ -305,6 +306,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                  pulls=c.pulls, rounds_completed=c.rounds_completed, rejected=c.rejected)
 
 
+def bind_problem(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be bound ("" when it can, or when the port is 0: any free one)."""
+    if port == 0:
+        return ""
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return ""
+
+
 class ShardServer:
     """One shard: the gRPC server, its health service and its registration."""
 
@@ -330,10 +345,17 @@ class ShardServer:
         self._server.add_generic_rpc_handlers((method_handlers(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         listen = f"{cfg.host}:{cfg.port}"
-        port = (self._server.add_secure_port(listen, server_credentials(cfg)) if cfg.tls_server
-                else self._server.add_insecure_port(listen))
+        problem = bind_problem(cfg.host, cfg.port)
+        if problem:  # checked first: gRPC's own failure also prints a line of its C core to stderr
+            raise ConfigError("--port", f"shard {cfg.shard_index} cannot listen on {listen}: {problem}")
+        try:
+            port = (self._server.add_secure_port(listen, server_credentials(cfg)) if cfg.tls_server
+                    else self._server.add_insecure_port(listen))
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            port = 0
         if port == 0:
-            raise OSError(f"shard {cfg.shard_index}: cannot listen on {cfg.host}:{cfg.port}")
+            raise ConfigError("--port", f"shard {cfg.shard_index} cannot listen on {listen} (the address is in use or "
+                              "not this host's; --port 0 picks a free port)")
         await self._server.start()
         self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}")
         self.address = cfg.advertise or f"{cfg.host}:{port}"

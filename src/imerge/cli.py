@@ -222,10 +222,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subparsers
 
 
+def _usage_error(role: str, message: str) -> int:
+    """A mistake on the command line: one line naming it, exit code 2 (as argparse's own errors)."""
+    print(f"imerge {role}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
-    if "--" in argv:
+    split_given = "--" in argv
+    if split_given:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
     try:
@@ -235,13 +242,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"imerge: error: {exc}", file=sys.stderr)
         return 2
     if command and args.role not in ("launch", "testbed"):
-        subparsers[args.role].error("a command after -- is only accepted by 'imerge launch' and 'imerge testbed'")
+        return _usage_error(args.role, "a command after -- is only accepted by 'imerge launch' and 'imerge testbed'")
+    if split_given and not command:
+        return _usage_error(args.role, "-- is followed by no command: give the script to run after it (python "
+                                       "train.py ...), or leave -- out to run the built-in job")
     args.command = command
     args.given = given_options(argv[argv.index(args.role) + 1:], *role_specs()[args.role][1])
     try:
         return args.run(args)
-    except ConfigError as exc:
-        subparsers[args.role].error(str(exc))
+    except ConfigError as exc:  # one line naming the option (a bad value, a port that cannot be bound)
+        return _usage_error(args.role, str(exc))
     except IMergeError as exc:
         if logging.getLogger().handlers:  # a role that logs: one line, in its log format
             logging.getLogger("imerge").error("%s", exc)

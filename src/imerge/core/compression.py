@@ -221,13 +221,13 @@ class CompressionSpec:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"--compression: {self.mode!r} is not one of {', '.join(MODES)}")
+            raise ConfigError("--compression", f"{self.mode!r} is not one of {', '.join(MODES)}")
         if not 0 < self.ratio <= 1:
-            raise ConfigError(f"--topk-ratio: {self.ratio} is not in (0, 1]")
+            raise ConfigError("--topk-ratio", f"{self.ratio} is not in (0, 1]")
         if self.threshold_bytes < 0:
-            raise ConfigError(f"--mixed-threshold-kib: {self.threshold_bytes / 1024:g} is negative")
+            raise ConfigError("--mixed-threshold-kib", f"{self.threshold_bytes / 1024:g} is negative")
         if not 0 <= self.pull_ratio <= 1:
-            raise ConfigError(f"--topk-pull-ratio: {self.pull_ratio} is not in [0, 1]")
+            raise ConfigError("--topk-pull-ratio", f"{self.pull_ratio} is not in [0, 1]")
 
     def block_mode(self, group_bytes: int) -> str:
         """The mode of a block of a group of ``group_bytes`` (fp32) bytes."""

@@ -2,6 +2,7 @@
 
 * the Grafana dashboards (``imerge.ops.dashboards``) into deploy/grafana/dashboards/ and the Helm chart;
 * the recording rules (deploy/prometheus/rules.yml) into the Helm chart;
+* both into the package (``imerge/telemetry/share/``), so that an installed wheel ships them;
 * compose's Prometheus configuration (``imerge.metrics.prometheus_config``);
 * the plain Kubernetes manifests, rendered from the Helm chart (needs ``helm-python-sdk``).
 
@@ -18,6 +19,7 @@ from imerge.telemetry.metrics import prometheus_config
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "k8s" / "imerge"
+PACKAGE_SHARE = ROOT / "src" / "imerge" / "telemetry" / "share"
 COMPOSE_ROLES = ("coordinator", "ps0", "ps1", "worker0", "worker1")
 COMPOSE_METRICS_PORT = 9400
 # The plain manifests: release "imerge", the Redis password from a Secret the user creates first.
@@ -52,7 +54,10 @@ def derived_files() -> dict[Path, str]:
     for name, text in render_dashboards().items():
         files[DEPLOY / "grafana" / "dashboards" / name] = text
         files[CHART / "dashboards" / name] = text
-    files[CHART / "files" / "rules.yml"] = (DEPLOY / "prometheus" / "rules.yml").read_text()
+        files[PACKAGE_SHARE / "dashboards" / name] = text
+    rules = (DEPLOY / "prometheus" / "rules.yml").read_text()
+    files[CHART / "files" / "rules.yml"] = rules
+    files[PACKAGE_SHARE / "rules.yml"] = rules
     files[DEPLOY / "compose" / "prometheus.yml"] = prometheus_config(
         {role: f"{role}:{COMPOSE_METRICS_PORT}" for role in COMPOSE_ROLES}, "demo",
         Path("/etc/prometheus/rules.yml"), interval_s=5)

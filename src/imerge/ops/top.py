@@ -7,13 +7,14 @@ computed from two scrapes ``--interval-s`` apart.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Group
@@ -45,13 +46,16 @@ class TopConfig:
         if self.targets:
             return {t.strip(): t.strip() for t in self.targets.split(",") if t.strip()}
         try:
-            config = json.loads(Path(self.prometheus_config).read_text())
-            found = {c["labels"].get("role", t): t for job in config["scrape_configs"]
-                     for c in job["static_configs"] for t in c["targets"]}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise IMergeError(f"--prometheus-config {self.prometheus_config}: cannot read targets: {exc}") from exc
+            config = yaml.safe_load(Path(self.prometheus_config).read_text())
+            found = {(c.get("labels") or {}).get("role", t): t for job in config["scrape_configs"]
+                     for c in job.get("static_configs") or [] for t in c["targets"]}
+        except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
+            problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise IMergeError(f"--prometheus-config {self.prometheus_config}: cannot read the static_configs "
+                              f"targets of its scrape_configs: {problem}") from None
         if not found:
-            raise IMergeError(f"--prometheus-config {self.prometheus_config}: no targets")
+            raise IMergeError(f"--prometheus-config {self.prometheus_config}: no static_configs targets (a "
+                              "configuration with service discovery only: give --targets host:port,...)")
         return found
 
 

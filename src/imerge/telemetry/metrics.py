@@ -7,13 +7,12 @@ labels (``shard``, ``worker``, ``group``, ``interface``).
 """
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
@@ -22,7 +21,7 @@ log = logging.getLogger(__name__)
 PROC_NET_DEV = Path("/proc/net/dev")
 # Buckets for the latencies of an iteration's parts: 1 ms .. 60 s.
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-REPO_DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
+SHARE = Path(__file__).resolve().parent / "share"  # the recording rules and dashboards, shipped with the package
 
 
 def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
@@ -91,16 +90,14 @@ class MetricsServer:
 
 
 def rules_file() -> Path | None:
-    """The recording rules that ship with IMerge: ``deploy/prometheus/rules.yml`` of a source checkout,
-    or ``share/prometheus/rules.yml`` under the environment's prefix (the container image)."""
-    for path in (REPO_DEPLOY / "prometheus" / "rules.yml", Path(sys.prefix) / "share" / "prometheus" / "rules.yml"):
-        if path.is_file():
-            return path
-    return None
+    """The recording rules that ship inside the package (``imerge/telemetry/share/rules.yml``, a copy of
+    ``deploy/prometheus/rules.yml`` that ``python -m imerge.ops.deploygen`` keeps)."""
+    path = SHARE / "rules.yml"
+    return path if path.is_file() else None
 
 
 def prometheus_config(targets: dict[str, str], job: str, rules: Path | None, interval_s: float = 1.0) -> str:
-    """A Prometheus configuration scraping ``targets`` (role -> host:port); JSON, which is valid YAML."""
+    """A Prometheus configuration (YAML) scraping ``targets`` (role -> host:port)."""
     config = {
         "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
         "rule_files": [str(rules)] if rules else [],
@@ -110,4 +107,4 @@ def prometheus_config(targets: dict[str, str], job: str, rules: Path | None, int
                                for role, address in targets.items()],
         }],
     }
-    return json.dumps(config, indent=2) + "\n"
+    return yaml.safe_dump(config, sort_keys=False)

@@ -1,0 +1,45 @@
+"""Command-line mistakes get one line naming the option, never a traceback or a page of usage."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+IMERGE = [sys.executable, "-m", "imerge"]
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        yield held.getsockname()[1]
+
+
+def one_line_error(args: list[str]) -> str:
+    result = subprocess.run(IMERGE + args, capture_output=True, text=True, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode in (1, 2) and len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_shard_port_in_use_is_one_line_naming_the_option(busy_port):
+    line = one_line_error(["ps", "--no-register", "--host", "0.0.0.0", "--port", str(busy_port)])
+    assert "--port" in line and f":{busy_port}" in line and "in use" in line
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
+    line = one_line_error(["ps", "--no-register", "--port", "0", "--metrics-port", str(busy_port)])
+    assert "--metrics-port" in line and "Address already in use" in line
+
+
+@pytest.mark.parametrize("args, message", [
+    (["launch", "--workers", "1", "--"], "-- is followed by no command"),
+    (["ps", "--", "python", "x.py"], "only accepted by 'imerge launch'"),
+    (["worker", "--compression", "topk", "--interleave-period", "2"], "--compression: topk needs"),
+    (["launch", "--topk-ratio", "2"], "--topk-ratio"),
+])
+def test_command_line_mistakes_are_one_line(args, message):
+    assert message in one_line_error(args)
