@@ -18,7 +18,7 @@ import torch
 import yaml
 
 import imerge
-from imerge.ops.dashboards import DASHBOARDS, render
+from imerge.ops.dashboards import DEFAULT_DATASOURCE_UID, expressions as dashboard_expressions, render
 from imerge.ops.redis_server import free_port
 from imerge.workloads.models import build_model
 from imerge.core.optim import OptimizerSpec
@@ -119,18 +119,31 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
         dashboard = json.loads(committed)
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert set(variables) == {"datasource", "job", "shard", "worker"}, name
+        assert variables["datasource"]["current"]["value"] == DEFAULT_DATASOURCE_UID and DEFAULT_DATASOURCE_UID in uids
         for panel in dashboard["panels"]:
             sources = [panel["datasource"]] + [t["datasource"] for t in panel["targets"]]
-            assert all(s == {"type": "prometheus", "uid": next(iter(uids))} for s in sources), panel["title"]
+            assert all(s == {"type": "prometheus", "uid": "${datasource}"} for s in sources), panel["title"]
             assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+            assert panel["description"] and panel["fieldConfig"]["defaults"]["unit"], panel["title"]
+            assert panel["fieldConfig"]["defaults"]["thresholds"]["steps"], panel["title"]
+            assert all('imerge_job=~"$job"' in t["expr"] for t in panel["targets"]), panel["title"]
+        # a Grafana whose Prometheus has another uid: every reference follows the variable, none is hard-coded
+        loaded = json.loads(committed.replace("${datasource}", "cluster-prometheus"))
+        references = [p["datasource"]["uid"] for p in loaded["panels"]] + [
+            t["datasource"]["uid"] for p in loaded["panels"] for t in p["targets"]] + [
+            v["datasource"]["uid"] for v in loaded["templating"]["list"] if "datasource" in v]
+        assert set(references) == {"cluster-prometheus"}, name
+        assert committed.count(DEFAULT_DATASOURCE_UID) == 1, name  # the variable's default only
     provider = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/imerge.yml").read_text())
     assert provider["providers"][0]["options"]["path"]
 
 
 # -- a real Prometheus scraping a real job ----------------------------------------------------------
-def expressions() -> list[str]:
-    found = [t["expr"] for _, panels in DASHBOARDS.values() for *_, queries in panels for t in
-             [{"expr": e} for e, _ in queries]]
+def expressions(job: str) -> list[str]:
+    """Every dashboard query with the variables set to ``job`` (and all shards and workers), every rule."""
+    found = dashboard_expressions({"job": job, "shard": ".*", "worker": ".*"})
     rules = yaml.safe_load(RULES.read_text())
     for group in rules["groups"]:
         for rule in group["rules"]:
@@ -157,19 +170,34 @@ def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5):
         time.sleep(interval_s)
 
 
-@pytest.mark.timeout(300)
-def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_path):
-    launch = subprocess.Popen(IMERGE + ["launch", "--shards", "2", "--workers", "2", "--model", "digits-cnn",
-                                        "--data", "digits", "--iters", "100000", "--fusion", "size",
-                                        "--slots", "ack", "--slot-width", "1", "--log-dir", str(tmp_path / "job")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def launch_job(log_dir) -> subprocess.Popen:
+    return subprocess.Popen(IMERGE + ["launch", "--shards", "2", "--workers", "2", "--model", "digits-cnn",
+                                      "--data", "digits", "--iters", "100000", "--fusion", "size",
+                                      "--slots", "ack", "--slot-width", "1", "--log-dir", str(log_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def merged_config(configs: list, path) -> tuple[list[str], list[str]]:
+    """One Prometheus configuration scraping every job's targets (their imerge_job labels kept); the targets and
+    the job names."""
+    merged = yaml.safe_load(configs[0].read_text())
+    static = [c for config in configs for c in yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"]]
+    merged["scrape_configs"][0]["static_configs"] = static
+    path.write_text(yaml.safe_dump(merged))
+    return [t for c in static for t in c["targets"]], sorted({c["labels"]["imerge_job"] for c in static})
+
+
+@pytest.mark.timeout(400)
+def test_prometheus_scrapes_two_jobs_keeps_them_apart_and_every_expression_has_data(promtool, tmp_path):
+    launches = [launch_job(tmp_path / f"job{i}") for i in range(2)]
     prometheus = None
     try:
-        config = tmp_path / "job" / "prometheus.yml"
-        wait_for("the launcher's prometheus.yml", config.exists, 60)
-        targets = [t for c in yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"]
-                   for t in c["targets"]]
-        assert len(targets) == 5  # coordinator, 2 shards, 2 workers
+        configs = [tmp_path / f"job{i}" / "prometheus.yml" for i in range(2)]
+        for config in configs:
+            wait_for("the launcher's prometheus.yml", config.exists, 60)
+        config = configs[0]
+        targets, jobs = merged_config(configs, tmp_path / "prometheus.yml")
+        assert len(targets) == 10 and len(jobs) == 2  # per job: coordinator, 2 shards, 2 workers
 
         def all_up() -> bool:
             try:
@@ -178,7 +206,7 @@ def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_pa
                 return False
 
         wait_for("every role's /metrics", all_up, 120)
-        for target in targets:  # promtool check metrics is clean on each endpoint's output
+        for target in targets[:5]:  # promtool check metrics is clean on each endpoint's output
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=5) as reply:
                 exposition = reply.read()
             lint = subprocess.run([promtool["promtool"], "check", "metrics"], input=exposition,
@@ -186,10 +214,11 @@ def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_pa
             assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), \
                 f"{target}: {lint.stdout.decode()} {lint.stderr.decode()}"
         port = free_port()
-        prometheus = subprocess.Popen([promtool["prometheus"], f"--config.file={config}",
+        prometheus = subprocess.Popen([promtool["prometheus"], f"--config.file={tmp_path / 'prometheus.yml'}",
                                        f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                        f"--web.listen-address=127.0.0.1:{port}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
         def targets_up() -> bool:
             try:
                 return len(query(port, "up == 1")) == len(targets)
@@ -205,15 +234,24 @@ def test_prometheus_scrapes_a_job_and_every_expression_has_data(promtool, tmp_pa
         rows = [line for line in top.stdout.splitlines() if line.startswith("│")]
         assert len(rows) >= 4, top.stdout  # 2 shard rows and 2 worker rows
 
-        deadline = time.monotonic() + 90
-        while missing := [e for e in expressions() if not query(port, e)]:
-            assert time.monotonic() < deadline, f"no data after 90s for: {missing}"
-            time.sleep(2)
-        assert launch.poll() is None, "the job ended before the check: " + (launch.stdout.read() or "")
+        deadline = time.monotonic() + 120
+        for job in jobs:  # every dashboard query, the variables set to one job, has data of that job only
+            while missing := [e for e in expressions(job) if not query(port, e)]:
+                assert time.monotonic() < deadline, f"no data after 120s for job {job}: {missing}"
+                time.sleep(2)
+            for expr in dashboard_expressions({"job": job, "shard": ".*", "worker": ".*"}):
+                seen = {series["metric"].get("imerge_job", job) for series in query(port, expr)}
+                assert seen == {job}, (expr, seen)
+        for rule in [r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]:
+            per_job = {series["metric"]["imerge_job"] for series in query(port, f"count by (imerge_job) ({rule})")}
+            assert per_job == set(jobs), (rule, per_job)  # never the two jobs added together
+        assert all(launch.poll() is None for launch in launches), "a job ended before the check"
     finally:
-        if launch.poll() is None:
-            launch.send_signal(signal.SIGINT)
-        launch.wait(60)
+        for launch in launches:
+            if launch.poll() is None:
+                launch.send_signal(signal.SIGINT)
+        for launch in launches:
+            launch.wait(60)
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(30)
