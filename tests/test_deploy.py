@@ -117,20 +117,59 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
         assert url == "redis://:$(REDIS_PASSWORD)@redis.example.com:6380/0"
     if value_set == "8-shards":
         assert kinds[("StatefulSet", "ci-imerge-ps")]["spec"]["replicas"] == 8
-        coordinator = specs["Deployment/ci-imerge-coordinator"]["containers"][0]
+        coordinator = specs["Job/ci-imerge-coordinator"]["containers"][0]
         assert {"name": "IMERGE_NUM_SHARDS", "value": "8"} in coordinator["env"]
         rule = kinds[("PrometheusRule", "ci-imerge")]
         assert rule["spec"]["groups"] == yaml.safe_load((DEPLOY / "prometheus" / "rules.yml").read_text())["groups"]
         monitor = kinds[("ServiceMonitor", "ci-imerge")]
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+        relabel = monitor["spec"]["endpoints"][0]["relabelings"]  # the job label the rules keep jobs apart by
+        assert {"targetLabel": "imerge_job", "replacement": "imerge"} in relabel
     if value_set == "mutual-tls":
         shard = specs["StatefulSet/ci-imerge-ps"]["containers"][0]
         for container in (shard, worker):
             assert {"name": "IMERGE_TLS_CA", "value": "/etc/imerge/tls/ca.crt"} in container["env"]
         assert "IMERGE_ADVERTISE" in shard["readinessProbe"]["exec"]["command"][-1]
+    for name in ("ci-imerge-coordinator", "ci-imerge-worker"):  # nothing keeps running once the job is done
+        job = kinds[("Job", name)]["spec"]
+        assert job["ttlSecondsAfterFinished"] == 86400 and "activeDeadlineSeconds" not in job, name
+    test_pod = kinds[("Pod", "ci-imerge-test-shard-health")]  # helm test: every shard's health
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert "ci-imerge-ps-${index}.ci-imerge-ps.train.svc:50051" in test_pod["spec"]["containers"][0]["args"][0]
+    assert specs["Job/ci-imerge-coordinator"]["restartPolicy"] == "Never"  # exit 1 fails the Job, a crash retries
+    assert kinds[("Job", "ci-imerge-coordinator")]["spec"]["podFailurePolicy"]["rules"][0]["action"] == "FailJob"
+    assert not [d for d in docs if d["kind"] == "Deployment"]
     for spec in specs.values():
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in spec["containers"])
+
+
+@pytest.mark.parametrize("values, error", [
+    ({"workers": {"replicas": "four"}}, "at '/workers/replicas': got string, want integer"),
+    ({"workers": {"replicaz": 3}}, "additional properties 'replicaz' not allowed"),
+    ({"metrics": {"serviceMonitor": {"enabled": "yes"}}}, "got string, want boolean"),
+], ids=["wrong-type", "unknown-key", "wrong-boolean"])
+def test_helm_lint_rejects_a_wrong_type_or_an_unknown_key(values, error):
+    import helm_python
+
+    report = helm_python.lint(str(CHART), values, strict=True)
+    assert any(error in message for message in report["errors"]), report
+
+
+@pytest.mark.parametrize("scheduler, api, scheduler_name", [
+    ("volcano", "scheduling.volcano.sh/v1beta1", "volcano"),
+    ("coscheduling", "scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler"),
+])
+def test_gang_scheduling_puts_every_worker_pod_in_one_pod_group(scheduler, api, scheduler_name):
+    docs = documents(render_manifests({"workers": {"replicas": 3, "gang": {"scheduler": scheduler}}}))
+    [group] = [d for d in docs if d["kind"] == "PodGroup"]
+    assert group["apiVersion"] == api and group["spec"]["minMember"] == 3
+    pod = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "imerge-worker")["spec"]["template"]
+    assert pod["spec"]["schedulerName"] == scheduler_name
+    marks = {**pod["metadata"].get("annotations", {}), **pod["metadata"]["labels"]}
+    assert group["metadata"]["name"] in (marks.get("scheduling.k8s.io/group-name"),
+                                         marks.get("scheduling.x-k8s.io/pod-group"))
+    assert not [d for d in documents(render_manifests({})) if d["kind"] == "PodGroup"]  # off by default
 
 
 def test_helm_values_are_all_documented():

@@ -3,6 +3,8 @@
 * the Grafana dashboards (``imerge.ops.dashboards``) into deploy/grafana/dashboards/ and the Helm chart;
 * the recording rules (deploy/prometheus/rules.yml) into the Helm chart;
 * both into the package (``imerge/telemetry/share/``), so that an installed wheel ships them;
+* the chart's ``values.schema.json`` and its README's parameter table, from ``values.yaml``
+  (:mod:`imerge.ops.chartdoc`);
 * compose's Prometheus configuration (``imerge.metrics.prometheus_config``);
 * the plain Kubernetes manifests, rendered from the Helm chart (needs ``helm-python-sdk``).
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from imerge.ops.chartdoc import readme_with_params, values_schema
 from imerge.ops.dashboards import render as render_dashboards
 from imerge.telemetry.metrics import prometheus_config
 
@@ -41,7 +44,8 @@ def render_manifests(values: dict | None = None, name: str = "imerge", namespace
 
 def plain_manifests() -> str:
     rendered = render_manifests(MANIFEST_VALUES)
-    documents = [text.strip() for path, text in sorted(rendered.items()) if path.endswith(".yaml") and text.strip()]
+    documents = [text.strip() for path, text in sorted(rendered.items())
+                 if path.endswith(".yaml") and text.strip() and "/tests/" not in path]  # helm test hooks: not applied
     return MANIFEST_HEADER + "---\n" + "\n---\n".join(documents) + "\n"
 
 
@@ -55,6 +59,9 @@ def derived_files() -> dict[Path, str]:
         files[DEPLOY / "grafana" / "dashboards" / name] = text
         files[CHART / "dashboards" / name] = text
         files[PACKAGE_SHARE / "dashboards" / name] = text
+    values = (CHART / "values.yaml").read_text()
+    files[CHART / "values.schema.json"] = values_schema(values)
+    files[CHART / "README.md"] = readme_with_params((CHART / "README.md").read_text(), values)
     rules = (DEPLOY / "prometheus" / "rules.yml").read_text()
     files[CHART / "files" / "rules.yml"] = rules
     files[PACKAGE_SHARE / "rules.yml"] = rules

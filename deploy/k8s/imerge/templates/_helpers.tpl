@@ -171,3 +171,13 @@ imagePullSecrets:
 {{- define "imerge.workerCount" -}}
 {{- mul .Values.workers.replicas (include "imerge.procsPerPod" . | int) }}
 {{- end }}
+
+{{/* How long the job's Jobs (workers, coordinator) may run, and when Kubernetes deletes them once finished. */}}
+{{- define "imerge.jobLifetime" -}}
+{{- with .Values.job.activeDeadlineSeconds }}
+activeDeadlineSeconds: {{ . }}
+{{- end }}
+{{- if ge (int .Values.job.ttlSecondsAfterFinished) 0 }}
+ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished }}
+{{- end }}
+{{- end }}
