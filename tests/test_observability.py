@@ -63,9 +63,14 @@ def test_metrics_agree_with_the_truth(redis_url):
                                                             slot_scope="group", slot_width=1))
             registry = model.engine.metrics.registry
             over_http = scrape(f"127.0.0.1:{model.metrics_port}", 5)
+            scheduler = torch.optim.lr_scheduler.StepLR(model.optimizer, step_size=1, gamma=0.5)
             for x, y in data:
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                model.log_loss(loss)
+                scheduler.step()
             model.close()
+            assert registry.get_sample_value("imerge_worker_loss", {"worker": str(rank)}) == float(loss)
             return registry, over_http
 
         results = cluster.run_workers(body)
@@ -94,6 +99,9 @@ def test_metrics_agree_with_the_truth(redis_url):
             assert registry.get_sample_value("imerge_worker_flag_wait_seconds_count", worker) == \
                 steps * flags  # one slot per (group, shard) and iteration
             assert ("imerge_link_capacity_bytes_per_second", ()) in over_http
+            assert any(name == "process_cpu_seconds_total" for name, _ in over_http)  # every role's process figures
+            assert registry.get_sample_value("imerge_worker_learning_rate", {**worker, "param_group": "0"}) == \
+                0.05 * 0.5 ** (steps - 1)  # the last backward's, after steps - 1 scheduler steps
         stats = cluster.coordinator.store.flag_stats()
         flags = sum(len({block.shard for block in plan.group_blocks(group)}) for group in plan.groups)
         assert stats["granted"] == workers * steps * flags

@@ -136,6 +136,12 @@ class DistributedModel(torch.nn.Module):
         return ShardGradScaler(self.engine.hooks, self.engine.flat.device.type, init_scale, growth_factor,
                                backoff_factor, growth_interval, enabled)
 
+    def log_loss(self, loss: torch.Tensor | float) -> None:
+        """Show ``loss`` on this worker's metrics (``imerge_worker_loss``, the workers dashboard). A tensor is read
+        with ``.item()``, which waits for the GPU: call it every few iterations where that matters."""
+        value = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
+        self.engine.metrics.loss.set(value)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every round's averaged gradient, on the shards, to ``max_norm`` (global L2 norm over all the
         parameters), exactly as torch.nn.utils.clip_grad_norm_ would before optimizer.step().

@@ -176,6 +176,7 @@ class Hooks:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._callback_queued = True
         self.round_hypers = self.optimizer.hypers()
+        self.metrics.learning_rates([float(group.get("lr", 0.0)) for group in self.optimizer.param_groups])
         self._round_scaling = (self.loss_scale, self.max_norm)
 
     def _used_outside_its_module(self, param: torch.nn.Parameter) -> None:

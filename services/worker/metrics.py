@@ -39,6 +39,10 @@ class WorkerMetrics:
                             registry=registry)
         self._wire = Counter("imerge_worker_wire_bytes", "Bytes a group's pushes and pulls moved on the wire, after "
                              "compression (--compression)", ["worker", "group", "direction"], registry=registry)
+        self.loss = Gauge("imerge_worker_loss", "The latest loss the training loop reported (model.log_loss; the "
+                          "built-in job reports every iteration's)", ["worker"], registry=registry).labels(worker=worker)
+        self._learning_rate = Gauge("imerge_worker_learning_rate", "The learning rate of each parameter group, as "
+                                    "the latest push carried it", ["worker", "param_group"], registry=registry)
         self.groups_synced = Gauge("imerge_worker_groups_synced", "Groups the last iteration pushed",
                                    ["worker"], registry=registry).labels(worker=worker)
 
@@ -52,6 +56,10 @@ class WorkerMetrics:
         """Bytes of a group's push or pull before and after compression."""
         self._raw.labels(worker=self.rank, group=str(group), direction=direction).inc(raw_bytes)
         self._wire.labels(worker=self.rank, group=str(group), direction=direction).inc(wire_bytes)
+
+    def learning_rates(self, rates: list[float]) -> None:
+        for index, rate in enumerate(rates):
+            self._learning_rate.labels(worker=self.rank, param_group=str(index)).set(rate)
 
     def group_synced(self, group: int) -> None:
         self._group_syncs.labels(worker=self.rank, group=str(group)).inc()

@@ -137,6 +137,15 @@ WORKERS = [
     Panel("Link time per iteration", "timeseries", "s",
           [(f"worker:imerge_link_seconds_per_iteration:mean1m{{{WORKER}}}", "worker {{worker}}")],
           "Seconds per iteration a worker's link needs for its busier direction, at --link-mbps."),
+    Panel("Loss", "timeseries", "short", [(f"imerge_worker_loss{{{WORKER}}}", "worker {{worker}}")],
+          "The latest loss each worker reported (the built-in job every iteration; a script with model.log_loss)."),
+    Panel("Learning rate per parameter group", "timeseries", "short",
+          [(f"max by (param_group) (imerge_worker_learning_rate{{{WORKER}}})", "group {{param_group}}")],
+          "The learning rate each round's pushes carried to the shards (a scheduler's, as it steps)."),
+    Panel("CPU and memory per process", "timeseries", "short",
+          [(f"sum by (role) (rate(process_cpu_seconds_total{{{JOB}}}[1m]))", "{{role}} CPU cores"),
+           (f"sum by (role) (process_resident_memory_bytes{{{JOB}}}) / 2^30", "{{role}} GiB resident")],
+          "CPU cores busy and resident memory of every IMerge process (prometheus_client's process collector)."),
 ]
 DASHBOARDS: dict[str, tuple[str, list[Panel]]] = {
     "imerge-overview": ("IMerge: job overview", OVERVIEW),

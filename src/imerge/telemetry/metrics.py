@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -56,8 +56,11 @@ class InterfaceCollector(Collector):
 
 
 def role_registry(link_mbps: float) -> CollectorRegistry:
-    """A fresh registry holding what every role exports: link capacity and interface counters."""
+    """A fresh registry holding what every role exports: link capacity, interface counters, and the process's
+    (CPU seconds, memory, open files: ``process_*``) and Python's (``python_info``) own figures."""
     registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     Gauge("imerge_link_capacity_bytes_per_second", "Configured capacity of this host's network link",
           registry=registry).set(link_mbps * 1e6 / 8)
     registry.register(InterfaceCollector())
