@@ -35,6 +35,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def title(report: dict[str, Any], what: str) -> str:
+    """A plot's title: what it shows, and the scenario it was measured on."""
+    scenario = report["scenario"]
+    shards = "shards = workers" if scenario.get("sizes") else f"{scenario['workers']} workers, {scenario['shards']} shards"
+    name = f"{report['name']}: " if report.get("name") else ""
+    return f"{what}\n{name}{scenario['model']}, {shards}, {scenario['rate_mbit']:g} Mbit/s"
+
+
 def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
     names = list(report["strategies"])
     medians = [report["strategies"][n]["median_iteration_s"] for n in names]
@@ -43,6 +51,7 @@ def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
     axis.bar(names, medians, yerr=[[0] * len(p90), p90], capsize=4, color="tab:blue")
     axis.axhline(report["compute_s"], color="tab:red", linestyle="--", label="compute")
     axis.set_ylabel("seconds per iteration (median, whisker p90)")
+    axis.set_title(title(report, "Iteration time per strategy"))
     axis.legend()
     plt.setp(axis.get_xticklabels(), rotation=30, ha="right")
     figure.tight_layout()
@@ -68,9 +77,12 @@ def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
         for lane, categories in enumerate((("compute", "forward-wait"), ("push", "flag-wait"), ("pull",))):
             for e in sorted(events, key=lambda e: categories.index(e["cat"]) if e["cat"] in categories else 0):
                 if e["cat"] in categories and e["ts"] < end and e["ts"] + e["dur"] > start:
-                    axis.broken_barh([((e["ts"] - start) / 1e3, e["dur"] / 1e3)],
+                    begin = max(e["ts"], start)  # what began in the iteration before is drawn from 0
+                    axis.broken_barh([((begin - start) / 1e3, (e["ts"] + e["dur"] - begin) / 1e3)],
                                      (rank * 4 + lane, 0.8), color=colors[e["cat"]])
+    axis.set_xlim(left=0)
     axis.set_xlabel(f"ms into one iteration ({chosen})")
+    axis.set_title(title(report, f"One iteration of {chosen}, per worker"))
     axis.set_yticks([r * 4 + 1 for r in range(report["scenario"]["workers"])],
                     [f"worker {r}" for r in range(report["scenario"]["workers"])])
     axis.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
@@ -97,6 +109,8 @@ def _plot_utilization(report: dict[str, Any], path: Path, plt: Any) -> None:
     axis.set_xlabel("seconds")
     axis.set_ylabel("link utilization")
     axis.set_ylim(0, 1.1)
+    axis.set_xlim(left=0)
+    axis.set_title(title(report, "Link utilization over time"))
     axis.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -153,7 +167,8 @@ def write_scaling_report(report: dict[str, Any], out: Path) -> None:
     axis.set_xlabel("workers (shards = workers)")
     axis.set_ylabel("samples per second")
     axis.set_xticks(workers)
-    axis.legend(fontsize="small")
+    axis.set_title(title(report, "Throughput as the job scales"))
+    axis.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the data, not on it
     figure.tight_layout()
     figure.savefig(out / "scaling.png", dpi=100)
     plt.close(figure)

@@ -297,7 +297,7 @@ def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any
 
     if not scenario.sizes:
         report = run_scenario(name, scenario, chosen, config.rounds, out, console)
-        report["command"] = command
+        report["command"], report["name"] = command, name
         write_report(report, out)
     else:
         reports = {}
@@ -305,8 +305,9 @@ def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any
             sized = dataclasses.replace(scenario, workers=workers, shards=workers, sizes=())
             reports[workers] = run_scenario(f"{name} W={workers}", sized, chosen, config.rounds,
                                             out / f"W{workers}", console)
+            reports[workers]["name"] = f"{name} W={workers}"
             write_report(reports[workers], out / f"W{workers}")
-        report = {"scenario": dataclasses.asdict(scenario), "command": command, "sizes": reports}
+        report = {"scenario": dataclasses.asdict(scenario), "command": command, "sizes": reports, "name": name}
         write_scaling_report(report, out)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     console.print(f"results in {out}/ (results.json, results.md, *.png)")
