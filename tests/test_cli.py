@@ -43,3 +43,20 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
 ])
 def test_command_line_mistakes_are_one_line(args, message):
     assert message in one_line_error(args)
+
+
+def test_help_groups_the_flags_and_every_example_parses():
+    import shlex
+
+    from imerge.cli import EXAMPLES, build_parser
+
+    parser, _ = build_parser()
+    for role, lines in EXAMPLES.items():
+        for line in lines:
+            words = [w for w in shlex.split(line) if "=" not in w or w.startswith("-")]
+            words = words[words.index("imerge") + 1:]
+            words = words[:words.index("--")] if "--" in words else words
+            parser.parse_args(words)  # an unknown flag or a bad value exits: the example would mislead
+    help_text = subprocess.run(IMERGE + ["launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for title in ("the processes on this host:", "the built-in job:", "scheduling and compression:", "examples:"):
+        assert title in help_text

@@ -203,13 +203,35 @@ def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
     }
 
 
+EXAMPLES = {
+    "launch": ["imerge launch --shards 2 --workers 2 --model digits-cnn --data digits --epochs 10",
+               "imerge launch --shards 2 --workers 4 --compression fp16 -- python train.py --epochs 3",
+               "imerge launch --resume runs/JOB"],
+    "worker": ["IMERGE_RANK=0 IMERGE_WORLD_SIZE=2 IMERGE_REDIS_URL=redis://host:6379/0 imerge worker --model resnet18",
+               "imerge worker --nproc-per-node 8 --node-rank 1 --world-size 16 --device cuda"],
+    "ps": ["imerge ps --shard-index 0 --host 0.0.0.0 --port 50051 --advertise ps0.example:50051 "
+           "--redis-url redis://host:6379/0"],
+    "coordinator": ["imerge coordinator --num-shards 2 --num-workers 4 --redis-url redis://host:6379/0"],
+    "bench": ["imerge bench B2 --rate-mbit 100 --rounds 2 --strategies ddp,imerge,imerge-fp16",
+              "imerge bench datapath --rounds 2", "imerge bench compression"],
+    "testbed": ["imerge testbed --shards 3 --workers 3 --rate-mbit 1000 --model vgg --iters 50",
+                "imerge testbed --cleanup"],
+    "top": ["imerge top --prometheus-config runs/JOB/prometheus.yml", "imerge top --targets 127.0.0.1:9400 --once"],
+    "health": ["imerge health --address 127.0.0.1:50051", "imerge health --http-address 127.0.0.1:9400"],
+    "redis-acl": ["IMERGE_REDIS_PASSWORD_PS=... imerge redis-acl --admin-url redis://default:admin@host:6379/0"],
+}
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
     roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     subparsers: dict[str, argparse.ArgumentParser] = {}
     specs = role_specs()
     for name, (help_text, configs, runner) in specs.items():
-        sub = roles.add_parser(name, help=help_text, description=help_text)
+        examples = "\n".join(f"  {line}" for line in EXAMPLES.get(name, []))
+        sub = roles.add_parser(name, help=help_text, description=help_text,
+                               epilog=f"examples:\n{examples}" if examples else None,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
         for config in configs:
             add_options(sub, config)
         sub.set_defaults(run=runner, command=[])

@@ -73,16 +73,33 @@ def add_options(parser: argparse.ArgumentParser, cls: type, env: Mapping[str, st
     parse lists only the flags given)."""
     env = os.environ if env is None else env
     types = _field_types(cls)
+    groups: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         kind = types[field.name]
         default = argparse.SUPPRESS if suppress_defaults else _env_value(field, kind, env)
         help_text = f"{field.metadata.get('help', '')} [env {env_name(field.name)}; default: {default!r}]"
+        title = GROUP_TITLES.get(_declared_by(cls, field.name).__name__, "options")
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         if kind is bool:
-            parser.add_argument(flag_name(field.name), dest=field.name, default=default,
-                                action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(flag_name(field.name), dest=field.name, default=default,
+                               action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag_name(field.name), dest=field.name, default=default, type=kind,
-                                choices=field.metadata.get("choices"), help=help_text)
+            group.add_argument(flag_name(field.name), dest=field.name, default=default, type=kind,
+                               choices=field.metadata.get("choices"), help=help_text)
+
+
+# --help groups a role's flags by the config class that declares them
+GROUP_TITLES = {"CommonConfig": "job, Redis, logging and metrics", "TlsConfig": "TLS of the gRPC channels",
+                "ScheduleConfig": "scheduling and compression", "JobConfig": "the built-in job",
+                "LaunchConfig": "the processes on this host", "TestbedConfig": "the emulated network",
+                "WorkerConfig": "this worker", "PSConfig": "this shard", "CoordinatorConfig": "the coordinator",
+                "BenchConfig": "the benchmark", "TopConfig": "the view", "HealthConfig": "the check",
+                "RedisAclConfig": "the ACL users"}
+
+
+def _declared_by(cls: type, name: str) -> type:
+    """The class of ``cls``'s hierarchy whose own annotations declare field ``name``."""
+    return next((klass for klass in cls.__mro__ if name in getattr(klass, "__annotations__", {})), cls)
 
 
 def given_options(argv: list[str], *classes: type) -> set[str]:
