@@ -60,3 +60,18 @@ def test_help_groups_the_flags_and_every_example_parses():
     help_text = subprocess.run(IMERGE + ["launch", "--help"], capture_output=True, text=True, timeout=60).stdout
     for title in ("the processes on this host:", "the built-in job:", "scheduling and compression:", "examples:"):
         assert title in help_text
+
+
+def test_a_shard_is_restarted_at_its_port_only_while_that_port_is_free(busy_port):
+    from imerge.core.errors import IMergeError
+    from imerge.ops.launch import LocalHosts
+
+    hosts = LocalHosts()
+    assert hosts.shard_env(0)["IMERGE_PORT"] == "0"  # the first start binds any free port
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    hosts.shard_ports.update({0: free, 1: busy_port})
+    assert hosts.shard_env(0)["IMERGE_PORT"] == str(free)
+    with pytest.raises(IMergeError, match=f"ps1 cannot be restarted at its address 127.0.0.1:{busy_port}"):
+        hosts.shard_env(1)

@@ -57,8 +57,11 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert result["final_loss"] < 2.35 and result["test_accuracy"] is not None
     assert "finished" in output
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
-    assert logs == ["checkpoints", "coordinator.log", "prometheus.yml", "ps0.log", "ps1.log", "roles.json",
+    assert logs == ["checkpoints", "coordinator.log", "ports", "prometheus.yml", "ps0.log", "ps1.log", "roles.json",
                     "state.safetensors", "worker0.log", "worker1.log"]  # state.safetensors: for --resume
+    ports = {p.stem: json.loads(p.read_text()) for p in (tmp_path / "logs" / "ports").glob("*.json")}
+    assert sorted(ports) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]  # each bound port 0, reported it
+    assert all(ports[f"ps{i}"]["grpc"] > 0 for i in (0, 1)) and all(p["metrics"] > 0 for p in ports.values())
     roles = json.loads((tmp_path / "logs" / "roles.json").read_text())
     assert sorted(roles) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]
     scrape = yaml.safe_load((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]

@@ -173,7 +173,7 @@ class Coordinator:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
                                         lambda: self.plan.version if self.plan else 0,
                                         lambda: self.recovery.generation)
-        return MetricsServer(registry, self.config.metrics_port, "coordinator")
+        return MetricsServer(registry, self.config.metrics_port, "coordinator", ports_file=self.config.ports_file)
 
     def resume(self) -> bool:
         """Take over a running job from Redis (this coordinator was restarted); False for a new job."""

@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import signal
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,8 +24,9 @@ from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError
+from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
-from imerge.telemetry.metrics import MetricsServer
+from imerge.telemetry.metrics import MetricsServer, report_port
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
 from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
 from imerge.wire.frames import serialize
@@ -306,20 +306,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                  pulls=c.pulls, rounds_completed=c.rounds_completed, rejected=c.rejected)
 
 
-def bind_problem(host: str, port: int) -> str:
-    """Why ``host:port`` cannot be bound ("" when it can, or when the port is 0: any free one)."""
-    if port == 0:
-        return ""
-    try:
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host.strip("[]"), port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return ""
-
-
 class ShardServer:
     """One shard: the gRPC server, its health service and its registration."""
 
@@ -357,7 +343,9 @@ class ShardServer:
             raise ConfigError("--port", f"shard {cfg.shard_index} cannot listen on {listen} (the address is in use or "
                               "not this host's; --port 0 picks a free port)")
         await self._server.start()
-        self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}")
+        report_port(cfg.ports_file, "grpc", port)
+        self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}",
+                                     ports_file=cfg.ports_file)
         self.address = cfg.advertise or f"{cfg.host}:{port}"
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)

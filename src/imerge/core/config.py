@@ -163,6 +163,9 @@ class CommonConfig:
                                   "start; -1: off)")
     link_mbps: float = option(10000.0, "capacity of this host's network link, Mbit/s (the denominator of "
                                        "link utilization)")
+    ports_file: str = option("", "once bound, write the ports this process listens on to this file (JSON: "
+                                 "metrics, and a shard's grpc), so that whoever started it learns them: "
+                                 "imerge launch binds every port 0")
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -39,9 +39,10 @@ from rich.table import Table
 from imerge.ops import proc
 from imerge.core.config import option, redacted, require
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ChildFailed, IMergeError
+from imerge.core.ports import bind_problem
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
-from imerge.ops.redis_server import RedisServer, free_port
+from imerge.ops.redis_server import RedisServer
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -78,23 +79,35 @@ def _figure(event: dict[str, Any], key: str, digits: int) -> str:
     return f"{value:.{digits}f}" if isinstance(value, (int, float)) else "-"
 
 
+def _role_order(item: tuple[str, str]) -> tuple[int, str]:
+    role = item[0]
+    return (0 if role == "coordinator" else 1 if role.startswith("ps") else 2, role.rjust(12))
+
+
 class LocalHosts:
-    """Every role on this host, on loopback; a shard keeps its port across restarts."""
+    """Every role on this host, on loopback. Each binds port 0 (any free one) and reports what it bound in its
+    ports file, so no port is picked by binding and closing it first; a restarted shard binds the port it had,
+    which must still be free."""
+
+    reports_ports = True
 
     def __init__(self) -> None:
-        self._ports: dict[int, int] = {}
+        self.shard_ports: dict[int, int] = {}  # shard index -> the gRPC port it bound first
 
     def prefix(self, role: str) -> list[str]:
         return []
 
     def shard_env(self, index: int) -> dict[str, str]:
-        port = self._ports.setdefault(index, free_port())
+        port = self.shard_ports.get(index, 0)
+        if port and bind_problem("127.0.0.1", port):
+            raise IMergeError(f"ps{index} cannot be restarted at its address 127.0.0.1:{port}: "
+                              f"{bind_problem('127.0.0.1', port)} (another process took the port)")
         return {"IMERGE_HOST": "127.0.0.1", "IMERGE_PORT": str(port)}
 
     def metrics_target(self, role: str) -> tuple[int, str]:
-        """The metrics port ``role`` serves on, and the address Prometheus scrapes."""
-        port = free_port()
-        return port, f"127.0.0.1:{port}"
+        """The metrics port ``role`` serves on (0: any; its ports file says which), and the address Prometheus
+        scrapes ("" until it is known)."""
+        return 0, ""
 
     def role_env(self, role: str) -> dict[str, str]:
         return {}
@@ -104,6 +117,7 @@ class TestbedHosts:
     """Every role in its own network namespace of a testbed, reached by its role name."""
 
     SHARD_PORT = 50051
+    reports_ports = False
 
     def __init__(self, testbed: Any):
         self.testbed = testbed
@@ -183,8 +197,14 @@ class Launcher:
                pass_fds: tuple[int, ...] = ()) -> None:
         env.update(self.hosts.role_env(role))
         if not self.workers_only and env.get("IMERGE_METRICS_PORT", "0") == "0":
-            port, self.metrics_targets[role] = self.hosts.metrics_target(role)
+            port, address = self.hosts.metrics_target(role)
             env["IMERGE_METRICS_PORT"] = str(port)
+            if address:
+                self.metrics_targets[role] = address
+        if self.hosts.reports_ports:
+            env["IMERGE_PORTS_FILE"] = str(self._ports_file(role))
+            self._ports_file(role).parent.mkdir(exist_ok=True)
+            self._ports_file(role).unlink(missing_ok=True)
         child = Child(role, None, self.log_dir / f"{role}.log", is_worker, argv, env, pass_fds)
         child.log_path.write_bytes(b"")
         self._spawn(child)
@@ -214,7 +234,37 @@ class Launcher:
                 self.console.print(prefix + line.decode(errors="replace").rstrip("\n"), markup=False,
                                    highlight=False, soft_wrap=True)
 
+    def _ports_file(self, role: str) -> Path:
+        return self.log_dir / "ports" / f"{role}.json"
+
+    def _collect_ports(self) -> None:
+        """Read the ports the children bound (their ports files); (re)write prometheus.yml once every role's
+        metrics port is known, and whenever a restarted role bound another."""
+        if not self.hosts.reports_ports:
+            return
+        changed = False
+        for child in self.children:
+            if child.role in self.metrics_targets or child.env.get("IMERGE_METRICS_PORT") == "-1":
+                continue
+            try:
+                ports = json.loads(self._ports_file(child.role).read_text())
+            except (OSError, ValueError):
+                continue
+            if "grpc" in ports and child.role.startswith("ps"):
+                self.hosts.shard_ports.setdefault(int(child.role[2:]), ports["grpc"])
+            if "metrics" in ports:
+                self.metrics_targets[child.role] = f"127.0.0.1:{ports['metrics']}"
+                changed = True
+        if changed and all(c.role in self.metrics_targets for c in self.children
+                           if c.env.get("IMERGE_METRICS_PORT") != "-1"):
+            self._write_prometheus_config()
+
     def _restart(self, child: Child, why: str) -> None:
+        if self.hosts.reports_ports:  # a new metrics port, reported anew; a shard its gRPC port again
+            self.metrics_targets.pop(child.role, None)
+            self._ports_file(child.role).unlink(missing_ok=True)
+            if child.role.startswith("ps") and child.role[2:].isdigit():
+                child.env.update(self.hosts.shard_env(int(child.role[2:])))
         log.warning("%s %s; restarting it", child.role, why)
         if not self.quiet:
             self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
@@ -328,6 +378,7 @@ class Launcher:
             task = bar.add_task("train", total=None, loss="-", itime="-")
             last_note = 0.0
             while not self._check_children():
+                self._collect_ports()
                 for event in self._read_events(stream, buffer, 0.2):
                     event["received"] = time.time()
                     self.events.append(event)
@@ -357,10 +408,12 @@ class Launcher:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
                                    f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
             self._start_roles(redis_url, write_fd)
-            self._write_prometheus_config()
+            if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
+                self._write_prometheus_config()
             os.close(write_fd)
             write_fd = -1
             self._supervise(read_fd)
+            self._collect_ports()  # a job too short for the loop to have seen them all
             self._finish_roles()
         except Interrupted as exc:
             self.console.print(f"[yellow]{exc}: stopping every role[/yellow]")
@@ -381,11 +434,15 @@ class Launcher:
         return 0
 
     def _write_prometheus_config(self) -> None:
-        """``prometheus.yml`` in the log folder: scrapes every role, with IMerge's recording rules."""
+        """``prometheus.yml`` in the log folder: scrapes every role, with IMerge's recording rules (written whole,
+        then renamed: a reader never sees half of it)."""
         if not self.metrics_targets:
             return
         path = self.log_dir / "prometheus.yml"
-        path.write_text(prometheus_config(self.metrics_targets, self.job, rules_file()))
+        temporary = path.with_name(".prometheus.yml.tmp")
+        temporary.write_text(prometheus_config(dict(sorted(self.metrics_targets.items(), key=_role_order)),
+                                               self.job, rules_file()))
+        os.replace(temporary, path)
         if not self.quiet:
             self.console.print(f"metrics: {', '.join(f'{r} {a}' for r, a in self.metrics_targets.items())}; "
                                f"Prometheus configuration in {path}")

@@ -7,7 +7,9 @@ labels (``shard``, ``worker``, ``group``, ``interface``).
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,10 +69,33 @@ def role_registry(link_mbps: float) -> CollectorRegistry:
     return registry
 
 
-class MetricsServer:
-    """Serves one registry's /metrics on its own port; ``port`` -1 means off."""
+def report_port(ports_file: str, name: str, port: int) -> None:
+    """Add ``name: port`` to the JSON ``ports_file`` (atomically; nothing when the path is empty)."""
+    if not ports_file:
+        return
+    path = Path(ports_file)
+    try:
+        ports = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:
+        ports = {}
+    ports[name] = port
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(ports))
+        os.replace(temporary, path)
+    except OSError as exc:
+        from imerge.core.errors import ConfigError
 
-    def __init__(self, registry: CollectorRegistry, port: int, what: str, host: str = "0.0.0.0"):
+        raise ConfigError("--ports-file", f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+class MetricsServer:
+    """Serves one registry's /metrics on its own port; ``port`` -1 means off, 0 any free port (reported to
+    ``ports_file`` once bound)."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, what: str, host: str = "0.0.0.0",
+                 ports_file: str = ""):
         self.port = -1
         self._server: Any = None
         if port < 0:
@@ -84,6 +109,7 @@ class MetricsServer:
                               "choose another with --metrics-port (-1: off)") from exc
         self.port = self._server.server_port
         log.info("%s: metrics on http://%s:%d/metrics", what, host, self.port)
+        report_port(ports_file, "metrics", self.port)
 
     def close(self) -> None:
         if self._server is not None:
