@@ -80,3 +80,23 @@ def raw_push(address: str, block_id: str, numel: int, worker: int, round_: int, 
             return "OK", ""
         except grpc.RpcError as exc:
             return exc.code().name, exc.details()
+
+
+def run_cli(args: list[str], env: dict[str, str], monkeypatch, capsys) -> tuple[int, str]:
+    """``imerge ARGS`` in this process (a command-line mistake fails before any role starts): (exit code,
+    stderr). The environment is patched for the call; logging handlers a role installs are removed after it."""
+    import logging
+
+    from imerge.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    handlers = list(logging.getLogger().handlers)
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    finally:
+        for handler in logging.getLogger().handlers[len(handlers):]:
+            logging.getLogger().removeHandler(handler)
+    return code, capsys.readouterr().err

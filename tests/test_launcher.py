@@ -112,11 +112,13 @@ def test_failed_role_is_named_and_exit_is_nonzero(tmp_path):
     (["testbed", "--mtu", "100"], {}, "--mtu: must be within 576..65000"),
     (["launch", "--model", "resnet18", "--", "python", "s.py"], {}, "--model: is an option of the built-in job"),
 ])
-def test_cli_rejects_bad_options_naming_them(args, env, message):
-    result = subprocess.run(IMERGE + args, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+def test_cli_rejects_bad_options_naming_them(args, env, message, monkeypatch, capsys):
+    from helpers import run_cli
+
+    code, stderr = run_cli(args, env, monkeypatch, capsys)
+    assert code == 2
+    assert message in stderr
+    assert "Traceback" not in stderr
 
 
 def test_shard_stops_gracefully_on_sigterm(redis_url):

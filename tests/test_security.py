@@ -112,9 +112,11 @@ def test_a_job_trains_over_mutual_tls(pki, cluster):
     (["ps", "--tls-cert", "/etc/hostname"], "--tls-key: --tls-cert and --tls-key go together"),
     (["worker", "--tls-ca", "/nonexistent/ca.pem"], "--tls-ca: no such file: /nonexistent/ca.pem"),
 ])
-def test_tls_options_are_checked(args, message):
-    result = subprocess.run(IMERGE + args, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+def test_tls_options_are_checked(args, message, monkeypatch, capsys):
+    from helpers import run_cli
+
+    code, stderr = run_cli(args, {}, monkeypatch, capsys)
+    assert code == 2 and message in stderr and "Traceback" not in stderr
 
 
 # -- Redis AUTH and one ACL user per role ----------------------------------------------------------
