@@ -40,6 +40,8 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
     (["ps", "--", "python", "x.py"], "only accepted by 'imerge launch'"),
     (["worker", "--compression", "topk", "--interleave-period", "2"], "--compression: topk needs"),
     (["launch", "--topk-ratio", "2"], "--topk-ratio"),
+    (["launch", "--topk-pull-ratio", "0.1"], "--topk-pull-ratio: has no effect with --compression none"),
+    (["worker", "--compression", "topk", "--mixed-threshold-kib", "8"], "only with mixed"),
 ])
 def test_command_line_mistakes_are_one_line(args, message, monkeypatch, capsys):
     from helpers import run_cli

@@ -364,20 +364,14 @@ def probe_argv(container: dict, tmp_path: Path) -> list[str] | None:
 
 @needs_testbed
 @pytest.mark.timeout(400)
-def test_the_chart_topology_runs_the_job_in_namespaces(tmp_path):
-    logs = run_topology(chart_hosts(tmp_path))
-    assert "done:" in logs["imerge-worker-0"] and "done:" in logs["imerge-worker-1"]
-    assert "imerge-ps-1.imerge-ps.default.svc:50051" in logs["imerge-coordinator-0"]
-
-
-@needs_testbed
-@pytest.mark.timeout(400)
-def test_the_gpu_chart_runs_one_worker_process_per_gpu_with_its_own_rank_and_local_rank(tmp_path):
-    """workers.gpu.count 2: each of the 2 pods runs 2 worker processes (ranks 0-1 and 2-3, local ranks 0 and 1)
-    of a 4-rank job (on the CPU here: --device auto)."""
+def test_the_chart_topology_runs_the_job_in_namespaces_one_worker_process_per_gpu(tmp_path):
+    """Every pod of the chart in its own namespace, found by its Service name. With workers.gpu.count 2 each of
+    the 2 worker pods runs 2 worker processes (ranks 0-1 and 2-3, local ranks 0 and 1) of a 4-rank job (on the
+    CPU here: --device auto); the default single-process pod is the count-1 case of the same template."""
     logs = run_topology(chart_hosts(tmp_path, {"gpu": {"enabled": True, "count": 2}, "replicas": 2, "iters": 10}))
     for pod, ranks in (("imerge-worker-0", (0, 1)), ("imerge-worker-1", (2, 3))):
         for local, rank in enumerate(ranks):
             assert f"worker {rank}/4 joined" in logs[pod], logs[pod][-2000:]
             assert f"worker {rank} (local rank {local}) trains digits-cnn on cpu" in logs[pod]
         assert "done:" in logs[pod]
+    assert "imerge-ps-1.imerge-ps.default.svc:50051" in logs["imerge-coordinator-0"]

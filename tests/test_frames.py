@@ -7,7 +7,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from imerge.core.codec import tensor_view
-from imerge.ps.state import all_finite
+from imerge.core.compression import all_finite
 from imerge.wire.frames import (DataFrame, carries_data, data_frame, data_frames, deserializer,
                                 frame_payload_bytes, serialize)
 from imerge.wire.rpc import ps_pb2

@@ -223,19 +223,29 @@ def accumulated_loss(model: torch.nn.Module, micro_batches) -> torch.Tensor:
     return F.cross_entropy(model(x), y) / len(micro_batches)
 
 
+def paired_micro_batches(steps: int, seed: int) -> list:
+    """``steps`` steps of two micro-batches per worker: data[step][rank] = [(x0, y0), (x1, y1)]."""
+    micro = make_data(2 * steps, WORKERS, 8, FEATURES, CLASSES, seed=seed)
+    return [[[micro[2 * i][w], micro[2 * i + 1][w]] for w in range(WORKERS)] for i in range(steps)]
+
+
+def train_with_no_sync(model, data: list, rank: int, **backward) -> None:
+    """Each step: the first micro-batch's backward under no_sync, the second's synchronizes (half each)."""
+    for step in data:
+        (x0, y0), (x1, y1) = step[rank]
+        with model.no_sync():
+            (F.cross_entropy(model(x0), y0) / 2).backward(**backward)
+        (F.cross_entropy(model(x1), y1) / 2).backward(**backward)
+
+
 def test_no_sync_accumulates_two_micro_batches_into_one_step(cluster):
     c = cluster(WORKERS, SHARDS)
-    micro = make_data(12, WORKERS, 8, FEATURES, CLASSES, seed=5)
-    data = [[[micro[2 * i][w], micro[2 * i + 1][w]] for w in range(WORKERS)] for i in range(6)]
+    data = paired_micro_batches(6, seed=5)
     spec = OptimizerSpec("adam", lr=0.01, weight_decay=0.01)
 
     def body(rank: int):
         model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
-        for step in data:
-            (x0, y0), (x1, y1) = step[rank]
-            with model.no_sync():
-                (F.cross_entropy(model(x0), y0) / 2).backward()
-            (F.cross_entropy(model(x1), y1) / 2).backward()
+        train_with_no_sync(model, data, rank)
         iterations = model.engine.iteration
         model.close()
         return params_of(model.module), iterations
@@ -561,17 +571,12 @@ def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(lo
 def test_backward_with_create_graph_under_no_sync_counts_each_gradient_once(cluster):
     """create_graph makes autograd replace .grad out of place (view + gradient) instead of adding in place."""
     c = cluster(WORKERS, 1)
-    micro = make_data(8, WORKERS, 8, FEATURES, CLASSES, seed=23)
-    data = [[[micro[2 * i][w], micro[2 * i + 1][w]] for w in range(WORKERS)] for i in range(4)]
+    data = paired_micro_batches(4, seed=23)
     spec = OptimizerSpec("sgd", lr=0.1, momentum=0.9)
 
     def body(rank: int):
         model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
-        for step in data:
-            (x0, y0), (x1, y1) = step[rank]
-            with model.no_sync():
-                (F.cross_entropy(model(x0), y0) / 2).backward(create_graph=True)
-            (F.cross_entropy(model(x1), y1) / 2).backward(create_graph=True)
+        train_with_no_sync(model, data, rank, create_graph=True)
         model.close()
         return params_of(model.module)
 

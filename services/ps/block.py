@@ -24,13 +24,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 from collections.abc import Sequence
 
 import torch
 
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.compression import WIRE_DTYPES, Payload, parse_mode, sparse_update
+from imerge.core.compression import Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.errors import FailedPrecondition, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -38,13 +37,6 @@ from imerge.wire.frames import data_frames
 from .checkpoint import BlockImage
 from .metrics import ShardMetrics
 from .rounds import RoundOptions, RoundScalars
-
-
-def all_finite(values: torch.Tensor) -> bool:
-    """Whether every element is finite. A finite sum proves it (a NaN or an infinity makes the sum NaN or
-    infinite) in one pass without allocating; only a sum that overflowed or is not finite is checked
-    element by element."""
-    return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +57,7 @@ class Snapshot:
 def snapshot_of(param: torch.Tensor, mode: str = "", held: torch.Tensor | None = None) -> Snapshot:
     """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, given what the
     workers hold (``held``, brought up to date), the sparse update (see :func:`sparse_update`)."""
-    block = parse_mode(mode)
-    if held is not None:
-        payload = sparse_update(param, held, block.pull_ratio)
-    else:
-        payload = Payload(param.to(WIRE_DTYPES[block.cast]) if block.cast != "float32" else param)
+    payload = encode_pull(param, mode, held)
     parts = payload.parts()
     frames = [frame for part in parts for frame in data_frames(part, CHUNK_BYTES)]
     return Snapshot(frames, param.numel(), payload.dtype, payload.nnz if payload.sparse else -1,
@@ -175,7 +163,7 @@ class BlockState:
             if self.sparse:  # the workers' sparse gradients added in worker order; zeros elsewhere
                 mean = torch.zeros(self.meta.numel)
                 for payload in self.sparse_grads:
-                    mean.index_add_(0, payload.indices.long(), payload.values)
+                    accumulate(mean, payload)
             else:
                 mean = self.grads[0].clone()
                 for row in self.grads[1:]:

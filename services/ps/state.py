@@ -29,11 +29,11 @@ import torch
 
 from imerge.core.blockstate import block_state_bytes, parse_block_state
 from imerge.core.codec import digest, tensor_view
-from imerge.core.compression import parse_mode, payload_bytes
+from imerge.core.compression import all_finite, parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 
-from .block import BlockMeta, BlockState, all_finite
+from .block import BlockMeta, BlockState
 from .payloads import check_encoding, receive_gradient
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics

@@ -262,7 +262,7 @@ class Communicator:
             for sync in {id(p.sync): p.sync for p, _ in batch}.values():
                 await wait_ready(sync.ready)
             items = [self._item(p.sync, b) for p, b in batch]
-            nbytes = sum(self.compression.nbytes(item) for item in items)
+            nbytes = sum(payload_nbytes(item[1]) for item in items)
             if self.slots.holds_flags:
                 span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
                                            lambda fence: self._timed_push(shard, items, nbytes, fence, written))
@@ -276,7 +276,7 @@ class Communicator:
             return
         per_sync: dict[int, list] = {}
         for (pending, block), item in zip(batch, items):
-            per_sync.setdefault(id(pending), [pending, 0])[1] += self.compression.nbytes(item)
+            per_sync.setdefault(id(pending), [pending, 0])[1] += payload_nbytes(item[1])
         for pending, sync_bytes in per_sync.values():
             self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
                               iteration=pending.sync.iteration)
@@ -309,7 +309,7 @@ class Communicator:
         completes, and answers the pulls of, the earliest layers' blocks first."""
         group = sync.group
         items = [self._item(sync, b) for b in self._push_order(blocks)]
-        nbytes = sum(self.compression.nbytes(item) for item in items)
+        nbytes = sum(payload_nbytes(item[1]) for item in items)
         span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))
         return span, nbytes

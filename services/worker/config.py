@@ -11,6 +11,8 @@ from imerge.core.slots import SLOT_SCOPES, SLOTS
 from .model_buffers import BUFFER_MODES
 
 MIB = 1 << 20
+COMPRESSION_OPTIONS = {"topk_ratio": ("topk", "mixed"), "topk_pull_ratio": ("topk", "mixed"),
+                       "mixed_threshold_kib": ("mixed",)}  # option -> the modes it applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,10 @@ class ScheduleConfig:
         require(0 < self.topk_ratio <= 1, "topk_ratio", "must lie in (0, 1]")
         require(self.mixed_threshold_kib >= 0, "mixed_threshold_kib", "must be >= 0")
         require(0 <= self.topk_pull_ratio <= 1, "topk_pull_ratio", "must lie in [0, 1]")
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        for name, modes in COMPRESSION_OPTIONS.items():
+            require(self.compression in modes or getattr(self, name) == defaults[name], name,
+                    f"has no effect with --compression {self.compression} (only with {' or '.join(modes)})")
         require(self.interleave_period == 1 or self.compression in ("none", "fp16", "bf16"), "compression",
                 f"{self.compression} needs --interleave-period 1: a top-k pull sends only the parameters the "
                 "shard changed, which would leave a worker's local steps in place")

@@ -43,6 +43,7 @@ class WorkerMetrics:
                           "built-in job reports every iteration's)", ["worker"], registry=registry).labels(worker=worker)
         self._learning_rate = Gauge("imerge_worker_learning_rate", "The learning rate of each parameter group, as "
                                     "the latest push carried it", ["worker", "param_group"], registry=registry)
+        self._moved: dict[tuple[int, str], tuple[Counter, Counter]] = {}
         self.groups_synced = Gauge("imerge_worker_groups_synced", "Groups the last iteration pushed",
                                    ["worker"], registry=registry).labels(worker=worker)
 
@@ -53,9 +54,14 @@ class WorkerMetrics:
         self._pulled.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
 
     def moved(self, group: int, direction: str, raw_bytes: int, wire_bytes: int) -> None:
-        """Bytes of a group's push or pull before and after compression."""
-        self._raw.labels(worker=self.rank, group=str(group), direction=direction).inc(raw_bytes)
-        self._wire.labels(worker=self.rank, group=str(group), direction=direction).inc(wire_bytes)
+        """Bytes of a group's push or pull before and after compression (called per block: the labelled
+        children are looked up once per group and direction)."""
+        children = self._moved.get((group, direction))
+        if children is None:
+            labels = {"worker": self.rank, "group": str(group), "direction": direction}
+            children = self._moved[group, direction] = (self._raw.labels(**labels), self._wire.labels(**labels))
+        children[0].inc(raw_bytes)
+        children[1].inc(wire_bytes)
 
     def learning_rates(self, rates: list[float]) -> None:
         for index, rate in enumerate(rates):

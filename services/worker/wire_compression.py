@@ -10,20 +10,15 @@ the group's device copy completed.
 from __future__ import annotations
 
 import bisect
-import math
 from typing import Any
 
 import torch
 
-from imerge.core.compression import (Compressor, Payload, make_compressor, parse_mode, payload_bytes,
+from imerge.core.compression import (Compressor, Payload, all_finite, make_compressor, parse_mode, payload_bytes,
                                      topk_count)
 from imerge.core.errors import UnsupportedUse
 from imerge.core.planning import BYTES_PER_ELEMENT
 from imerge.wire.encoding import dtype_name, nnz_of
-
-
-def finite(values: torch.Tensor) -> bool:
-    return math.isfinite(float(values.sum(dtype=torch.float32))) or bool(torch.isfinite(values).all())
 
 
 def payload_nbytes(payload: Payload | torch.Tensor) -> int:
@@ -53,7 +48,7 @@ class Compression:
         if compressor is None:
             compressor = self._compressors[block.block_id] = make_compressor(mode, block.numel)
         payload = compressor.compress(grad)[0]
-        if mode == "fp16" and not scaled and not finite(payload.values) and finite(grad):
+        if mode == "fp16" and not scaled and not all_finite(payload.values) and all_finite(grad):
             raise UnsupportedUse(f"block {block.block_id}: a gradient element beyond fp16's range (65504) "
                                  f"became infinite with --compression fp16; use bf16 (fp32's range), or a grad "
                                  f"scaler (model.grad_scaler()), which skips such a round")
@@ -65,10 +60,6 @@ class Compression:
         if mode.kind == "topk":
             return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
         return payload_bytes(block.numel, mode.cast, -1)
-
-    @staticmethod
-    def nbytes(item: tuple) -> int:
-        return payload_nbytes(item[1])
 
     @staticmethod
     def still_without_grad(block: Any, payload: Payload, no_grad: tuple[int, ...], flat: Any) -> tuple[int, ...]:

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from imerge.core.codec import PayloadReceiver
-from imerge.core.compression import (WIRE_DTYPES, CompressionSpec, Payload, make_compressor, parse_mode,
-                                     sparse_update)
+from imerge.core.compression import CompressionSpec, Payload, accumulate, encode_pull, make_compressor
 
 MODES = ("none", "fp16", "bf16", "topk")
 
@@ -44,7 +43,6 @@ def _receive(payload: Payload, numel: int) -> Payload:
 def one_iteration(mode: str, blocks: list[torch.Tensor], compressors: list[Any], helds: list[Any],
                   params: list[torch.Tensor], workers: int) -> tuple[float, float, int, int]:
     """(worker CPU s, shards CPU s, push bytes, pull bytes) of one iteration (every worker sends the same)."""
-    cast = parse_mode(compressors[0].mode).cast
     started = time.process_time()
     payloads = [compressor.compress(block)[0] for compressor, block in zip(compressors, blocks)]
     worker_s = time.process_time() - started
@@ -53,13 +51,9 @@ def one_iteration(mode: str, blocks: list[torch.Tensor], compressors: list[Any],
     for payload, block, held, param in zip(payloads, blocks, helds, params):
         mean = torch.zeros(block.numel())
         for _ in range(workers):
-            received = _receive(payload, block.numel())
-            if received.sparse:
-                mean.index_add_(0, received.indices.long(), received.values)
-            else:
-                mean.add_(received.values.float())
+            accumulate(mean, _receive(payload, block.numel()))
         param.add_(mean.div_(workers), alpha=-0.1)
-        pulled = sparse_update(param, held, 0.0) if held is not None else Payload(param.to(WIRE_DTYPES[cast]))
+        pulled = encode_pull(param, compressors[0].mode, held)
         pull_bytes += pulled.nbytes
     shard_s = time.process_time() - started
     return worker_s, shard_s, sum(p.nbytes for p in payloads), pull_bytes

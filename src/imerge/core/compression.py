@@ -62,7 +62,8 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(part) for part in self.parts())
+        tensors = [self.indices, self.values] if self.sparse else [self.values]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def parts(self) -> list[memoryview]:
         """The payload's bytes as they go on the wire, without a copy: [indices,] values."""
@@ -121,15 +122,29 @@ class TopKCompressor:
         self.residual = torch.zeros(numel)
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
-        corrected = tensor + self.residual
+        corrected = self.residual.add_(tensor)  # in place: the residual becomes what is left after sending
         indices = select_topk(corrected, self.k)
         values = corrected[indices]
         corrected[indices] = 0.0
-        self.residual = corrected
         return Payload(values, indices.to(torch.int32), tensor.numel()), tensor.numel()
 
     def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
         return densify(payload, numel)
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether every element is finite. A finite sum (in fp32, so fp16 values cannot overflow it) proves it in
+    one pass without allocating (a NaN or an infinity makes the sum NaN or infinite); only a sum that is not
+    finite is checked element by element."""
+    return math.isfinite(float(values.sum(dtype=torch.float32))) or bool(torch.isfinite(values).all())
+
+
+def accumulate(total: torch.Tensor, payload: Payload) -> torch.Tensor:
+    """``total`` (fp32) plus the tensor ``payload`` stands for, in place: a sparse payload is added at its
+    indices (nothing dense is made of it), a dense one widened."""
+    if payload.sparse:
+        return total.index_add_(0, payload.indices.long(), payload.values.float())
+    return total.add_(payload.values)
 
 
 def densify(payload: Payload, numel: int) -> torch.Tensor:
@@ -207,6 +222,16 @@ def sparse_update(param: torch.Tensor, held: torch.Tensor, pull_ratio: float) ->
     if changed.numel() * (INDEX_BYTES + 4) < param.numel() * 4:
         return Payload(held[changed], changed.to(torch.int32), param.numel())
     return Payload(held)
+
+
+def encode_pull(param: torch.Tensor, mode: str, held: torch.Tensor | None = None) -> Payload:
+    """The parameters as a pull of a block in ``mode`` sends them: fp32 as they are, fp16/bf16 rounded; for
+    top-k, given what the workers hold (``held``, brought up to date in place), the sparse update (see
+    :func:`sparse_update`)."""
+    block = parse_mode(mode)
+    if held is not None:
+        return sparse_update(param, held, block.pull_ratio)
+    return Payload(param.to(WIRE_DTYPES[block.cast]) if block.cast != "float32" else param)
 
 
 @dataclasses.dataclass(frozen=True)

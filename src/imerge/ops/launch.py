@@ -152,6 +152,7 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     pass_fds: tuple[int, ...] = ()
+    shard: int | None = None  # a shard's index
     restarts: int = 0   # after deaths
     rejoins: int = 0    # after exit code 75 (the job recovered)
 
@@ -194,7 +195,7 @@ class Launcher:
         return env
 
     def _start(self, role: str, argv: list[str], env: dict[str, str], is_worker: bool = False,
-               pass_fds: tuple[int, ...] = ()) -> None:
+               pass_fds: tuple[int, ...] = (), shard: int | None = None) -> None:
         env.update(self.hosts.role_env(role))
         if not self.workers_only and env.get("IMERGE_METRICS_PORT", "0") == "0":
             port, address = self.hosts.metrics_target(role)
@@ -205,7 +206,7 @@ class Launcher:
             env["IMERGE_PORTS_FILE"] = str(self._ports_file(role))
             self._ports_file(role).parent.mkdir(exist_ok=True)
             self._ports_file(role).unlink(missing_ok=True)
-        child = Child(role, None, self.log_dir / f"{role}.log", is_worker, argv, env, pass_fds)
+        child = Child(role, None, self.log_dir / f"{role}.log", is_worker, argv, env, pass_fds, shard)
         child.log_path.write_bytes(b"")
         self._spawn(child)
         self.children.append(child)
@@ -250,8 +251,8 @@ class Launcher:
                 ports = json.loads(self._ports_file(child.role).read_text())
             except (OSError, ValueError):
                 continue
-            if "grpc" in ports and child.role.startswith("ps"):
-                self.hosts.shard_ports.setdefault(int(child.role[2:]), ports["grpc"])
+            if "grpc" in ports and child.shard is not None:
+                self.hosts.shard_ports.setdefault(child.shard, ports["grpc"])
             if "metrics" in ports:
                 self.metrics_targets[child.role] = f"127.0.0.1:{ports['metrics']}"
                 changed = True
@@ -263,8 +264,8 @@ class Launcher:
         if self.hosts.reports_ports:  # a new metrics port, reported anew; a shard its gRPC port again
             self.metrics_targets.pop(child.role, None)
             self._ports_file(child.role).unlink(missing_ok=True)
-            if child.role.startswith("ps") and child.role[2:].isdigit():
-                child.env.update(self.hosts.shard_env(int(child.role[2:])))
+            if child.shard is not None:
+                child.env.update(self.hosts.shard_env(child.shard))
         log.warning("%s %s; restarting it", child.role, why)
         if not self.quiet:
             self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
@@ -288,7 +289,7 @@ class Launcher:
                         self._env(redis_url, {"IMERGE_SHARD_INDEX": str(index), "OMP_NUM_THREADS": "1",
                                               "IMERGE_CHECKPOINT_DIR": os.environ.get("IMERGE_CHECKPOINT_DIR")
                                               or str(self.log_dir / "checkpoints"),
-                                              **self.hosts.shard_env(index)}))
+                                              **self.hosts.shard_env(index)}), shard=index)
         self._start_workers(redis_url, progress_fd, role)
 
     def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
