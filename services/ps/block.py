@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -103,6 +104,8 @@ class BlockState:
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
+        self.row_holders: list[tuple[int, Any] | None] = [None] * meta.num_workers  # (round, its push stream)
+        self.row_waiters = [0] * meta.num_workers  # pushes waiting for the row's lock
         self.snapshot = snapshot_of(self.flat, meta.compression)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push

@@ -22,6 +22,8 @@ class PSConfig(TlsConfig, CommonConfig):
                                      "and no recovery")
     checkpoint_every: int = option(10, "write a checkpoint every this many rounds (when all blocks agree)")
     checkpoint_keep: int = option(2, "complete checkpoints kept (the newest)")
+    stream_idle_s: float = option(10.0, "a client stream (push, init, import) that sends nothing for this long "
+                                        "ends with DEADLINE_EXCEEDED and frees what it held")
     heartbeat_ttl_s: float = option(3.0, "lifetime of this shard's heartbeat key; a frozen or dead shard is "
                                          "declared lost after it")
 
@@ -37,4 +39,5 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "
                                                               "stays valid while the next is written)")
+        require(self.stream_idle_s > 0, "stream_idle_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")

@@ -24,6 +24,7 @@ from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError
+from imerge.core.limits import MAX_OPTIONS_CHARS, check_block_ids, check_id, clip
 from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer, report_port
@@ -40,7 +41,7 @@ from .membership import ShardMembership
 from .rounds import RoundOptions, RoundScalars
 from .block import Snapshot
 from .state import BlockMeta, Shard
-from .streams import Segments, data_parts, decoded, first_part, parser, receive_exact
+from .streams import Progressing, Segments, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
@@ -51,6 +52,9 @@ def options_of(header: ps_pb2.PushHeader) -> RoundOptions:
 
 
 def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
+    if len(spec.options_json) > MAX_OPTIONS_CHARS:
+        raise InvalidArgument(f"optimizer options: {len(spec.options_json)} characters of JSON, more than "
+                              f"{MAX_OPTIONS_CHARS}")
     try:
         options = json.loads(spec.options_json or "{}")
     except ValueError as exc:
@@ -62,11 +66,11 @@ def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
 
 
 async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerContext) -> None:
-    if isinstance(exc, RequestError):
+    if isinstance(exc, RequestError):  # its text may quote a client's: clipped
         shard.counters.rejected += 1
-        log.warning("rejected (%s %s): %s", exc.status, type(exc).__name__, exc)
+        log.warning("rejected (%s %s): %s", exc.status, type(exc).__name__, clip(str(exc), 1000))
         code, trailing = status_of(exc)
-        await context.abort(code, str(exc), trailing_metadata=trailing)
+        await context.abort(code, clip(str(exc), 4000), trailing_metadata=trailing)
     log.exception("internal error")
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -118,6 +122,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self.store = store
         self._owned: set[str] | None = None
         self._mapping: dict[str, int] = {}
+        self._numels: dict[str, int] = {}
         self._num_workers = 0
         self._holders: list[int] = []  # the shards that hold blocks: those that agree on round scalars
 
@@ -136,6 +141,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
         self._holders = sorted({b.shard for b in plan.blocks})
         self._mapping = {b.block_id: b.shard for b in plan.blocks}
+        self._numels = {b.block_id: b.numel for b in plan.blocks}
         self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
         self._num_workers = plan.num_workers
         self.shard.expected = set(self._owned)
@@ -158,28 +164,34 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             total = total.plus(RoundScalars.decode(received[shard]))
         return total
 
-    async def _check_owner(self, block_id: str, num_workers: int) -> None:
-        """A block may only be created on the shard the job's mapping table assigns it to, for the job's
-        worker count (which bounds the rows the shard allocates)."""
+    async def _check_owner(self, meta: BlockMeta) -> None:
+        """A block may only be created on the shard the job's mapping table assigns it to, of the size it
+        gives and for the job's worker count (which bound what the shard reads and allocates)."""
         if self.store is None:
             return
         await self.load_plan()
+        block_id = meta.block_id
         if block_id not in self._owned:
             where = self._mapping.get(block_id)
             raise FailedPrecondition(f"block {block_id} is mapped to "
                                      f"{'no shard' if where is None else f'shard {where}'}, not shard {self.shard.index}")
-        if num_workers != self._num_workers:
-            raise InvalidArgument(f"block {block_id}: num_workers {num_workers}, but job {self.config.job} has "
+        if meta.numel != self._numels[block_id]:
+            raise InvalidArgument(f"block {block_id}: numel {meta.numel}, but the mapping table gives it "
+                                  f"{self._numels[block_id]} elements")
+        if meta.num_workers != self._num_workers:
+            raise InvalidArgument(f"block {block_id}: num_workers {meta.num_workers}, but job {self.config.job} has "
                                   f"{self._num_workers} workers")
 
     @_unary
     async def InitBlock(self, request_iterator, context):
+        request_iterator = Progressing(request_iterator, self.config.stream_idle_s, "InitBlock")
         spec = await first_part(request_iterator, "spec", "InitBlock")
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
                          spec.num_workers, optimizer_from_proto(spec.optimizer), tuple(spec.segments),
                          spec.compression)
         self.shard.check_meta(meta)
-        await self._check_owner(meta.block_id, meta.num_workers)
+        await self._check_owner(meta)
+        self.shard.check_existing(meta)  # all before a byte of its data is read
         init = await receive_exact(data_parts(request_iterator, f"InitBlock {meta.block_id}"), meta.numel,
                                     f"InitBlock {meta.block_id}")
         created, round_ = self.shard.create_block(meta, init)
@@ -187,7 +199,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary
     async def Push(self, request_iterator, context):
-        segments, results = Segments(request_iterator), []
+        stream = Progressing(request_iterator, self.config.stream_idle_s, "Push")
+        segments, results = Segments(stream), []
         try:
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
@@ -195,7 +208,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                                           dtype_name(header.dtype, what), header.numel,
                                                           segments.data(), header.generation, header.fence,
                                                           header.lane, options_of(header), list(header.no_grad),
-                                                          nnz_of(header))
+                                                          nnz_of(header), stream)
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal
@@ -229,10 +242,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_streaming
     async def Pull(self, request, context):
         """Each block is sent as soon as its round completes (pipelined), not when all of them have."""
-        if not request.block_ids:
-            raise InvalidArgument("Pull: no block_ids")
-        if len(set(request.block_ids)) != len(request.block_ids):
-            raise InvalidArgument("Pull: a block is asked for twice")
+        check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         timeout = self._pull_timeout(request, context)
         waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
         pending = list(waits)
@@ -252,16 +262,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_streaming
     async def Fetch(self, request, context):
-        if not request.block_ids:
-            raise InvalidArgument("Fetch: no block_ids")
+        check_block_ids(request.block_ids, len(self.shard.blocks), "Fetch")
         replies = [self.shard.fetch(block_id, request.generation) for block_id in request.block_ids]
         async for chunk in self._send([(b, r, s, (False, 0.0)) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
     @_streaming
     async def Export(self, request, context):
-        if not request.block_ids:
-            raise InvalidArgument("Export: no block_ids")
+        check_block_ids(request.block_ids, len(self.shard.blocks), "Export")
         for block_id in request.block_ids:
             round_, data = self.shard.export_block(block_id, request.generation)
             yield ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id=block_id, round=round_,
@@ -273,11 +281,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_unary
     async def Import(self, request_iterator, context):
         imported, meta, parts, received = [], None, [], 0
-        async for chunk in request_iterator:
+        async for chunk in Progressing(request_iterator, self.config.stream_idle_s, "Import"):
             if chunk.WhichOneof("part") == "meta":
                 if meta is not None:
                     raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
                 meta, parts, received = chunk.meta, [], 0
+                check_id(meta.block_id, "Import")
                 if meta.nbytes > (self.shard.max_block_numel * 4) * 4 + (1 << 20):
                     raise InvalidArgument(f"Import: block {meta.block_id}: {meta.nbytes} bytes is too large")
             elif meta is None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -31,7 +33,8 @@ from imerge.core.blockstate import block_state_bytes, parse_block_state
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite, parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
-                                InvalidArgument, NotFound, StaleGeneration, Unavailable)
+                                InvalidArgument, NotFound, ResourceExhausted, StaleGeneration, Unavailable)
+from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
 
 from .block import BlockMeta, BlockState
 from .payloads import check_encoding, receive_gradient
@@ -40,6 +43,18 @@ from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
 
 log = logging.getLogger(__name__)
+
+
+async def _acquired(lock: asyncio.Lock, timeout_s: float) -> bool:
+    """Whether ``lock`` was acquired within ``timeout_s``."""
+    if not lock.locked():  # the common case: no task (wait_for makes one)
+        await lock.acquire()
+        return True
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 class Shard:
@@ -166,8 +181,7 @@ class Shard:
 
     # -- validation (before any allocation) ---------------------------------
     def check_meta(self, meta: BlockMeta) -> None:
-        if not meta.block_id:
-            raise InvalidArgument("block_id is empty")
+        check_id(meta.block_id, "InitBlock")
         if meta.dtype != "float32":
             raise InvalidArgument(f"block {meta.block_id}: dtype {meta.dtype} is not supported (float32 only)")
         if not 0 < meta.numel <= self.max_block_numel:
@@ -188,7 +202,7 @@ class Shard:
         try:
             return self.blocks[block_id]
         except KeyError:
-            raise NotFound(f"block {block_id!r} is not on shard {self.index}") from None
+            raise NotFound(f"block {clip(block_id)!r} is not on shard {self.index}") from None
 
     def _check_worker(self, block: BlockState, worker: int) -> None:
         if not 0 <= worker < block.meta.num_workers:
@@ -196,6 +210,13 @@ class Shard:
                                   f"0..{block.meta.num_workers - 1}")
 
     # -- init -----------------------------------------------------------------
+    def check_existing(self, meta: BlockMeta) -> None:
+        """Refuse a spec that differs from the block's, if it exists (before its data is read)."""
+        existing = self.blocks.get(meta.block_id)
+        if existing is not None and existing.meta != meta:
+            raise AlreadyExists(f"block {meta.block_id} exists with a different spec: "
+                                f"{clip(str(existing.meta), 400)} vs {clip(str(meta), 400)}")
+
     def create_block(self, meta: BlockMeta, init: torch.Tensor) -> tuple[bool, int]:
         """First writer wins; an identical init is accepted, a different one rejected."""
         init_digest = digest(tensor_view(init))
@@ -207,9 +228,7 @@ class Shard:
                      meta.num_workers, meta.optimizer.name)
             self.maybe_checkpoint()  # round 0, once every block exists
             return True, 0
-        if existing.meta != meta:
-            raise AlreadyExists(f"block {meta.block_id} exists with a different spec: "
-                                f"{existing.meta} vs {meta}")
+        self.check_existing(meta)
         if existing.init_digest != init_digest:
             raise AlreadyExists(f"block {meta.block_id} exists with different initial parameters")
         return False, existing.round
@@ -218,14 +237,16 @@ class Shard:
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
                    data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
                    lane: int = 0, options: RoundOptions = RoundOptions(),
-                   no_grad: Sequence[int] = (), nnz: int = -1) -> tuple[bool, int]:
+                   no_grad: Sequence[int] = (), nnz: int = -1, stream: Any = None) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
         push never blocks or spoils a good one; a repeat of a counted push is
         drained and acknowledged as a duplicate. ``dtype`` and ``nnz`` (-1: dense) are the payload's encoding,
-        which must be the one the block's compression mode makes (dense fp32 for an assignment).
+        which must be the one the block's compression mode makes (dense fp32 for an assignment). ``stream``
+        (a :class:`~.streams.Progressing`) is superseded when a newer push of the same worker comes for the row.
         """
+        check_id(block_id, "Push")
         what = f"push of block {block_id} by worker {worker} for round {round_}"
         self.check_generation(generation, what)
         block = self.block(block_id)
@@ -233,7 +254,7 @@ class Shard:
         if numel != block.meta.numel:
             raise InvalidArgument(f"{what}: got {numel} elements, the block holds {block.meta.numel}")
         check_encoding(block.meta, options.assign, dtype, nnz, what)
-        async with block.row_locks[worker]:
+        async with self._row(block, worker, round_, stream, what):
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
                 async for _ in data:
                     pass
@@ -260,6 +281,30 @@ class Shard:
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
             return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
+
+    @contextlib.asynccontextmanager
+    async def _row(self, block: BlockState, worker: int, round_: int, stream: Any, what: str):
+        """Hold (block, worker)'s row. A push of this round or a later one that waits for it supersedes the stream
+        holding it once that stream sent nothing for STALLED_S (a stalled or abandoned push never blocks its
+        retry for longer); a bounded number wait."""
+        if block.row_waiters[worker] >= MAX_ROW_WAITERS:
+            raise ResourceExhausted(f"{what}: {MAX_ROW_WAITERS} pushes of this worker already wait for the block")
+        lock = block.row_locks[worker]
+        block.row_waiters[worker] += 1
+        try:
+            while not await _acquired(lock, STALLED_S):
+                holder = block.row_holders[worker]
+                if holder is not None and round_ >= holder[0] and holder[1].idle_for() >= STALLED_S:
+                    holder[1].supersede(f"sent nothing for {holder[1].idle_for():.1f}s while a newer push of "
+                                        f"block {block.meta.block_id} by worker {worker} (round {round_}) waited")
+        finally:
+            block.row_waiters[worker] -= 1
+        block.row_holders[worker] = (round_, stream) if stream is not None else None
+        try:
+            yield
+        finally:
+            block.row_holders[worker] = None
+            lock.release()
 
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""

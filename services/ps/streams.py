@@ -7,6 +7,7 @@ tensor of that size is allocated.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,7 +17,7 @@ from google.protobuf.message import DecodeError
 from imerge.core.codec import ChunkAssembler
 from imerge.wire.frames import deserializer
 from imerge.core.dtypes import BLOCK_DTYPE
-from imerge.core.errors import InvalidArgument
+from imerge.core.errors import DeadlineExceeded, InvalidArgument, Superseded
 
 
 class Undecodable:
@@ -54,6 +55,50 @@ async def _decoded_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if isinstance(message, Undecodable):
             raise InvalidArgument(message.what)
         yield message
+
+
+class Progressing:
+    """A client stream that must keep moving: each message within ``idle_s`` of the previous one, or the call
+    ends with DEADLINE_EXCEEDED (and frees whatever it held); :meth:`supersede` ends it at its next wait."""
+
+    def __init__(self, stream: AsyncIterator[Any], idle_s: float, what: str):
+        self._messages = aiter(stream)
+        self.idle_s = idle_s
+        self.what = what
+        self._timeout: asyncio.Timeout | None = None
+        self._superseded = ""
+        self._last = asyncio.get_running_loop().time()  # when the last message came (or the call began)
+
+    def __aiter__(self) -> "Progressing":
+        return self
+
+    async def __anext__(self) -> Any:
+        self._check()
+        try:
+            async with asyncio.timeout(self.idle_s) as self._timeout:
+                message = await anext(self._messages)
+            self._last = asyncio.get_running_loop().time()
+            return message
+        except TimeoutError:
+            self._check()
+            raise DeadlineExceeded(f"{self.what}: the client sent nothing for {self.idle_s:g}s "
+                                   f"(--stream-idle-s)") from None
+        finally:
+            self._timeout = None
+
+    def idle_for(self) -> float:
+        """Seconds since the last message came."""
+        return asyncio.get_running_loop().time() - self._last
+
+    def supersede(self, why: str) -> None:
+        """End the stream: at once if it waits for a message, else at its next wait."""
+        self._superseded = why
+        if self._timeout is not None:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+
+    def _check(self) -> None:
+        if self._superseded:
+            raise Superseded(f"{self.what}: {self._superseded}")
 
 
 async def first_part(stream: AsyncIterator[Any], field: str, what: str) -> Any:

@@ -147,6 +147,14 @@ class Fenced(RequestError):
     recoverable = True
 
 
+class Superseded(RequestError):
+    """A push stream ended because a newer push of the same block, worker and round arrived (a retry after a
+    stall, or a stray client): the newer one is received."""
+
+    status = "ABORTED"
+    recoverable = True
+
+
 class GenerationChanged(RequestError):
     """The job is at another generation than the request's (a recovery): rejoin from the checkpoint."""
 

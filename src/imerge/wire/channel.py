@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from imerge.core.codec import CHUNK_BYTES
+from imerge.core.limits import MAX_STREAMS_PER_CONNECTION
 
 MAX_MESSAGE_BYTES = 2 * CHUNK_BYTES + 4096  # one chunk of tensor data and its header
 SERVICE_NAME = "imerge.v1.ParameterServer"
@@ -28,4 +29,5 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),  # more wait in the client's HTTP/2 queue
 ]
