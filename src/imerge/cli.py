@@ -172,35 +172,56 @@ def _run_redis_acl(args: argparse.Namespace) -> int:
     return 0
 
 
-def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
-    """Each role (subcommand): its help, the config classes its flags and IMERGE_* variables come from, its runner."""
-    from imerge.bench.runner import BenchConfig
-    from imerge.coordinator.service import CoordinatorConfig
-    from imerge.ops.health import HealthConfig
+def _configs(role: str) -> tuple[type, ...]:
+    """The config classes whose flags and IMERGE_* variables ``role`` takes (imported only for that role: the
+    coordinator, top, health and redis-acl start without torch)."""
+    if role == "ps":
+        from imerge.ps.config import PSConfig
+        return (PSConfig,)
+    if role == "coordinator":
+        from imerge.coordinator.service import CoordinatorConfig
+        return (CoordinatorConfig,)
+    if role == "top":
+        from imerge.ops.top import TopConfig
+        return (TopConfig,)
+    if role == "health":
+        from imerge.ops.health import HealthConfig
+        return (HealthConfig,)
+    if role == "redis-acl":
+        from imerge.ops.redis_acl import RedisAclConfig
+        return (RedisAclConfig,)
+    if role == "bench":
+        from imerge.bench.runner import BenchConfig
+        return (BenchConfig,)
     from imerge.ops.launch import LaunchConfig
-    from imerge.ps.config import PSConfig
-    from imerge.ops.redis_acl import RedisAclConfig
-    from imerge.bench.testbed import TestbedConfig
-    from imerge.ops.top import TopConfig
     from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.workloads.job import JobConfig
+    if role == "worker":
+        return WorkerConfig, JobConfig
+    if role == "launch":
+        return LaunchConfig, JobConfig, ScheduleConfig
+    from imerge.bench.testbed import TestbedConfig
+    return TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig
 
-    return {
-        "ps": ("run one PS shard", (PSConfig,), _run_ps),
-        "coordinator": ("run the coordinator", (CoordinatorConfig,), _run_coordinator),
-        "worker": ("run one worker of the built-in job", (WorkerConfig, JobConfig), _run_worker),
-        "launch": ("run a whole job on this host (built-in job, or a script after --)",
-                   (LaunchConfig, JobConfig, ScheduleConfig), _run_launch),
-        "bench": ("run every strategy on one scenario in the testbed and report it (root)", (BenchConfig,),
-                  _run_bench),
-        "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped "
-                    "with tc tbf (root)", (TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig), _run_testbed),
-        "top": ("a live terminal view of a running job, from its /metrics endpoints", (TopConfig,), _run_top),
-        "health": ("exit 0 if a shard's gRPC health service says SERVING (or a role's /metrics answers)",
-                   (HealthConfig,), _run_health),
-        "redis-acl": ("create one Redis ACL user per role (passwords from IMERGE_REDIS_PASSWORD_<ROLE>)",
-                      (RedisAclConfig,), _run_redis_acl),
-    }
+
+ROLES = {  # role (subcommand) -> (its help, its runner)
+    "ps": ("run one PS shard", _run_ps),
+    "coordinator": ("run the coordinator", _run_coordinator),
+    "worker": ("run one worker of the built-in job", _run_worker),
+    "launch": ("run a whole job on this host (built-in job, or a script after --)", _run_launch),
+    "bench": ("run every strategy on one scenario in the testbed and report it (root)", _run_bench),
+    "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped with tc "
+                "tbf (root)", _run_testbed),
+    "top": ("a live terminal view of a running job, from its /metrics endpoints", _run_top),
+    "health": ("exit 0 if a shard's gRPC health service says SERVING (or a role's /metrics answers)", _run_health),
+    "redis-acl": ("create one Redis ACL user per role (passwords from IMERGE_REDIS_PASSWORD_<ROLE>)",
+                  _run_redis_acl),
+}
+
+
+def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
+    """Each role (subcommand): its help, the config classes its flags and IMERGE_* variables come from, its runner."""
+    return {role: (help_text, _configs(role), runner) for role, (help_text, runner) in ROLES.items()}
 
 
 EXAMPLES = {
@@ -222,12 +243,13 @@ EXAMPLES = {
 }
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line; with ``only``, the other roles' options are left out (they are listed by name)."""
     parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
     roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    specs = role_specs()
-    for name, (help_text, configs, runner) in specs.items():
+    for name, (help_text, runner) in ROLES.items():
+        configs = _configs(name) if only in (None, name) else ()
         examples = "\n".join(f"  {line}" for line in EXAMPLES.get(name, []))
         sub = roles.add_parser(name, help=help_text, description=help_text,
                                epilog=f"examples:\n{examples}" if examples else None,
@@ -258,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
     try:
-        parser, subparsers = build_parser()
+        parser, subparsers = build_parser(argv[0] if argv and argv[0] in ROLES else "")
         args = parser.parse_args(argv)
     except ConfigError as exc:  # a bad IMERGE_* value while building the defaults
         print(f"imerge: error: {exc}", file=sys.stderr)
@@ -269,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return _usage_error(args.role, "-- is followed by no command: give the script to run after it (python "
                                        "train.py ...), or leave -- out to run the built-in job")
     args.command = command
-    args.given = given_options(argv[argv.index(args.role) + 1:], *role_specs()[args.role][1])
+    args.given = given_options(argv[argv.index(args.role) + 1:], *_configs(args.role))
     try:
         return args.run(args)
     except ConfigError as exc:  # one line naming the option (a bad value, a port that cannot be bound)

@@ -460,11 +460,11 @@ class Launcher:
             coordinator.process.wait(self.config.stop_grace_s)
         except Exception:  # noqa: BLE001 - stopped below either way
             log.warning("the coordinator did not exit after the workers finished")
-        for child in self.children:
-            if child.role.startswith("ps"):
-                code = proc.stop(child.process, self.config.stop_grace_s)
-                if code not in (0, -signal.SIGTERM):
-                    raise ChildFailed(child.role, f"exited with code {code} on SIGTERM")
+        shards = [child for child in self.children if child.shard is not None]
+        codes = proc.stop_all([child.process for child in shards], self.config.stop_grace_s)
+        for child, code in zip(shards, codes):
+            if code not in (0, -signal.SIGTERM):
+                raise ChildFailed(child.role, f"exited with code {code} on SIGTERM")
 
     def _summarize(self, wall_s: float) -> None:
         iterations = [e for e in self.events if e.get("event") == "iteration"]

@@ -32,6 +32,14 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def stop_all(processes: list[subprocess.Popen], grace_s: float) -> list[int]:
+    """SIGTERM every process group at once (they drain in parallel), then :func:`stop` each; the exit codes."""
+    for process in processes:
+        if process.poll() is None:
+            signal_group(process, signal.SIGTERM)
+    return [stop(process, grace_s) for process in processes]
+
+
 def stop(process: subprocess.Popen, grace_s: float) -> int:
     """SIGTERM the child's process group, SIGKILL it after ``grace_s``; return the exit code."""
     if process.poll() is None:
