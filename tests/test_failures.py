@@ -132,3 +132,20 @@ def test_a_wait_with_a_sub_millisecond_remainder_still_times_out(redis_url):
     with pytest.raises(WaitTimeout, match="waiting for the plan that never comes"):
         store.wait_plan(99, 0.0005, "the plan that never comes")  # BLPOP 0 would block forever
     assert time.monotonic() - started < 2.0
+
+
+def test_a_finished_job_is_refused_and_fresh_starts_its_name_afresh(redis_url):
+    from imerge.coordinator.service import Coordinator, CoordinatorConfig, JobFinished
+
+    job = new_job()
+    store = Store(redis_url, job)
+    try:
+        store.mark_done(0)
+        store.mark_finished()
+        with pytest.raises(JobFinished, match=rf"job {job} already finished at .* --fresh"):
+            Coordinator(CoordinatorConfig(job=job, redis_url=redis_url), store).resume()
+        fresh = Coordinator(CoordinatorConfig(job=job, redis_url=redis_url, fresh=True), store)
+        assert fresh.resume() is False  # a new job: its keys are gone
+        assert store.finished_at() is None and store.done_ranks() == set()
+    finally:
+        store.close()

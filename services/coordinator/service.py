@@ -17,10 +17,10 @@ import time
 import uuid
 
 from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, LayoutSubmission,
-                                     PlanPublished, WorkerDone)
+                                     PlanPublished, Profile, WorkerDone)
 from imerge.control.store import Store
 from imerge.core.config import CommonConfig, option, require
-from imerge.core.errors import IMergeError, LayoutMismatchError, PlanError, StoreError
+from imerge.core.errors import IMergeError, JobFailed, LayoutMismatchError, PlanError, StoreError, WaitTimeout
 from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 from imerge.telemetry.metrics import MetricsServer
 
@@ -28,6 +28,11 @@ from .metrics import coordinator_registry
 from .recovery import RecoveryImpossible, RecoveryPolicy
 
 log = logging.getLogger(__name__)
+REDIS_STALL_S = 1.0  # a Redis call this much slower than asked means Redis stalled: heartbeats are no evidence
+
+
+class JobFinished(JobFailed):
+    """A coordinator started under the name of a job that finished in the same Redis."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,8 @@ class CoordinatorConfig(CommonConfig):
     recover: bool = option(True, "recover from a lost worker or shard by restarting the job's generation "
                                  "from the last checkpoint every shard holds (off: fail with the reason)")
     max_recoveries: int = option(10, "recoveries after which a further failure ends the job")
+    fresh: bool = option(False, "start the job afresh even if a run of the same --job finished (or failed) in "
+                                "this Redis: delete its keys first (start the coordinator before the other roles)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -69,6 +76,8 @@ class Coordinator:
         self.plan: Plan | None = None  # the latest published plan
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
         self._alive: set[str] = set()  # members seen alive in the current generation
+        self._redis_back_at = float("-inf")  # when Redis answered again after it was unreachable or stalled
+        self._store_failing_since: float | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -100,7 +109,7 @@ class Coordinator:
 
     def publish_cost_plan(self, layout: Layout, options: PlanOptions, first: Plan) -> Plan:
         """Regroup the blocks of ``first`` from worker 0's profile (fusion cost)."""
-        profile = self.store.wait_profile(self.config.wait_timeout_s)
+        profile = self._await_profile()
         groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
         plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
                          groups=groups, placement_of=[b.shard for b in first.blocks])
@@ -109,28 +118,54 @@ class Coordinator:
         self._publish(plan)
         return plan
 
+    def _await_profile(self) -> Profile:
+        """Worker 0's profile (--fusion cost), watching the job meanwhile: a failure during the profiled
+        iterations is recovered from like any other, and the workers profile again from the restored round."""
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        generation = self.recovery.generation
+        while not self._stop.is_set():
+            try:
+                return self.store.wait_profile(0.5)
+            except WaitTimeout:
+                if self.recovery.generation != generation:  # profiling starts over in the new generation
+                    generation, deadline = self.recovery.generation, time.monotonic() + self.config.wait_timeout_s
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"timed out after {self.config.wait_timeout_s:g}s waiting for worker 0's "
+                                      f"profile of its first iterations (generation {generation})") from None
+            self._step(set())
+        raise WaitTimeout("stopped while waiting for worker 0's profile")
+
     def watch(self) -> None:
         """Until every worker is done: take reports, check heartbeats and Redis, recover from failures."""
-        cfg = self.config
         done: set[int] = self.store.done_ranks()
-        store_failing_since: float | None = None
-        while len(done) < cfg.num_workers and not self._stop.is_set():
-            try:
-                report = self.store.pop_report(0.5)
-                if isinstance(report, WorkerDone):
-                    done.add(report.rank)
-                    log.info("worker %d finished (%d/%d)", report.rank, len(done), cfg.num_workers)
-                elif report is not None:
-                    self.handle_failure(report)
-                else:
-                    self._check_members(done)
-                store_failing_since = None
-            except StoreError as exc:  # Redis down or restarting: wait for it, up to the wait timeout
-                store_failing_since = store_failing_since or time.monotonic()
-                if time.monotonic() - store_failing_since > cfg.wait_timeout_s:
-                    raise
-                log.warning("%s; retrying", exc)
-                self._stop.wait(0.5)
+        while len(done) < self.config.num_workers and not self._stop.is_set():
+            self._step(done)
+        if len(done) >= self.config.num_workers:
+            self.store.mark_finished()
+
+    def _step(self, done: set[int]) -> None:
+        """Take one report (a worker finished, or a failure to recover from) or check the members' heartbeats;
+        Redis down or restarting is waited for, up to the wait timeout."""
+        cfg = self.config
+        try:
+            asked = time.monotonic()
+            report = self.store.pop_report(0.5)
+            if self._store_failing_since is not None or time.monotonic() - asked > 0.5 + REDIS_STALL_S:
+                self._redis_back_at = time.monotonic()  # Redis was away: heartbeats lapsed through no fault
+            self._store_failing_since = None
+            if isinstance(report, WorkerDone):
+                done.add(report.rank)
+                log.info("worker %d finished (%d/%d)", report.rank, len(done), cfg.num_workers)
+            elif report is not None:
+                self.handle_failure(report)
+            else:
+                self._check_members(done)
+        except StoreError as exc:
+            self._store_failing_since = self._store_failing_since or time.monotonic()
+            if time.monotonic() - self._store_failing_since > cfg.wait_timeout_s:
+                raise
+            log.warning("%s; retrying", exc)
+            self._stop.wait(0.5)
 
     def _check_members(self, done: set[int]) -> None:
         cfg = self.config
@@ -138,11 +173,19 @@ class Coordinator:
             raise RecoveryImpossible("Redis lost the job's state: the plan and generation keys are gone (was it "
                                      "restarted without persistence? use appendonly yes); the job cannot continue")
         current = self.recovery.generation
-        live = {member for member, generation in self.store.member_generations(cfg.num_workers,
-                                                                               cfg.num_shards).items()
-                if generation == current}
+        asked = time.monotonic()
+        generations = self.store.member_generations(cfg.num_workers, cfg.num_shards)
+        if time.monotonic() - asked > REDIS_STALL_S:  # Redis stalled (frozen, swapping): no evidence either way
+            self._redis_back_at = time.monotonic()
+            return
+        live = {member for member, generation in generations.items() if generation == current}
         members = {f"worker {r}" for r in range(cfg.num_workers) if r not in done}
         members |= {f"shard {i}" for i in range(cfg.num_shards)}
+        if time.monotonic() - self._redis_back_at < cfg.heartbeat_ttl_s:
+            # Redis was unreachable or stalled within the last TTL: a lapsed heartbeat proves nothing until every
+            # member had a whole TTL to renew it
+            self._alive |= live
+            return
         # A member lost once it was alive in this generation is a new failure; one not back in this generation
         # since the last recovery is still restarting (the others wait for it, up to their timeouts).
         for member in sorted((self._alive & members) - live):
@@ -173,10 +216,20 @@ class Coordinator:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
                                         lambda: self.plan.version if self.plan else 0,
                                         lambda: self.recovery.generation)
-        return MetricsServer(registry, self.config.metrics_port, "coordinator", ports_file=self.config.ports_file)
+        return MetricsServer(registry, self.config.metrics_port, "coordinator", self.config.metrics_address(),
+                             ports_file=self.config.ports_file)
 
     def resume(self) -> bool:
-        """Take over a running job from Redis (this coordinator was restarted); False for a new job."""
+        """Take over a running job from Redis (this coordinator was restarted); False for a new job. A job that
+        finished is refused: its name is taken, unless --fresh clears it."""
+        if self.config.fresh:
+            log.info("--fresh: deleted %d keys of job %s", self.store.clear_job(), self.config.job)
+            return False
+        finished = self.store.finished_at()
+        if finished is not None or len(self.store.done_ranks()) >= self.config.num_workers:
+            when = time.strftime(" at %Y-%m-%d %H:%M:%S", time.localtime(finished)) if finished else ""
+            raise JobFinished(f"job {self.config.job} already finished{when} in this Redis; give the new run "
+                              f"another --job, or --fresh to start this name afresh")
         generation = self.store.generation()
         published = self.store.read_plan(FIRST_PLAN)
         if generation is None or published is None or published.plan is None:

@@ -123,6 +123,21 @@ class CheckpointStore:
         temporary = self.folder / f".tmp-{round_:012d}-{os.getpid()}"
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
+        try:
+            manifest = self._write_files(temporary, round_, blocks)
+        except BaseException:  # a full disk, a lost volume: leave no half-written folder behind
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of the same round (no manifest)
+        os.rename(temporary, final)
+        _fsync(self.folder)
+        self._prune()
+        log.info("shard %d: checkpoint of round %d written to %s (%d bytes, %.3fs)", self.shard, round_, final,
+                 manifest["bytes"], time.monotonic() - started)
+        return final
+
+    def _write_files(self, temporary: Path, round_: int, blocks: list[BlockImage]) -> dict:
+        """The tensors and the manifest, each fsynced, into ``temporary``; the manifest."""
         tensors = {f"{b.block_id}/param": b.param.contiguous() for b in blocks}
         tensors.update({f"{b.block_id}/state/{name}": value.contiguous()
                         for b in blocks for name, value in b.state.items()})
@@ -141,13 +156,7 @@ class CheckpointStore:
             stream.flush()
             os.fsync(stream.fileno())
         _fsync(temporary)
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of the same round (no manifest)
-        os.rename(temporary, final)
-        _fsync(self.folder)
-        self._prune()
-        log.info("shard %d: checkpoint of round %d written to %s (%d bytes, %.3fs)", self.shard, round_, final,
-                 manifest["bytes"], time.monotonic() - started)
-        return final
+        return manifest
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` of this run; remove other runs' checkpoints and dead writers' folders."""
@@ -157,6 +166,12 @@ class CheckpointStore:
         for entry in self.folder.iterdir():  # temporaries of writers that died
             if entry.name.startswith(".tmp-") and not entry.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(entry, ignore_errors=True)
+
+    def quarantine(self, round_: int) -> None:
+        """Set an unreadable checkpoint aside (renamed hidden, kept for a look): it is no longer listed."""
+        path = self._path(round_)
+        if path.exists():
+            os.replace(path, self.folder / f".unreadable-{round_:012d}-{int(time.time())}")
 
     def read(self, round_: int) -> Checkpoint:
         """Load and verify the checkpoint of ``round_``; CheckpointError says what is wrong."""

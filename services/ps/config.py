@@ -22,8 +22,14 @@ class PSConfig(TlsConfig, CommonConfig):
                                      "and no recovery")
     checkpoint_every: int = option(10, "write a checkpoint every this many rounds (when all blocks agree)")
     checkpoint_keep: int = option(2, "complete checkpoints kept (the newest)")
+    checkpoint_failures: int = option(3, "failed checkpoint writes in a row (a full disk) after which the shard "
+                                         "ends the job with the reason (0: never; each failure is logged and "
+                                         "counted in imerge_shard_checkpoint_failures_total)")
     stream_idle_s: float = option(10.0, "a client stream (push, init, import) that sends nothing for this long "
                                         "ends with DEADLINE_EXCEEDED and frees what it held")
+    tls_worker_identity: bool = option(False, "strict mutual TLS: a push or pull naming worker w must come with a "
+                                              "client certificate that names worker-<w> (its CN or a DNS SAN, "
+                                              "alone or as the first label: worker-3.imerge.svc)")
     heartbeat_ttl_s: float = option(3.0, "lifetime of this shard's heartbeat key; a frozen or dead shard is "
                                          "declared lost after it")
 
@@ -39,5 +45,9 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "
                                                               "stays valid while the next is written)")
+        require(not self.tls_worker_identity or bool(self.tls_ca), "tls_worker_identity",
+                "needs mutual TLS (--tls-cert, --tls-key and --tls-ca): the identity comes from the client's "
+                "certificate")
+        require(self.checkpoint_failures >= 0, "checkpoint_failures", "must be >= 0")
         require(self.stream_idle_s > 0, "stream_idle_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from imerge.control.messages import FIRST_PLAN, GenerationEvent, Restored
+from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Restored
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
 from .state import Shard
@@ -27,7 +27,7 @@ RESTORE_TIMEOUT_S = 300.0
 
 class ShardMembership:
     def __init__(self, store: Any, shard: Shard, load_plan: Any, loop: asyncio.AbstractEventLoop,
-                 heartbeat_ttl_s: float):
+                 heartbeat_ttl_s: float, checkpoint_failures: int = 0):
         self.store = store
         self.shard = shard
         self._load_plan = load_plan  # coroutine function: reads the mapping table (the expected blocks)
@@ -36,13 +36,28 @@ class ShardMembership:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._handled = 0  # the newest generation restored or attempted
+        self.checkpoint_failures = checkpoint_failures  # failed writes in a row that end the job (0: never)
         shard.on_checkpoint = self._published
+        shard.on_checkpoint_failed = self._checkpoint_failed
 
     def _published(self, rounds: list[int]) -> None:
         try:
             self.store.publish_checkpoints(self.shard.index, rounds)
         except StoreError as exc:
             log.warning("shard %d: could not publish checkpoint rounds %s: %s", self.shard.index, rounds, exc)
+
+    def _checkpoint_failed(self, round_: int, reason: str, in_a_row: int) -> None:
+        """After --checkpoint-failures writes in a row failed, end the job: training on would only pile up work
+        that no recovery could restore."""
+        if not self.checkpoint_failures or in_a_row < self.checkpoint_failures:
+            return
+        why = (f"{in_a_row} checkpoints in a row failed (--checkpoint-failures {self.checkpoint_failures}), the "
+               f"last of round {round_}: {reason}")
+        try:
+            self.store.report_failure(FailureReport(self.shard.generation, f"shard {self.shard.index}", why,
+                                                    fatal=True))
+        except StoreError as exc:
+            log.error("shard %d: could not report %s: %s", self.shard.index, why, exc)
 
     async def join(self) -> None:
         """At start, in a running job: publish this run's checkpoints on disk; restore if past generation 0."""
@@ -82,8 +97,19 @@ class ShardMembership:
         except IMergeError as exc:
             outcome = f"shard {index} could not restore generation {generation} from round {round_}: {exc}"
             log.error("%s", outcome)
+        if outcome and round_ is not None and self.shard.checkpoints is not None:
+            await asyncio.to_thread(self._fall_back, round_)
         await asyncio.to_thread(self.store.announce_restored, Restored(generation, index, outcome))
+        if outcome and round_ is not None:  # the coordinator starts another generation, from an older round
+            await asyncio.to_thread(self.store.report_failure,
+                                    FailureReport(generation, f"shard {index}", outcome))
         await asyncio.to_thread(self.store.shard_heartbeat, index, self.ttl_s, self.shard.generation)
+
+    def _fall_back(self, round_: int) -> None:
+        """A checkpoint this shard cannot read is set aside, and the rounds it can are published again (before
+        the failure is reported), so the recovery that follows picks the newest round every shard still holds."""
+        self.shard.checkpoints.quarantine(round_)
+        self._published(self.shard.checkpoints.rounds())
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):

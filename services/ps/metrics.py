@@ -29,6 +29,7 @@ class ShardCounters:
     fenced_pushes: int = 0
     stale_generation: int = 0
     checkpoints_written: int = 0
+    checkpoint_failures: int = 0
 
 
 COUNTERS = (  # (ShardCounters field, metric name without _total, help)
@@ -45,6 +46,8 @@ COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("stale_generation", "imerge_shard_stale_generation_requests", "Requests of an older job generation, "
                                                                     "rejected and never applied"),
     ("checkpoints_written", "imerge_shard_checkpoints", "Checkpoints written completely"),
+    ("checkpoint_failures", "imerge_shard_checkpoint_failures", "Checkpoint writes that failed (disk full, "
+                                                                "permissions): the previous checkpoint stands"),
 )
 
 

@@ -18,12 +18,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.errors import ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError
+from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, PermissionDenied,
+                                RequestError)
+from imerge.core.identity import worker_ranks
 from imerge.core.limits import MAX_OPTIONS_CHARS, check_block_ids, check_id, clip
 from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
@@ -41,7 +43,7 @@ from .membership import ShardMembership
 from .rounds import RoundOptions, RoundScalars
 from .block import Snapshot
 from .state import BlockMeta, Shard
-from .streams import Progressing, Segments, data_parts, decoded, first_part, parser, receive_exact
+from .streams import Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
@@ -75,20 +77,44 @@ async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerC
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def method_handlers(servicer: Any) -> grpc.GenericRpcHandler:
+def method_handlers(servicer: Any, module: Any = ps_pb2, service_name: str = "ParameterServer"
+                    ) -> grpc.GenericRpcHandler:
     """The service's handlers, built from its descriptor, with deserializers that never raise."""
-    service = ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"]
+    service = module.DESCRIPTOR.services_by_name[service_name]
     factories = {(False, False): grpc.unary_unary_rpc_method_handler,
                  (True, False): grpc.stream_unary_rpc_method_handler,
                  (False, True): grpc.unary_stream_rpc_method_handler,
                  (True, True): grpc.stream_stream_rpc_method_handler}
     handlers = {}
     for method in service.methods:
-        request, reply = (getattr(ps_pb2, t.name) for t in (method.input_type, method.output_type))
+        request, reply = (getattr(module, t.name) for t in (method.input_type, method.output_type))
         factory = factories[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = factory(getattr(servicer, method.name), request_deserializer=parser(request),
                                         response_serializer=serialize)
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+class HealthGate:
+    """grpc.health.v1.Health served through :func:`method_handlers`: bytes that are not a request get
+    INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN); a request goes to the health servicer."""
+
+    def __init__(self, health: Any):
+        self._health = health
+
+    async def Check(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
+        return await self._health.Check(request, context)
+
+    async def List(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
+        return await self._health.List(request, context)
+
+    async def Watch(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
+        await self._health.Watch(request, context)
 
 
 def _unary(method: Callable) -> Callable:
@@ -197,6 +223,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         created, round_ = self.shard.create_block(meta, init)
         return ps_pb2.InitBlockReply(block_id=meta.block_id, created=created, round=round_)
 
+    def _check_identity(self, context: grpc.aio.ServicerContext, worker: int, what: str) -> None:
+        """Strict worker identity: the client's certificate must name ``worker``."""
+        if not self.config.tls_worker_identity:
+            return
+        auth = context.auth_context()
+        names = [value.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name")
+                 for value in auth.get(key, [])]
+        if worker not in worker_ranks(names):
+            raise PermissionDenied(f"{what}: names worker {worker}, but the client's certificate names "
+                                   f"{clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
+
     @_unary
     async def Push(self, request_iterator, context):
         stream = Progressing(request_iterator, self.config.stream_idle_s, "Push")
@@ -204,6 +241,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         try:
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
+                self._check_identity(context, header.worker, what)
                 duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
                                                           dtype_name(header.dtype, what), header.numel,
                                                           segments.data(), header.generation, header.fence,
@@ -243,6 +281,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def Pull(self, request, context):
         """Each block is sent as soon as its round completes (pipelined), not when all of them have."""
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
+        self._check_identity(context, request.worker, "Pull")
         timeout = self._pull_timeout(request, context)
         waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
         pending = list(waits)
@@ -338,7 +377,7 @@ class ShardServer:
         servicer = ParameterServerServicer(self.shard, cfg, self._store)
         self.shard.agreements.exchange = servicer.exchange
         self._server.add_generic_rpc_handlers((method_handlers(servicer),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._server.add_generic_rpc_handlers((method_handlers(HealthGate(self._health), health_pb2, "Health"),))
         listen = f"{cfg.host}:{cfg.port}"
         problem = bind_problem(cfg.host, cfg.port)
         if problem:  # checked first: gRPC's own failure also prints a line of its C core to stderr
@@ -354,13 +393,14 @@ class ShardServer:
         await self._server.start()
         report_port(cfg.ports_file, "grpc", port)
         self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}",
-                                     ports_file=cfg.ports_file)
+                                     cfg.metrics_address(cfg.host), ports_file=cfg.ports_file)
         self.address = cfg.advertise or f"{cfg.host}:{port}"
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self._store is not None:
             self._membership = ShardMembership(self._store, self.shard, servicer.load_plan,
-                                               asyncio.get_running_loop(), cfg.heartbeat_ttl_s)
+                                               asyncio.get_running_loop(), cfg.heartbeat_ttl_s,
+                                               cfg.checkpoint_failures)
             await self._membership.join()
             await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
             self._membership.start()

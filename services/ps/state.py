@@ -74,6 +74,8 @@ class Shard:
         self.checkpoints: CheckpointStore | None = None
         self.checkpoint_every = 0
         self.on_checkpoint: Callable[[list[int]], None] | None = None  # called with the complete rounds
+        self.on_checkpoint_failed: Callable[[int, str, int], None] | None = None  # (round, why, failures in a row)
+        self.failed_checkpoints = 0  # consecutive failed writes
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
         self._writing: concurrent.futures.Future | None = None
         self._last_checkpoint = -1
@@ -146,9 +148,17 @@ class Shard:
         try:
             with self.metrics.checkpoint_write.time():
                 self.checkpoints.write(round_, images)
-        except Exception:  # noqa: BLE001 - a failed write leaves the previous checkpoint in place
-            log.exception("shard %d: checkpoint of round %d failed", self.index, round_)
+        except Exception as exc:  # noqa: BLE001 - a failed write leaves the previous checkpoint in place
+            self.counters.checkpoint_failures += 1
+            self.failed_checkpoints += 1
+            reason = f"{type(exc).__name__}: {exc}"
+            log.error("shard %d: checkpoint of round %d failed (%d in a row; the checkpoint of round %s stands): %s",
+                      self.index, round_, self.failed_checkpoints, max(self.checkpoints.rounds(), default=None),
+                      reason)
+            if self.on_checkpoint_failed is not None:
+                self.on_checkpoint_failed(round_, reason, self.failed_checkpoints)
             return
+        self.failed_checkpoints = 0
         self.counters.checkpoints_written += 1
         self.metrics.checkpoint_round.set(round_)
         if self.on_checkpoint is not None:

@@ -85,7 +85,8 @@ class DistributedModel(torch.nn.Module):
                                       self._store, self.generation)
             guards.guard(self._engine.params)
             self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
-                                          f"worker {config.rank}", ports_file=config.ports_file)
+                                          f"worker {config.rank}", config.metrics_address(),
+                                          ports_file=config.ports_file)
             if rejoining:
                 self._engine.resume(self.start_iteration)
             else:

@@ -26,14 +26,21 @@ def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[i
         store.report_failure(FailureReport(current, f"worker {config.rank}", "restarted after its process died"))
         store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation {current + 1}")
         current = store.generation() or current + 1
-    event = store.generation_event(current)
-    if event is None or event.round is None:
-        raise JobFailed(f"the job cannot recover: {event.error if event else f'generation {current} has no event'}")
-    for shard in range(num_shards):
-        restored = store.wait_restored(current, shard, config.wait_timeout_s)
-        if restored.error:
-            raise JobFailed(restored.error)
-    return current, event.round
+    while True:
+        event = store.generation_event(current)
+        if event is None or event.round is None:
+            raise JobFailed(f"the job cannot recover: "
+                            f"{event.error if event else f'generation {current} has no event'}")
+        failed = [r.error for r in (store.wait_restored(current, shard, config.wait_timeout_s)
+                                    for shard in range(num_shards)) if r.error]
+        if not failed:
+            return current, event.round
+        # a shard could not read that round: it reported it, and the coordinator starts the next generation
+        # from an older round every shard holds (or publishes why the job cannot recover)
+        log.warning("generation %d cannot start: %s; waiting for the next", current, failed[0])
+        store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation "
+                                                                  f"{current + 1} after {failed[0]}")
+        current += 1
 
 
 def wait_plan(store: Store, config: WorkerConfig) -> Plan:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import dataclasses
 import logging
 import signal
@@ -172,36 +173,25 @@ def _run_redis_acl(args: argparse.Namespace) -> int:
     return 0
 
 
+_LAUNCH = ("imerge.ops.launch:LaunchConfig", "imerge.workloads.job:JobConfig", "imerge.worker.config:ScheduleConfig")
+ROLE_CONFIGS = {  # role -> the config classes its flags and IMERGE_* variables come from, "module:class"
+    "ps": ("imerge.ps.config:PSConfig",),
+    "coordinator": ("imerge.coordinator.service:CoordinatorConfig",),
+    "worker": ("imerge.worker.config:WorkerConfig", "imerge.workloads.job:JobConfig"),
+    "launch": _LAUNCH,
+    "bench": ("imerge.bench.runner:BenchConfig",),
+    "testbed": ("imerge.bench.testbed:TestbedConfig", *_LAUNCH),
+    "top": ("imerge.ops.top:TopConfig",),
+    "health": ("imerge.ops.health:HealthConfig",),
+    "redis-acl": ("imerge.ops.redis_acl:RedisAclConfig",),
+}
+
+
 def _configs(role: str) -> tuple[type, ...]:
-    """The config classes whose flags and IMERGE_* variables ``role`` takes (imported only for that role: the
-    coordinator, top, health and redis-acl start without torch)."""
-    if role == "ps":
-        from imerge.ps.config import PSConfig
-        return (PSConfig,)
-    if role == "coordinator":
-        from imerge.coordinator.service import CoordinatorConfig
-        return (CoordinatorConfig,)
-    if role == "top":
-        from imerge.ops.top import TopConfig
-        return (TopConfig,)
-    if role == "health":
-        from imerge.ops.health import HealthConfig
-        return (HealthConfig,)
-    if role == "redis-acl":
-        from imerge.ops.redis_acl import RedisAclConfig
-        return (RedisAclConfig,)
-    if role == "bench":
-        from imerge.bench.runner import BenchConfig
-        return (BenchConfig,)
-    from imerge.ops.launch import LaunchConfig
-    from imerge.worker.config import ScheduleConfig, WorkerConfig
-    from imerge.workloads.job import JobConfig
-    if role == "worker":
-        return WorkerConfig, JobConfig
-    if role == "launch":
-        return LaunchConfig, JobConfig, ScheduleConfig
-    from imerge.bench.testbed import TestbedConfig
-    return TestbedConfig, LaunchConfig, JobConfig, ScheduleConfig
+    """The config classes of ``role``, imported only for that role (the coordinator, top, health and redis-acl
+    start without torch)."""
+    return tuple(getattr(importlib.import_module(module), name)
+                 for module, name in (spec.split(":") for spec in ROLE_CONFIGS[role]))
 
 
 ROLES = {  # role (subcommand) -> (its help, its runner)

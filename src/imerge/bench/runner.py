@@ -69,7 +69,7 @@ SCENARIOS = {
     "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
     # the strategies whose paths differ on a real network (the slot variants and T > 1 are checked in-process)
     "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12,
-                     strategies=("ddp", "ps-naive", "wfbp", "size", "imerge", "imerge-topk")),
+                     strategies=("ddp", "ps-naive", "imerge", "imerge-topk")),
 }
 
 

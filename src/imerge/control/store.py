@@ -35,9 +35,9 @@ key                         type     meaning
 ``flag:{v}:{g}:{s}:wake``   list     one token pushed by each release, to wake a waiter
 ``flags:stats``             hash     granted / contended (granted after a wait) / expired
                                      (released after the lease had passed) flag counts
-``fence``                   string   the last fencing token handed out with a flag (INCR)
 ``generation``              string   the job generation (absent until the plan is published;
                                      its loss means Redis lost the job's state)
+``finished``                string   when every worker had finished (epoch seconds): the job is over
 ``shard:{i}:alive``         string   a shard's heartbeat: the generation it serves; expires after its TTL
 ``checkpoints``             hash     shard index -> JSON list of its complete checkpoint rounds
 ``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
@@ -86,15 +86,19 @@ from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, Fai
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 _BLOCK_SLICE_S = 5.0
+# The generation key is read by name (ARGV[5]), not declared: a key declared to a script must be writable by the
+# caller's ACL user, and only the coordinator writes it. The fencing token is Redis' clock in microseconds:
+# later grants get larger tokens, and no role holds a counter it could turn back.
 _ACQUIRE = """
-local generation = redis.call('GET', KEYS[5]) or '0'
+local generation = redis.call('GET', ARGV[5]) or '0'
 if generation ~= ARGV[4] then return {-1, tonumber(generation)} end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   redis.call('DEL', KEYS[2])
   redis.call('HINCRBY', KEYS[3], 'granted', 1)
   if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'contended', 1) end
-  return {1, redis.call('INCR', KEYS[4])}
+  local now = redis.call('TIME')
+  return {1, tonumber(now[1]) * 1000000 + tonumber(now[2])}
 end
 return {0, redis.call('PTTL', KEYS[1])}
 """
@@ -108,15 +112,29 @@ redis.call('HINCRBY', KEYS[3], 'expired', 1)
 return 0
 """
 FLAG_STATS = ("granted", "contended", "expired")
-# What each role's Redis ACL user may run (on the job's keys only); everything else is denied, so no
-# role can FLUSHALL, CONFIG, KEYS, DEBUG or touch another job. Lua scripts are checked command by command.
-_CONNECTION = ("ping", "select", "client|setinfo", "multi", "exec", "discard")
+# What each role's Redis ACL user may do (Redis 7 key permissions): run its commands, read every key of its job,
+# and write only the keys of its job that ROLE_WRITES lists (patterns under imerge:{job}:). Everything else is
+# denied: no role can FLUSHALL, CONFIG, KEYS, DEBUG or touch another job; only the coordinator writes the plan,
+# the generation and its events; only shards register addresses and checkpoint rounds. Lua scripts are checked
+# command by command and key by key, and a key declared to a script must be writable by the caller.
+_CONNECTION = ("ping", "select", "multi", "exec", "discard", "info")  # and client|setinfo where Redis has it (7.2)
 ROLE_COMMANDS = {
-    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists"),
+    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists", "scan", "unlink"),
     "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "pexpire"),
     "worker": _CONNECTION + ("get", "set", "hset", "hget", "rpush", "blpop", "del", "exists", "pttl", "pexpire",
-                             "hincrby", "incr", "evalsha", "eval", "script|load"),
+                             "hincrby", "time", "evalsha", "script|load"),
 }
+_LATCHES = "event:*[0-9]"  # every event's latch list (names end in a number; their values end in ":value"):
+# a waiter pops the token and pushes it back
+ROLE_WRITES = {
+    "coordinator": ("*",),
+    "ps": ("shards", "shards:queue", "shard:*", "checkpoints", "failures:queue", "scalars:*", _LATCHES,
+           "event:restored:*"),
+    "worker": ("workers", "worker:*", "layout:*", "layouts:queue", "done", "done:queue", "positions", "profile",
+               "profile:queue", "buffers:*", "flag:*", "flags:stats", "failures:queue", _LATCHES,
+               "event:blocks-ready:*", "event:loaded:*"),
+}
+ACL_MIN_REDIS = (7, 0)  # %R~ (read-only) key permissions
 
 # A rank lease: claim it if free (or held by ARGV[3], a holder known dead); else return the holder's lease
 # and clear the beats list, so that a beat popped afterwards proves the holder renewed it since.
@@ -452,9 +470,9 @@ class Store:
         deadline = time.monotonic() + timeout_s
         contended = False
         while True:
-            outcome, value = self._acquire(keys=[holder, wake, self._key("flags", "stats"), self._key("fence"),
-                                                 self._key("generation")],
-                                           args=[token, int(lease_s * 1000), int(contended), generation])
+            outcome, value = self._acquire(keys=[holder, wake, self._key("flags", "stats")],
+                                           args=[token, int(lease_s * 1000), int(contended), generation,
+                                                 self._key("generation")])
             if outcome == -1:
                 raise GenerationChanged(f"slot flag {flag}: the job is at generation {value}, not {generation}",
                                         value)
@@ -485,16 +503,46 @@ class Store:
     def create_role_users(self, passwords: dict[str, str]) -> list[str]:
         """Create (or reset) the ACL user ``imerge-{role}`` of each role, allowed only its commands on this
         job's keys; needs an admin connection. Returns the user names."""
+        version = str(self._redis.info("server").get("redis_version", "0"))
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+        if major_minor < ACL_MIN_REDIS:
+            raise StoreError(f"per-role ACL users need Redis {'.'.join(map(str, ACL_MIN_REDIS))} or newer (read-only "
+                             f"key permissions); this server runs Redis {version}")
         users = []
         for role, password in passwords.items():
             if role not in ROLE_COMMANDS:
                 raise StoreError(f"no ACL for role {role!r}; roles: {', '.join(ROLE_COMMANDS)}")
             user = f"imerge-{role}"
-            self._redis.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}",
-                                        f"~{self._prefix}*", "resetchannels", "-@all",
-                                        *(f"+{command}" for command in ROLE_COMMANDS[role]))
+            keys = [f"%R~{self._prefix}*"] + [f"~{self._prefix}{pattern}" for pattern in ROLE_WRITES[role]]
+            commands = ROLE_COMMANDS[role] + (("client|setinfo",) if major_minor >= (7, 2) else ())
+            self._redis.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *keys,
+                                        "resetchannels", "-@all", *(f"+{command}" for command in commands))
             users.append(user)
         return users
+
+    # -- the job's end, and a fresh start -------------------------------------------
+    @_translated
+    def mark_finished(self) -> None:
+        """Every worker finished: the job is over (a coordinator started again under its name refuses it)."""
+        self._redis.set(self._key("finished"), str(time.time()))
+
+    @_translated
+    def finished_at(self) -> float | None:
+        """When the job finished (epoch seconds), or None."""
+        value = self._redis.get(self._key("finished"))
+        return None if value is None else float(value)
+
+    @_translated
+    def clear_job(self) -> int:
+        """Delete every key of the job (to start its name afresh); the number deleted."""
+        deleted = 0
+        batch: list[str] = []
+        for key in self._redis.scan_iter(match=self._prefix + "*", count=1000):
+            batch.append(key)
+            if len(batch) == 1000:
+                deleted += self._redis.unlink(*batch)
+                batch = []
+        return deleted + (self._redis.unlink(*batch) if batch else 0)
 
     # -- generations and recovery ------------------------------------------------
     @_translated

@@ -161,11 +161,17 @@ class CommonConfig:
     wait_timeout_s: float = option(120.0, "timeout of every wait for another role (plan, registration)")
     metrics_port: int = option(0, "port of this process's Prometheus /metrics (0: any free port, printed at "
                                   "start; -1: off)")
+    metrics_host: str = option("", "address /metrics listens on (empty: a shard's --host, 127.0.0.1 for the other "
+                                   "roles; 0.0.0.0 where a Prometheus on another host scrapes it)")
     link_mbps: float = option(10000.0, "capacity of this host's network link, Mbit/s (the denominator of "
                                        "link utilization)")
     ports_file: str = option("", "once bound, write the ports this process listens on to this file (JSON: "
                                  "metrics, and a shard's grpc), so that whoever started it learns them: "
                                  "imerge launch binds every port 0")
+
+    def metrics_address(self, listen_host: str = "127.0.0.1") -> str:
+        """Where /metrics listens: --metrics-host, else the role's own listen address (loopback by default)."""
+        return self.metrics_host or listen_host
 
     def __post_init__(self) -> None:
         check_choices(self)

@@ -109,6 +109,12 @@ class AlreadyExists(ProtocolError):
     status = "ALREADY_EXISTS"
 
 
+class PermissionDenied(ProtocolError):
+    """A request its client's certificate does not entitle it to (strict worker identity)."""
+
+    status = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(ProtocolError):
     status = "RESOURCE_EXHAUSTED"
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -46,6 +47,7 @@ from imerge.ops.redis_server import RedisServer
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
+ERRORS_SHOWN = 5  # a role's error lines the console shows
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
 MAX_REJOINS = 50  # exits with code 75 tolerated per worker (each follows a recovery of the job)
 
@@ -55,6 +57,8 @@ class LaunchConfig:
     workers: int = option(2, "number of workers")
     shards: int = option(2, "number of PS shards")
     job: str = option("", "job id (default: a fresh one per launch)")
+    fresh: bool = option(False, "with --job: start it afresh even if a run of that name finished or failed in "
+                                "this Redis (its keys are deleted first; without it such a job is refused)")
     redis_url: str = option("", "Redis to use (default: start an embedded redis-server)")
     log_dir: str = option("", "folder for each role's log (default: runs/<job>)")
     log_level: str = option("INFO", "logging level of the roles", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -133,8 +137,9 @@ class TestbedHosts:
         return METRICS_PORT, f"{role}:{METRICS_PORT}"
 
     def role_env(self, role: str) -> dict[str, str]:
-        """The role's link capacity, so its metrics report utilization against the shaped rate."""
-        return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}"}
+        """The role's link capacity, so its metrics report utilization against the shaped rate; /metrics on the
+        namespace's address, where the host's Prometheus (the testbed's switch) reaches it."""
+        return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}", "IMERGE_METRICS_HOST": "0.0.0.0"}
 
 
 class Interrupted(Exception):
@@ -155,6 +160,20 @@ class Child:
     shard: int | None = None  # a shard's index
     restarts: int = 0   # after deaths
     rejoins: int = 0    # after exit code 75 (the job recovered)
+    log_read: int = 0   # bytes of the log already scanned for errors
+    errors_shown: int = 0
+
+    def new_errors(self) -> list[str]:
+        """The log's ERROR lines written since the last call (complete lines only)."""
+        try:
+            with self.log_path.open("rb") as stream:
+                stream.seek(self.log_read)
+                data = stream.read(1 << 20)
+        except OSError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]
+        self.log_read += len(complete)
+        return [line for line in complete.decode(errors="replace").splitlines() if " ERROR " in line]
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -268,7 +287,7 @@ class Launcher:
                 child.env.update(self.hosts.shard_env(child.shard))
         log.warning("%s %s; restarting it", child.role, why)
         if not self.quiet:
-            self.console.print(f"[yellow]{child.role} {why}; restarting it[/yellow]")
+            self._say("yellow", f"{child.role} {why}; restarting it")
         self._spawn(child)
         self._write_roles()
 
@@ -380,6 +399,7 @@ class Launcher:
             last_note = 0.0
             while not self._check_children():
                 self._collect_ports()
+                self._show_errors()
                 for event in self._read_events(stream, buffer, 0.2):
                     event["received"] = time.time()
                     self.events.append(event)
@@ -394,6 +414,26 @@ class Launcher:
             for event in self._read_events(stream, buffer, 0.0):
                 self.events.append(event)
 
+    def _say(self, style: str, text: str) -> None:
+        """One line on the console in ``style``; the text (a role's log, an error) is never read as markup."""
+        self.console.print(f"[{style}]{escape(text)}[/{style}]", highlight=False)
+
+    def _show_errors(self) -> None:
+        """A role's ERROR log lines on the console as they come (a failing checkpoint disk, a restore that
+        failed), the first few of each role; the rest stay in its log."""
+        if self.quiet:
+            return
+        for child in self.children:
+            if child.is_worker and self.command:  # a script's output reaches the console already
+                continue
+            for line in child.new_errors():
+                child.errors_shown += 1
+                if child.errors_shown <= ERRORS_SHOWN:
+                    message = line.split(" ERROR ", 1)[1].split(": ", 1)[-1]  # without time, level and logger
+                    self._say("red", f"{child.role}: {message}")
+                elif child.errors_shown == ERRORS_SHOWN + 1:
+                    self._say("red", f"{child.role}: more errors in {child.log_path}")
+
     # -- the run ----------------------------------------------------------------------
     def run(self) -> int:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -405,25 +445,22 @@ class Launcher:
             if not redis_url:
                 self.redis = RedisServer()
                 redis_url = self.redis.url
+            if self.config.fresh:  # before any role writes a key of the run
+                self._clear_job(redis_url)
             if not self.quiet:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
                                    f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
             self._start_roles(redis_url, write_fd)
             if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
                 self._write_prometheus_config()
-            os.close(write_fd)
-            write_fd = -1
             self._supervise(read_fd)
             self._collect_ports()  # a job too short for the loop to have seen them all
             self._finish_roles()
         except Interrupted as exc:
-            self.console.print(f"[yellow]{exc}: stopping every role[/yellow]")
+            self._say("yellow", f"{exc}: stopping every role")
             return 128 + exc.signum
-        except ChildFailed as exc:
-            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
-            return 1
-        except IMergeError as exc:
-            self.console.print(f"[red]job {self.job} failed: {exc}[/red]")
+        except IMergeError as exc:  # ChildFailed included
+            self._say("red", f"job {self.job} failed: {exc}")
             return 1
         finally:
             if write_fd >= 0:
@@ -433,6 +470,15 @@ class Launcher:
                 signal.signal(sig, handler)
         self._summarize(time.monotonic() - started)
         return 0
+
+    def _clear_job(self, redis_url: str) -> None:
+        from imerge.control.store import Store
+
+        store = Store(redis_url, self.job)
+        try:
+            log.info("--fresh: deleted %d keys of job %s", store.clear_job(), self.job)
+        finally:
+            store.close()
 
     def _write_prometheus_config(self) -> None:
         """``prometheus.yml`` in the log folder: scrapes every role, with IMerge's recording rules (written whole,
@@ -471,11 +517,14 @@ class Launcher:
         times = [e["seconds"] for e in iterations if "seconds" in e]
         steady = times[1:] or times
         final = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
+        last = iterations[-1] if iterations else {}  # after a recovery, the iterations redone are reported again
         self.summary = {"job": self.job, "workers": self.config.workers, "shards": self.config.shards,
-                        "iterations": len(iterations), "wall_seconds": round(wall_s, 3),
+                        "iterations": final.get("iterations", last.get("iteration", len(iterations))),
+                        "wall_seconds": round(wall_s, 3),
                         "median_iteration_seconds": statistics.median(steady) if steady else None,
                         "mean_iteration_seconds": statistics.fmean(steady) if steady else None,
-                        "final_loss": final.get("loss", iterations[-1].get("loss") if iterations else None), "test_accuracy": final.get("test_accuracy"),
+                        "final_loss": final.get("loss", last.get("loss")), "test_accuracy": final.get("test_accuracy"),
+                        "restarts": sum(child.restarts for child in self.children),
                         "log_dir": str(self.log_dir)}
         if self.config.summary_json:
             Path(self.config.summary_json).write_text(json.dumps(self.summary, indent=2))

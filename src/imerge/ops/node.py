@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 import signal
 import sys
 import time
@@ -32,6 +33,10 @@ def child_env(worker: Any, job: Any, local: int) -> dict[str, str]:
                IMERGE_NODE_RANK="-1", RANK=str(rank), LOCAL_RANK=str(local))
     if worker.metrics_port > 0:
         env["IMERGE_METRICS_PORT"] = str(worker.metrics_port + local)
+    if worker.ports_file:  # one file per process: worker.json -> worker.local1.json, ...
+        path = Path(worker.ports_file)
+        env["IMERGE_PORTS_FILE"] = str(path.with_name(f"{path.stem}.local{local}{path.suffix}")) if local else \
+            worker.ports_file
     return env
 
 

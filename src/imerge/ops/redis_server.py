@@ -41,13 +41,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A redis-server child process on loopback; ``url`` reaches it."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", start_timeout_s: float = 15.0, password: str = ""):
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", start_timeout_s: float = 15.0, password: str = "",
+                 binary: str = ""):
         self.host = host
         self.port = port or free_port(host)
         self.url = f"redis://{':' + password + '@' if password else ''}{host}:{self.port}/0"
         self._dir = tempfile.mkdtemp(prefix="imerge-redis-")
         self.log_path = os.path.join(self._dir, "redis.log")
-        binary = find_redis_server()
+        binary = binary or find_redis_server()
         self.process = proc.spawn(
             [binary, "--port", str(self.port), "--bind", host, "--save", "", "--appendonly", "no",
              "--dir", self._dir, "--logfile", self.log_path, "--daemonize", "no",

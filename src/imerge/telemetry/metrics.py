@@ -94,7 +94,7 @@ class MetricsServer:
     """Serves one registry's /metrics on its own port; ``port`` -1 means off, 0 any free port (reported to
     ``ports_file`` once bound)."""
 
-    def __init__(self, registry: CollectorRegistry, port: int, what: str, host: str = "0.0.0.0",
+    def __init__(self, registry: CollectorRegistry, port: int, what: str, host: str = "127.0.0.1",
                  ports_file: str = ""):
         self.port = -1
         self._server: Any = None
@@ -106,7 +106,7 @@ class MetricsServer:
             from imerge.core.errors import IMergeError
 
             raise IMergeError(f"{what}: cannot serve metrics on {host}:{port}: {exc}; "
-                              "choose another with --metrics-port (-1: off)") from exc
+                              "choose another with --metrics-port (-1: off) or --metrics-host") from exc
         self.port = self._server.server_port
         log.info("%s: metrics on http://%s:%d/metrics", what, host, self.port)
         report_port(ports_file, "metrics", self.port)

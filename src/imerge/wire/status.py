@@ -12,7 +12,8 @@ from __future__ import annotations
 import grpc
 
 from imerge.core.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
-                                NotFound, RequestError, ResourceExhausted, Unavailable, request_error_classes)
+                                NotFound, PermissionDenied, RequestError, ResourceExhausted, Unavailable,
+                                request_error_classes)
 
 ERROR_KEY = "imerge-error"
 _BY_CLASS = request_error_classes()
@@ -24,6 +25,7 @@ _BY_STATUS: dict[grpc.StatusCode, type[RequestError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INTERNAL: Internal,
 }
 

@@ -100,6 +100,8 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .Values.job.linkMbps | quote }}
 - name: IMERGE_METRICS_PORT
   value: {{ .Values.metrics.port | quote }}
+- name: IMERGE_METRICS_HOST
+  value: "0.0.0.0"
 {{- $secret := include "imerge.redisSecret" . }}
 {{- $port := ternary 6379 .Values.redis.external.port .Values.redis.enabled }}
 {{- $db := ternary 0 .Values.redis.external.db .Values.redis.enabled }}
