@@ -153,7 +153,7 @@ def test_a_job_whose_checkpoints_fail_warns_on_the_console_and_ends_after_checkp
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
     env.update(IMERGE_CHECKPOINT_DIR=str(small_disk), IMERGE_CHECKPOINT_EVERY="2", IMERGE_CHECKPOINT_FAILURES="2")
     run = subprocess.run([sys.executable, "-m", "imerge", "launch", "--log-dir", str(tmp_path / "logs"),
-                          "--shards", "1", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
+                          "--shards", "1", "--workers", "1", "--model", "digits-cnn", "--data", "digits",
                           "--iters", "400", "--no-evaluate", "--optimizer", "adam"],
                          env=env, capture_output=True, text=True, timeout=280)
     output = " ".join((run.stdout + run.stderr).split())
@@ -161,3 +161,22 @@ def test_a_job_whose_checkpoints_fail_warns_on_the_console_and_ends_after_checkp
     assert "ps0: shard 0: checkpoint of round" in output and "No space left on device" in output
     assert "2 checkpoints in a row failed (--checkpoint-failures 2)" in output
     assert not [p for p in (small_disk / "shard-0").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_a_failed_write_is_counted_in_the_shard_metrics_and_told_to_its_listener(small_disk):
+    from prometheus_client import generate_latest
+
+    from imerge.ps.block import BlockMeta
+    from imerge.ps.state import Shard
+
+    shard = Shard(0)
+    shard.checkpoints = CheckpointStore(small_disk, 0, keep=2)
+    shard.expected = {"b"}  # the mapping table's blocks of this shard: round 0 is written once they exist
+    told = []
+    shard.on_checkpoint_failed = lambda round_, why, in_a_row: told.append((round_, in_a_row, why))
+    shard.create_block(BlockMeta("b", "float32", 80_000, 2, SGD), torch.zeros(80_000))  # 320 KB: does not fit
+    shard.close()  # waits for the write
+    assert len(told) == 1 and told[0][:2] == (0, 1) and "No space left" in told[0][2]
+    exposition = generate_latest(shard.metrics.registry).decode()
+    assert 'imerge_shard_checkpoint_failures_total{shard="0"} 1.0' in exposition
+    assert not list((small_disk / "shard-0").iterdir())  # nothing half-written left

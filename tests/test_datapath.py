@@ -7,7 +7,7 @@ import sys
 
 
 def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "8",
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "5",
                              "--strategies", "ddp,imerge", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -95,12 +95,17 @@ def test_sigint_mid_run_leaves_no_process(tmp_path):
     assert [pid for pid in children if alive(pid)] == []
 
 
-def test_failed_role_is_named_and_exit_is_nonzero(tmp_path):
+def test_failed_role_is_named_and_exit_is_nonzero_once_its_restarts_are_exhausted(tmp_path):
     script = "import os, sys; sys.exit(3 if os.environ['IMERGE_RANK'] == '1' else 0)"
-    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--", sys.executable, "-c", script)
+    started = time.monotonic()
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--max-restarts", "1", "--", sys.executable, "-c",
+                 script)
     output, _ = run.communicate(timeout=120)
     assert run.returncode == 1
-    assert "worker1: exited with code 3" in output
+    text = " ".join(output.split())
+    assert "worker1 exited with code 3 (restart 1 of 1)" in text
+    assert "failed: worker1: exited with code 3 after 1 restarts (--max-restarts 1)" in text
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -173,16 +178,19 @@ def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_p
     common = ["--shards", "1", "--workers", "2", "--no-evaluate", "--samples", "256",
               "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.01"]
 
-    def run(name: str, *args: str) -> dict:
-        process = launch(tmp_path / name, *common, *args, "--save", str(tmp_path / f"{name}.safetensors"))
+    def start(name: str, *args: str) -> subprocess.Popen:
+        return launch(tmp_path / name, *common, *args, "--save", str(tmp_path / f"{name}.safetensors"))
+
+    def result(name: str, process: subprocess.Popen) -> dict:
         output, _ = process.communicate(timeout=240)
         assert process.returncode == 0, output
         return load_file(str(tmp_path / f"{name}.safetensors"))
 
-    run("first", "--iters", "6", "--state-every", "3")
+    first, uninterrupted = start("first", "--iters", "6", "--state-every", "3"), start("uninterrupted", "--iters", "10")
+    result("first", first)  # the two run at once (each has its own Redis and ports)
+    uninterrupted = result("uninterrupted", uninterrupted)
     assert (tmp_path / "first" / "logs" / "state.safetensors").is_file()
-    resumed = run("resumed", "--iters", "10", "--resume", str(tmp_path / "first" / "logs"))
-    uninterrupted = run("uninterrupted", "--iters", "10")
+    resumed = result("resumed", start("resumed", "--iters", "10", "--resume", str(tmp_path / "first" / "logs")))
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=name)
 

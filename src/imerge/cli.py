@@ -37,7 +37,12 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     config = from_namespace(CoordinatorConfig, args)
     setup_logging(config.log_level, "coordinator")
     coordinator = Coordinator(config)
-    signal.signal(signal.SIGTERM, lambda *_: coordinator.stop())
+
+    def on_sigterm(*_: Any) -> None:  # it holds nothing to drain: leave at once, even from a blocking wait
+        coordinator.stop()
+        raise SystemExit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     return coordinator.run()
 
 
