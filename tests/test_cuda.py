@@ -19,12 +19,15 @@ def clean_env() -> dict[str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("role", ["worker", "launch"])
-def test_device_cuda_without_a_gpu_fails_at_once_naming_the_option(role):
-    result = subprocess.run(IMERGE + [role, "--device", "cuda"], env=clean_env(), capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2
-    assert "--device: cuda was asked for, but torch sees no GPU" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_device_cuda_without_a_gpu_fails_at_once_naming_the_option(role, monkeypatch, capsys):
+    from helpers import run_cli
+
+    for name in [k for k in os.environ if k.startswith("IMERGE_")]:
+        monkeypatch.delenv(name)
+    code, stderr = run_cli([role, "--device", "cuda"], {}, monkeypatch, capsys)  # fails before any role starts
+    assert code == 2
+    assert "--device: cuda was asked for, but torch sees no GPU" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_a_node_exits_with_what_its_workers_say_together():

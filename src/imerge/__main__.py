@@ -1,3 +1,3 @@
-from imerge.cli import main
+from imerge.cli import run
 
-raise SystemExit(main())
+run()

@@ -10,6 +10,7 @@ import asyncio
 import importlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -302,5 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The command's entry point: :func:`main`, then leave without tearing the interpreter down. With torch loaded
+    that takes most of a second per process, and by then every role has joined its threads and closed its
+    files; only the logs and the standard streams are flushed first."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()
