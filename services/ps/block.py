@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ from imerge.wire.frames import data_frames
 from .checkpoint import BlockImage
 from .metrics import ShardMetrics
 from .rounds import RoundOptions, RoundScalars
+from .streams import Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +103,7 @@ class BlockState:
         self.failed = ""                     # why the current round cannot complete (its pulls fail with it)
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
-        self.row_locks = [asyncio.Lock() for _ in range(meta.num_workers)]
-        self.row_holders: list[tuple[int, Any] | None] = [None] * meta.num_workers  # (round, its push stream)
-        self.row_waiters = [0] * meta.num_workers  # pushes waiting for the row's lock
+        self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
         self.snapshot = snapshot_of(self.flat, meta.compression)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -33,8 +32,8 @@ from imerge.core.blockstate import block_state_bytes, parse_block_state
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite, parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
-                                InvalidArgument, NotFound, ResourceExhausted, StaleGeneration, Unavailable)
-from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
+                                InvalidArgument, NotFound, StaleGeneration, Unavailable)
+from imerge.core.limits import check_id, clip
 
 from .block import BlockMeta, BlockState
 from .payloads import check_encoding, receive_gradient
@@ -43,18 +42,6 @@ from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
 
 log = logging.getLogger(__name__)
-
-
-async def _acquired(lock: asyncio.Lock, timeout_s: float) -> bool:
-    """Whether ``lock`` was acquired within ``timeout_s``."""
-    if not lock.locked():  # the common case: no task (wait_for makes one)
-        await lock.acquire()
-        return True
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout_s)
-    except TimeoutError:
-        return False
-    return True
 
 
 class Shard:
@@ -264,7 +251,7 @@ class Shard:
         if numel != block.meta.numel:
             raise InvalidArgument(f"{what}: got {numel} elements, the block holds {block.meta.numel}")
         check_encoding(block.meta, options.assign, dtype, nnz, what)
-        async with self._row(block, worker, round_, stream, what):
+        async with block.rows[worker].held(round_, stream, what):
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
                 async for _ in data:
                     pass
@@ -291,30 +278,6 @@ class Shard:
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
             return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
-
-    @contextlib.asynccontextmanager
-    async def _row(self, block: BlockState, worker: int, round_: int, stream: Any, what: str):
-        """Hold (block, worker)'s row. A push of this round or a later one that waits for it supersedes the stream
-        holding it once that stream sent nothing for STALLED_S (a stalled or abandoned push never blocks its
-        retry for longer); a bounded number wait."""
-        if block.row_waiters[worker] >= MAX_ROW_WAITERS:
-            raise ResourceExhausted(f"{what}: {MAX_ROW_WAITERS} pushes of this worker already wait for the block")
-        lock = block.row_locks[worker]
-        block.row_waiters[worker] += 1
-        try:
-            while not await _acquired(lock, STALLED_S):
-                holder = block.row_holders[worker]
-                if holder is not None and round_ >= holder[0] and holder[1].idle_for() >= STALLED_S:
-                    holder[1].supersede(f"sent nothing for {holder[1].idle_for():.1f}s while a newer push of "
-                                        f"block {block.meta.block_id} by worker {worker} (round {round_}) waited")
-        finally:
-            block.row_waiters[worker] -= 1
-        block.row_holders[worker] = (round_, stream) if stream is not None else None
-        try:
-            yield
-        finally:
-            block.row_holders[worker] = None
-            lock.release()
 
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""

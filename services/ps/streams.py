@@ -8,6 +8,7 @@ tensor of that size is allocated.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,7 +18,8 @@ from google.protobuf.message import DecodeError
 from imerge.core.codec import ChunkAssembler
 from imerge.wire.frames import deserializer
 from imerge.core.dtypes import BLOCK_DTYPE
-from imerge.core.errors import DeadlineExceeded, InvalidArgument, Superseded
+from imerge.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Superseded
+from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S
 
 
 class Undecodable:
@@ -171,3 +173,45 @@ class Segments:
             seen += len(message.data) if message.WhichOneof("part") == "data" else 64
             if seen > limit_bytes:
                 return
+
+
+class Row:
+    """One worker's row of a block: pushes of it are serialized. A push of this round or a later one that waits
+    supersedes the stream holding the row once that stream sent nothing for ``STALLED_S`` (a stalled or abandoned
+    push never holds up its retry for longer); at most ``MAX_ROW_WAITERS`` wait."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        self.holder: tuple[int, Progressing] | None = None  # (round, the push stream holding the row)
+        self.waiters = 0
+
+    @contextlib.asynccontextmanager
+    async def held(self, round_: int, stream: Progressing | None, what: str):
+        if self.waiters >= MAX_ROW_WAITERS:
+            raise ResourceExhausted(f"{what}: {MAX_ROW_WAITERS} pushes of this worker already wait for the block")
+        self.waiters += 1
+        try:
+            while not await _acquired(self.lock, STALLED_S):
+                if self.holder is not None and round_ >= self.holder[0] and self.holder[1].idle_for() >= STALLED_S:
+                    self.holder[1].supersede(f"sent nothing for {self.holder[1].idle_for():.1f}s while a newer "
+                                             f"{what} waited")
+        finally:
+            self.waiters -= 1
+        self.holder = (round_, stream) if stream is not None else None
+        try:
+            yield
+        finally:
+            self.holder = None
+            self.lock.release()
+
+
+async def _acquired(lock: asyncio.Lock, timeout_s: float) -> bool:
+    """Whether ``lock`` was acquired within ``timeout_s``."""
+    if not lock.locked():  # the common case: no task (wait_for makes one)
+        await lock.acquire()
+        return True
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
