@@ -28,7 +28,7 @@ from typing import Any
 from imerge.control.messages import PORT, Flag
 from imerge.core.errors import Fenced, IMergeError, WaitTimeout
 from imerge.core.planning import BYTES_PER_ELEMENT
-from imerge.core.queue import CommQueue
+from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
 from imerge.core.slots import NoSlots
 from imerge.telemetry.timeline import Timeline
 
@@ -41,8 +41,6 @@ from .wire_compression import Compression, meta_nbytes, payload_nbytes
 log = logging.getLogger(__name__)
 FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
 _STOP = 1 << 30     # queue priority of the item that stops the consumer
-SEND_CREDIT = 4 << 20  # a sender's push stream carries the queued blocks up to this many bytes
-PUSHES_IN_FLIGHT = 2   # a sender's push streams whose reply is awaited (1 while slots hold a flag until the reply)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,7 +73,7 @@ class SyncEngine:
                                             mode=config.buffers, generation=generation,
                                             timeout_s=config.pull_timeout_s + config.rpc_timeout_s)
         self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
-        if config.fusion == "cost":
+        if config.fusion == "cost" or (config.profile_out and config.rank == 0):
             self._start_profiling()
         self.hooks.install(model, self.params)
 
@@ -102,7 +102,7 @@ class SyncEngine:
         self.comm.plan_version = plan.version
 
     def _start_profiling(self) -> None:
-        self.hooks.profiler = Profiler(len(self.plan.units))
+        self.hooks.profiler = Profiler(len(self.plan.units), plans=self.config.fusion == "cost")
         self.comm.on_push = self.hooks.profiler.push
         self.hooks.after_backward = self._after_profiled_backward
 
@@ -112,15 +112,21 @@ class SyncEngine:
         self.hooks.after_backward = None
 
     def _after_profiled_backward(self) -> None:
-        if self.hooks.iteration == self.config.profile_iters:
-            self.synchronize()
-            plan = cost_plan(self.store, self.hooks.profiler, self.plan, self.config.rank,
-                             self.config.wait_timeout_s, self.comm.compression.estimate)
-            self.use_plan(plan, self.block_rounds())
-            self.hooks.schedule_start = self.hooks.iteration
+        if self.hooks.iteration != self.config.profile_iters:
+            return
+        if self.config.profile_out and self.config.rank == 0:
+            self.hooks.profiler.write(self.config.profile_out, self.plan)
+        if not self.hooks.profiler.plans:
             self._stop_profiling()
-            log.info("worker %d: cost plan v%d with %d groups from iteration %d", self.config.rank, plan.version,
-                     len(plan.groups), self.hooks.iteration)
+            return
+        self.synchronize()
+        plan = cost_plan(self.store, self.hooks.profiler, self.plan, self.config.rank,
+                         self.config.wait_timeout_s, self.comm.compression.estimate)
+        self.use_plan(plan, self.block_rounds())
+        self.hooks.schedule_start = self.hooks.iteration
+        self._stop_profiling()
+        log.info("worker %d: cost plan v%d with %d groups from iteration %d", self.config.rank, plan.version,
+                 len(plan.groups), self.hooks.iteration)
 
     # -- the blocks on the shards ------------------------------------------------------------
     def initialize(self) -> None:

@@ -104,6 +104,9 @@ class Hooks:
     def _module_forward(self, owned: list[int]) -> None:
         self._forward_params.update(owned)
         self.wait_params(owned)
+        if self.profiler is not None:
+            self.profiler.unit_forward([self.table.unit_of[pid] for pid in owned],
+                                       time.time() - self._forward_started - self._waited_s)
 
     def _forward_started_now(self, args: tuple) -> None:
         self.buffer_sync.apply()
@@ -121,16 +124,19 @@ class Hooks:
         if self._forward_started:
             self.metrics.iteration.observe(now - self._forward_started)
         self._forward_started, self._waited_s = now, 0.0
+        if self.profiler is not None and torch.is_grad_enabled():
+            self.profiler.forward_started()
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
             self.metrics.samples.inc(args[0].shape[0])
 
     def _forward_ended_now(self) -> None:
         if self.profiler is not None:
+            self.profiler.forward_ended(time.time() - self._forward_started - self._waited_s)
             self.profiler.backward_started(time.monotonic())
 
     def syncs_now(self, group: GroupRuntime) -> bool:
         """Whether ``group`` syncs in this iteration; the profiled iterations of fusion cost sync every one."""
-        period = 1 if self.profiler is not None else self.table.plan.period
+        period = 1 if self.profiler is not None and self.profiler.plans else self.table.plan.period
         return syncs(group.index, self.iteration - self.schedule_start, period)
 
     # -- backward ---------------------------------------------------------------------------

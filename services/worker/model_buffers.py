@@ -16,7 +16,6 @@ import base64
 import torch
 from safetensors.torch import load, save
 
-BUFFER_MODES = ("broadcast", "average", "off")
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> str:

@@ -1,48 +1,56 @@
-"""--fusion cost: what the first iterations measure, and the switch to the plan made from it.
+"""--fusion cost and --profile-out: what the first iterations measure, and the switch to the plan made from it.
 
-The profiler records when each unit's gradient is ready in backward and what a
-push costs (alpha + beta * bytes, fitted to timed pushes). After the profiled
-iterations, worker 0 submits the profile; every worker then waits for the
-coordinator's cost plan, which regroups the unchanged blocks.
+The profiler records when each unit's module starts its forward and when its
+gradient is ready in backward (on the compute clock: forward waits taken out),
+and what a push costs (alpha + beta * bytes, fitted to timed pushes). After the
+profiled iterations, worker 0 writes the profile (``--profile-out``: the input
+of ``imerge simulate``) and, with fusion cost, submits it; every worker then
+waits for the coordinator's cost plan, which regroups the unchanged blocks.
 """
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from imerge.control.messages import COST_PLAN, Profile
 from imerge.core.errors import IMergeError
-from imerge.core.planning import BYTES_PER_ELEMENT, Plan
+from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost
+from imerge.sim.profiles import from_measurement
 
 log = logging.getLogger(__name__)
 
 
-def fit_cost(samples: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares alpha (s) and beta (s/byte) of ``seconds = alpha + beta * bytes``, both >= 0."""
-    if not samples:
-        return 0.0, 0.0
-    sizes = [float(b) for b, _ in samples]
-    times = [t for _, t in samples]
-    mean_size, mean_time = statistics.fmean(sizes), statistics.fmean(times)
-    spread = sum((b - mean_size) ** 2 for b in sizes)
-    if spread == 0:
-        return min(times), 0.0
-    beta = max(0.0, sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times)) / spread)
-    alpha = max(0.0, mean_time - beta * mean_size)
-    return alpha, beta
-
-
 class Profiler:
-    def __init__(self, num_units: int):
+    def __init__(self, num_units: int, plans: bool = True):
         self.num_units = num_units
+        self.plans = plans  # fusion cost: the profiled iterations sync every group, whatever T
         self.iterations: list[list[float]] = []
+        self.forwards: list[tuple[list[float], float]] = []  # per iteration: each unit's start, the forward's end
         self._current: list[float] | None = None
+        self._forward: list[float] | None = None
         self._started = 0.0
         self.pushes: list[tuple[int, float]] = []
         self._lock = threading.Lock()
+
+    def forward_started(self) -> None:
+        self._forward = [math.nan] * self.num_units
+
+    def unit_forward(self, units: list[int], compute_clock_s: float) -> None:
+        """These units' module starts its forward ``compute_clock_s`` into the forward (waits not counted)."""
+        if self._forward is not None:
+            for unit in units:
+                if math.isnan(self._forward[unit]):
+                    self._forward[unit] = compute_clock_s
+
+    def forward_ended(self, compute_clock_s: float) -> None:
+        if self._forward is not None:
+            self.forwards.append((self._forward, compute_clock_s))
+            self._forward = None
 
     def backward_started(self, now: float) -> None:
         self._started = now
@@ -70,6 +78,32 @@ class Profiler:
             ready.append(latest)
         alpha, beta = fit_cost(self.pushes)
         return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
+
+
+    def forward_times(self) -> list[float]:
+        """Each unit's forward time, averaged over the profiled iterations but the first: from its module's start to
+        the next module's (in the order they ran); a unit whose module was never seen runs in no time."""
+        measured = self.forwards[1:] or self.forwards
+        totals = [0.0] * self.num_units
+        for starts, end in measured:
+            seen = sorted((t, u) for u, t in enumerate(starts) if not math.isnan(t))
+            for (start, unit), (following, _) in zip(seen, seen[1:] + [(end, -1)]):
+                totals[unit] += max(0.0, following - start) + (start if unit == seen[0][1] else 0.0)
+        return [t / len(measured) for t in totals] if measured else totals
+
+    def backward_times(self) -> list[float]:
+        ready = self.summary([0] * self.num_units).ready_s
+        return [b - a for a, b in zip([0.0] + ready[:-1], ready)]
+
+    def write(self, path: str, plan: Plan) -> None:
+        """The profile as ``imerge simulate --profile`` reads it (:mod:`imerge.sim.profiles`)."""
+        summary = self.summary([u.numel * BYTES_PER_ELEMENT for u in plan.units])
+        profile = from_measurement(Path(path).stem, [(u.module, u.numel, u.group) for u in plan.units],
+                                   self.forward_times(), self.backward_times(), summary.alpha_s,
+                                   summary.beta_s_per_byte)
+        profile.write(path)
+        log.info("profile of %d units (compute %.3f s per iteration) written to %s", len(plan.units),
+                 profile.compute_s, path)
 
 
 def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,

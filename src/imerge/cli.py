@@ -157,6 +157,16 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_simulate(args: argparse.Namespace) -> int:
+    from imerge.core.schedule_config import ScheduleConfig
+    from imerge.sim.commands import run_target
+    from imerge.sim.runner import SimConfig
+
+    config, base = from_namespace(SimConfig, args), from_namespace(ScheduleConfig, args)
+    print(run_target(args.target, config, base, lambda line: print(line, file=sys.stderr, flush=True)))
+    return 0
+
+
 def _run_top(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -186,6 +196,7 @@ ROLE_CONFIGS = {  # role -> the config classes its flags and IMERGE_* variables 
     "worker": ("imerge.worker.config:WorkerConfig", "imerge.workloads.job:JobConfig"),
     "launch": _LAUNCH,
     "bench": ("imerge.bench.runner:BenchConfig",),
+    "simulate": ("imerge.sim.runner:SimConfig", "imerge.core.schedule_config:ScheduleConfig"),
     "testbed": ("imerge.bench.testbed:TestbedConfig", *_LAUNCH),
     "top": ("imerge.ops.top:TopConfig",),
     "health": ("imerge.ops.health:HealthConfig",),
@@ -206,6 +217,7 @@ ROLES = {  # role (subcommand) -> (its help, its runner)
     "worker": ("run one worker of the built-in job", _run_worker),
     "launch": ("run a whole job on this host (built-in job, or a script after --)", _run_launch),
     "bench": ("run every strategy on one scenario in the testbed and report it (root)", _run_bench),
+    "simulate": ("simulate a job's schedule on a cluster of any size, with the product's own policies", _run_simulate),
     "testbed": ("run a whole job in an emulated cluster: one network namespace per role, links shaped with tc "
                 "tbf (root)", _run_testbed),
     "top": ("a live terminal view of a running job, from its /metrics endpoints", _run_top),
@@ -231,6 +243,11 @@ EXAMPLES = {
     "coordinator": ["imerge coordinator --num-shards 2 --num-workers 4 --redis-url redis://host:6379/0"],
     "bench": ["imerge bench B2 --rate-mbit 100 --rounds 2 --strategies ddp,imerge,imerge-fp16",
               "imerge bench datapath --rounds 2", "imerge bench compression"],
+    "simulate": ["imerge simulate --model resnet50-like --workers 1024 --shards 256 --link-gbit 25",
+                 "imerge simulate --profile runs/JOB/profile.json --workers 64 --strategies ddp,imerge",
+                 "imerge simulate B2 --measured runs/bench-B2/results.json",
+                 "imerge simulate calibrate --runs runs/bench-B4/results.json,runs/bench-B3/results.json",
+                 "imerge simulate projections --out docs/img/scaling"],
     "testbed": ["imerge testbed --shards 3 --workers 3 --rate-mbit 1000 --model vgg --iters 50",
                 "imerge testbed --cleanup"],
     "top": ["imerge top --prometheus-config runs/JOB/prometheus.yml", "imerge top --targets 127.0.0.1:9400 --once"],
@@ -258,6 +275,11 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
                                               "against DDP on loopback: s/it, GB/s and CPU s/GB per process), or "
                                               "compression (the CPU each --compression mode costs on ResNet-18's "
                                               "gradient, against the link time it saves at --rate-mbit)")
+        if name == "simulate":
+            sub.add_argument("target", nargs="?", default="job",
+                             help="job (the cluster of the flags; default), B1, B2, B3, B4 (a benchmark scenario on the "
+                                  "testbed, beside --measured), projections (the scaling study of docs/scaling.md), "
+                                  "calibrate (fit the constants to --runs)")
         subparsers[name] = sub
     return parser, subparsers
 

@@ -82,7 +82,7 @@ class CpuSampler:
 
 def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> dict[str, Any]:
     """One run of ``strategy`` on loopback; its s/it and per-role throughput and CPU cost."""
-    from imerge.bench.runner import warmup_iterations
+    from imerge.core.strategies import warmup_iterations
 
     ddp = strategy == "ddp"
     skip = 2 if ddp else warmup_iterations(iters)
@@ -121,7 +121,7 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
 def run_datapath(config: Any, console: Console) -> dict[str, Any]:
     """Every chosen strategy (default: ddp and imerge), alternating over ``config.rounds``."""
     from imerge.bench.report import write_datapath_report
-    from imerge.bench.runner import STRATEGIES
+    from imerge.core.strategies import STRATEGIES
 
     workers = config.workers or 2
     iters = config.iters or DEFAULT_ITERS

@@ -25,52 +25,9 @@ from rich.console import Console
 from imerge.core.config import option, require
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
-from imerge.bench.testbed import SHALLOW, TCP_CONGESTION, Testbed, TestbedConfig, job_roles, start_redis
+from imerge.bench.testbed import Testbed, TestbedConfig, job_roles, start_redis
+from imerge.core.strategies import INCAST, SCENARIOS, STRATEGIES, TCP_CONGESTION, Scenario, warmup_iterations
 
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "ddp": {},
-    "ps-naive": dict(fusion="none", overlap=False, priority=False, slots="off"),
-    "wfbp": dict(fusion="none", priority=False, slots="off"),
-    "size": dict(fusion="size", priority=False, slots="off"),
-    "imerge": dict(fusion="cost", priority=True, slots="ack"),
-    "imerge-fixed": dict(fusion="cost", priority=True, slots="fixed"),
-    "imerge-group": dict(fusion="cost", priority=True, slots="ack", slot_scope="group", slot_width=1),
-    "imerge-noslots": dict(fusion="cost", priority=True, slots="off"),
-    "imerge-T2": dict(fusion="cost", priority=True, slots="ack", interleave_period=2),
-    "imerge-T4": dict(fusion="cost", priority=True, slots="ack", interleave_period=4),
-}
-SCHEDULES = tuple(STRATEGIES)  # the strategies without compression
-STRATEGIES.update({f"imerge-{mode}": dict(fusion="cost", priority=True, slots="ack", compression=mode)
-                   for mode in ("fp16", "bf16", "topk", "mixed")})
-STRATEGIES["imerge-topk-pull"] = dict(STRATEGIES["imerge-topk"], topk_pull_ratio=0.01)
-INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
-INCAST["slots-ack-group"] = STRATEGIES["imerge-group"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    model: str
-    batch_size: int
-    workers: int
-    shards: int
-    rate_mbit: float = 1000.0
-    iters: int = 12
-    shard_queue_kb: float = 0.0
-    mtu: int = 9000
-    tcp_congestion: str = TCP_CONGESTION
-    strategies: tuple[str, ...] = tuple(STRATEGIES)
-    sizes: tuple[int, ...] = ()  # scaling: run at each worker count, shards = workers
-
-
-SCENARIOS = {
-    "B1": Scenario("resnet18", 8, 3, 3),
-    "B2": Scenario("vgg", 8, 3, 3),
-    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
-    "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
-    # the strategies whose paths differ on a real network (the slot variants and T > 1 are checked in-process)
-    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12,
-                     strategies=("ddp", "ps-naive", "imerge", "imerge-topk")),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +42,8 @@ class BenchConfig:
     tcp_congestion: str = option(TCP_CONGESTION, "TCP congestion control of every testbed host (cubic: Linux's "
                                  "default)")
     out: str = option("", "output folder (default: runs/bench-<scenario>-<time>)")
+    calibrate: bool = option(False, "after the run, fit the simulator's constants to it (imerge simulate): "
+                                    "calibration.json and calibration.md beside results.json")
 
     def __post_init__(self) -> None:
         require(self.rounds >= 1, "rounds", "must be at least 1")
@@ -94,11 +53,6 @@ class BenchConfig:
                 "sizes", "must be comma-separated worker counts within 1..16, e.g. 1,2,4")
         require(self.rate_mbit >= 0, "rate_mbit", "must be >= 0")
         require(self.mtu == 0 or 576 <= self.mtu <= 65000, "mtu", "must be 0 or within 576..65000")
-
-
-def warmup_iterations(iters: int) -> int:
-    """Iterations not timed: warm-up, and the profile of fusion cost (which runs that long)."""
-    return min(5, max(2, iters // 4))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -189,8 +143,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
                             workers_only=ddp, quiet=True)
         with CounterSampler(bed, hosts, 0.1) as sampler:
             code = launcher.run()
-        import json as _j
-        (run_dir / "samples.json").write_text(_j.dumps([(t, {h: [c.tx_bytes, c.rx_bytes] for h, c in d.items()}) for t, d in sampler.samples]))
+        (run_dir / "samples.json").write_text(json.dumps([(t, {h: [c.tx_bytes, c.rx_bytes] for h, c in d.items()}) for t, d in sampler.samples]))
     if code != 0:
         raise IMergeError(f"strategy {name} failed (exit code {code}); logs in {run_dir}")
     return measure(name, scenario, launcher.events, sampler, run_dir, iters)
@@ -313,7 +266,20 @@ def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any
         write_scaling_report(report, out)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     console.print(f"results in {out}/ (results.json, results.md, *.png)")
+    if config.calibrate:
+        calibrate(out, console)
     return report
+
+
+def calibrate(out: Path, console: Console) -> None:
+    """Fit the simulator's constants to the run in ``out`` (its results.json)."""
+    from imerge.sim.calibrate import cases_of, fit, fit_markdown, fit_table
+
+    cases = [c for c in cases_of([str(out / "results.json")]) if c.strategy in STRATEGIES or c.strategy in INCAST]
+    constants, loss = fit(cases, progress=lambda line: console.print(f"calibrate: {line}"))
+    (out / "calibration.json").write_text(constants.to_json())
+    (out / "calibration.md").write_text(fit_markdown(constants, loss, fit_table(cases, constants)))
+    console.print(f"simulator constants in {out}/calibration.json (imerge simulate --calibration ...)")
 
 
 def run_scenario(title: str, scenario: Scenario, chosen: list[str], rounds: int, out: Path,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from imerge.ops import proc
 from imerge.core.errors import IMergeError
+from imerge.core.strategies import SHALLOW, TCP_CONGESTION
 from imerge.telemetry.metrics import parse_net_dev
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,6 @@ class LinkSpec:
                 "limit", f"{limit_kb:g}kb"]
 
 
-TCP_CONGESTION = "cubic"  # Linux's default; the host's own setting (some hosts run bbr) is not inherited
-SHALLOW = 16.0  # kB: a shallow switch port queue that drops under incast
 
 
 @dataclasses.dataclass

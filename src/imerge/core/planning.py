@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -193,6 +194,21 @@ def partition(units: Sequence[Unit], cap_bytes: int, num_shards: int = 1) -> lis
         for start, end in zip(bounds, bounds[1:]):
             blocks.append(Block(f"b{len(blocks)}", unit.index, start, end - start))
     return blocks
+
+
+def fit_cost(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares alpha (s) and beta (s/byte) of ``seconds = alpha + beta * bytes``, both >= 0."""
+    if not samples:
+        return 0.0, 0.0
+    sizes = [float(b) for b, _ in samples]
+    times = [t for _, t in samples]
+    mean_size, mean_time = statistics.fmean(sizes), statistics.fmean(times)
+    spread = sum((b - mean_size) ** 2 for b in sizes)
+    if spread == 0:
+        return min(times), 0.0
+    beta = max(0.0, sum((b - mean_size) * (t - mean_time) for b, t in zip(sizes, times)) / spread)
+    alpha = max(0.0, mean_time - beta * mean_size)
+    return alpha, beta
 
 
 # -- fusion -----------------------------------------------------------------------------

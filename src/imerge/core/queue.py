@@ -2,13 +2,17 @@
 
 With priority on, the group the next forward needs first leaves first: groups
 are numbered in backward order, so the highest index (the earliest layers)
-wins; with priority off the queue is first in, first out.
+wins; with priority off the queue is first in, first out. A shard's sender
+takes blocks off its queue up to a byte credit per push stream.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from typing import Any
+
+SEND_CREDIT = 4 << 20  # a sender's push stream carries the queued blocks up to this many bytes
+PUSHES_IN_FLIGHT = 2   # a sender's push streams whose reply is awaited (1 while slots hold a flag until the reply)
 
 
 class CommQueue:

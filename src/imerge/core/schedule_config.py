@@ -1,0 +1,103 @@
+"""The scheduler's options, shared by the worker (``imerge worker``) and the simulator (``imerge simulate``).
+
+Every mechanism can be switched off to measure what it buys; a strategy of
+``imerge bench`` and ``imerge simulate`` is a set of these options
+(:mod:`imerge.core.strategies`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from imerge.core.compression import MODES, CompressionSpec
+from imerge.core.config import check_choices, option, require
+from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
+from imerge.core.slots import SLOT_SCOPES, SLOTS
+
+BUFFER_MODES = ("broadcast", "average", "off")  # model buffers: see the worker's model_buffers
+MIB = 1 << 20
+COMPRESSION_OPTIONS = {"topk_ratio": ("topk", "mixed"), "topk_pull_ratio": ("topk", "mixed"),
+                       "mixed_threshold_kib": ("mixed",)}  # option -> the modes it applies to
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """The scheduler's options: every mechanism can be switched off to measure what it buys."""
+
+    fusion: str = option("none", "fusion planner: none (one group per module), size (byte cap), "
+                                 "cost (profiled cost model)", choices=FUSIONS)
+    size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
+    first_cap_mib: float = option(1.0, "byte cap of the first group with --fusion size, MiB")
+    partition_mib: float = option(1.0, "blocks larger than this are split into partitions (a multiple of the "
+                                       "shard count per split layer), MiB")
+    placement: str = option("lpt", "block placement: lpt (balanced per interleave phase) or round-robin",
+                            choices=PLACEMENTS)
+    interleave_period: int = option(1, "T: each group syncs every T iterations (local SGD in between)")
+    overlap: bool = option(True, "push each group during backward and wait in the next forward; off: push "
+                                 "and pull everything after backward, then wait (a naive PS, for comparison)")
+    priority: bool = option(True, "send first the groups the next forward needs first")
+    slots: str = option("off", "intra-iteration interleave: off, fixed (hold a group's flag for its slot "
+                               "time) or ack (until the shard acknowledged the push)", choices=SLOTS)
+    slot_scope: str = option("shard", "what a slot flag guards: shard (every push to the shard's port) or "
+                                      "group (a group's pushes to one shard; the workers take a group's "
+                                      "shards in turn)", choices=SLOT_SCOPES)
+    slot_width: int = option(0, "workers that may hold the same slot at once (worker w takes lane w mod k); "
+                                "0: with scope shard as many as there are shards (a worker's uplink is spread "
+                                "over the shards, so a port takes that many senders at full rate), with scope "
+                                "group 1; no flags at all where the width admits every worker")
+    slot_bandwidth_mbps: float = option(0.0, "shard ingress bandwidth for fixed slots, Mbit/s "
+                                             "(0: measured online from the pushes)")
+    flag_lease_s: float = option(10.0, "lease of a slot flag: a dead holder frees it after this")
+    profile_iters: int = option(5, "iterations profiled before --fusion cost plans the groups")
+    profile_out: str = option("", "worker 0 writes its profile of the first --profile-iters iterations to this JSON "
+                                  "file (each module's forward and backward time, the push cost): the input of "
+                                  "imerge simulate --profile")
+    trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
+    compression: str = option("none", "what travels on the wire (docs/compression.md): none (fp32), fp16 or bf16 "
+                                      "(gradients and parameters in that dtype), topk (the --topk-ratio largest "
+                                      "gradient elements with error feedback; pulls send the parameters that "
+                                      "changed), mixed (groups under --mixed-threshold-kib fp16, larger ones topk)",
+                              choices=MODES)
+    topk_ratio: float = option(0.01, "with --compression topk or mixed: the fraction of a block's gradient elements "
+                                     "pushed (the largest by magnitude)")
+    topk_pull_ratio: float = option(0.0, "with --compression topk or mixed: the most a pull sends of a block, as a "
+                                          "fraction of its parameters (the largest changes since what the workers "
+                                          "hold; the rest follow in later pulls); 0: every parameter that changed, "
+                                          "so the workers' copies stay exact")
+    mixed_threshold_kib: float = option(256.0, "with --compression mixed: groups smaller than this (fp32 KiB) "
+                                               "travel fp16, larger ones topk")
+    buffers: str = option("broadcast", "model buffers (BatchNorm statistics): broadcast (worker 0's before every "
+                                       "forward, as DDP's broadcast_buffers), average (the workers' mean), or off",
+                          choices=BUFFER_MODES)
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
+            require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
+        require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
+        require(self.slot_width >= 0, "slot_width", "must be >= 0 (0: the number of shards)")
+        require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
+        require(self.flag_lease_s > 0, "flag_lease_s", "must be positive")
+        require(self.profile_iters >= 2, "profile_iters", "must be at least 2")
+        require(not self.profile_out or Path(self.profile_out).resolve().parent.is_dir(), "profile_out",
+                f"{self.profile_out}: its folder does not exist")
+        require(0 < self.topk_ratio <= 1, "topk_ratio", "must lie in (0, 1]")
+        require(self.mixed_threshold_kib >= 0, "mixed_threshold_kib", "must be >= 0")
+        require(0 <= self.topk_pull_ratio <= 1, "topk_pull_ratio", "must lie in [0, 1]")
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        for name, modes in COMPRESSION_OPTIONS.items():
+            require(self.compression in modes or getattr(self, name) == defaults[name], name,
+                    f"has no effect with --compression {self.compression} (only with {' or '.join(modes)})")
+        require(self.interleave_period == 1 or self.compression in ("none", "fp16", "bf16"), "compression",
+                f"{self.compression} needs --interleave-period 1: a top-k pull sends only the parameters the "
+                "shard changed, which would leave a worker's local steps in place")
+
+    def compression_spec(self) -> CompressionSpec:
+        return CompressionSpec(self.compression, self.topk_ratio, int(self.mixed_threshold_kib * 1024),
+                               self.topk_pull_ratio)
+
+    def plan_options(self) -> PlanOptions:
+        return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),
+                           first_cap_bytes=int(self.first_cap_mib * MIB),
+                           partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
+                           period=self.interleave_period)

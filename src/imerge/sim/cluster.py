@@ -1,0 +1,77 @@
+"""What a simulation runs on: the cluster (workers, shards, links) and the constants calibrated on a testbed. Pure."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from imerge.core.errors import ConfigError
+
+GBIT = 1e9 / 8  # bytes per second
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """W workers and S shards, each host behind its own full-duplex link to one switch."""
+
+    workers: int
+    shards: int
+    worker_gbit: float = 10.0
+    shard_gbit: float = 10.0
+    queue_kb: float = 0.0  # the switch port queue in front of a host (0: deep enough never to drop)
+    mtu: int = 9000
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.shards < 1:
+            raise ConfigError("workers", "a cluster needs at least one worker and one shard")
+        if self.worker_gbit <= 0 or self.shard_gbit <= 0:
+            raise ConfigError("link_gbit", "link rates must be positive")
+        if self.queue_kb < 0 or self.mtu < 576:
+            raise ConfigError("queue_kb", "the queue must be >= 0 kB and the MTU at least 576")
+
+    @property
+    def incast_senders(self) -> float:
+        """Concurrent senders a port's queue absorbs: two packets each (a TCP window after a loss)."""
+        return math.inf if not self.queue_kb else max(1.0, self.queue_kb * 1000 / (2 * self.mtu))
+
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    """What the network model cannot derive from the cluster; ``imerge bench ... --calibrate`` fits them to
+    testbed runs. The defaults describe a cluster of real hosts: each its own processor, no shared cores."""
+
+    latency_s: float = 50e-6        # one way, per message (switch, stacks, gRPC framing)
+    flag_rtt_s: float = 200e-6      # a slot flag's take or release: one round trip to Redis
+    incast_efficiency: float = 0.5  # goodput of a port whose queue overflows (losses, retransmission timeouts)
+    cores: float = 0.0              # cores every role shares (the testbed: this machine's); 0: each host its own
+    cpu_per_byte: float = 0.0       # with shared cores: core seconds per byte moved (sender and receiver)
+    compute_cores: float = 1.0      # with shared cores: the cores a worker's forward and backward keep busy
+    step_s_per_byte: float = 0.0    # an optimizer step per parameter byte (shards; DDP's and T > 1's local steps)
+    host_gbit: float = 0.0          # the most one host's data path moves (0: only the link limits it)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Constants":
+        try:
+            raw: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError("calibration", f"cannot read {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("calibration", f"{path} is not JSON: {exc}") from None
+        values = raw.get("constants", raw) if isinstance(raw, dict) else None
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(values, dict) or not set(values) <= names:
+            unknown = sorted(set(values) - names) if isinstance(values, dict) else []
+            raise ConfigError("calibration", f"{path}: not a calibration (expected the keys {', '.join(sorted(names))}"
+                                             + (f"; unknown: {', '.join(unknown)}" if unknown else "") + ")")
+        try:
+            constants = cls(**{k: float(v) for k, v in values.items()})
+        except (TypeError, ValueError):
+            raise ConfigError("calibration", f"{path}: every constant must be a number") from None
+        if any(not math.isfinite(v) or v < 0 for v in dataclasses.astuple(constants)):
+            raise ConfigError("calibration", f"{path}: every constant must be finite and >= 0")
+        return constants

@@ -1,0 +1,78 @@
+"""What ``imerge simulate TARGET`` does with its options; writes results.json and results.md to ``--out``."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from imerge.core.errors import ConfigError
+from imerge.core.schedule_config import ScheduleConfig
+from imerge.core.strategies import SCENARIOS
+
+from .runner import TARGETS, SimConfig, markdown, simulate
+
+
+def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callable[[str], None]) -> str:
+    """Run ``target`` (one of TARGETS); return its markdown report (also written to the output folder)."""
+    if target not in TARGETS:
+        raise ConfigError("target", f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    out = Path(config.out or f"runs/simulate-{target}-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    if target == "job":
+        report = simulate(config.load_profile(), config.cluster(), config.constants(), config.chosen(),
+                          config.iters, base)
+        text = markdown(report)
+    elif target == "calibrate":
+        report, text = _calibrate(config, say)
+        (out / "calibration.json").write_text(json.dumps(report["constants"], indent=1))
+        say(f"calibration written to {out / 'calibration.json'}")
+    elif target == "projections":
+        from .projections import projections_markdown, run_projections
+
+        report = run_projections(config, base, out, say)
+        text = projections_markdown(report)
+    else:
+        from .testbed import comparison_markdown, simulate_scenario, testbed_constants
+
+        names = config.chosen(SCENARIOS[target].strategies)
+        report = simulate_scenario(target, names, config.constants(testbed_constants()), config.iters, base,
+                                   config.measured, (config.workers,) if config.workers != 8 else ())
+        text = comparison_markdown(report)
+        from .plots import plot_comparison
+
+        plot_comparison(report, out / "comparison.png")
+    (out / "results.json").write_text(json.dumps(report, indent=1, default=_plain))
+    (out / "results.md").write_text(text)
+    say(f"results in {out}/ (results.json, results.md)")
+    return text
+
+
+def _calibrate(config: SimConfig, say: Callable[[str], None]) -> tuple[dict[str, Any], str]:
+    import dataclasses
+
+    from .calibrate import MULTIPLES, cases_of, fit, fit_markdown, fit_table
+
+    paths = [p.strip() for p in config.runs.split(",") if p.strip()]
+    if not paths:
+        raise ConfigError("runs", "calibrate needs --runs: the results.json of one or more imerge bench runs")
+    missing = [p for p in paths if not Path(p.partition("#")[0]).is_file()]
+    if missing:
+        raise ConfigError("runs", f"no such file: {', '.join(missing)}")
+    cases = cases_of(paths, set(config.chosen()) if config.strategies else None)
+    if not cases:
+        raise ConfigError("runs", "the runs hold none of the chosen strategies")
+    from .calibrate import FINE, START
+
+    start = config.constants() if config.calibration else START  # a calibration given: refine it, finer
+    constants, fit_loss = fit(cases, progress=say, start=start, multiples=FINE if config.calibration else MULTIPLES)
+    rows = fit_table(cases, constants)
+    return ({"constants": dataclasses.asdict(constants), "loss": fit_loss, "cases": rows, "runs": paths},
+            fit_markdown(constants, fit_loss, rows))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")

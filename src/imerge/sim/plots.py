@@ -1,0 +1,117 @@
+"""The projections' plots (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .profiles import SYNTHETIC
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(rows: list[dict], **match: Any) -> list[dict]:
+    return sorted((r for r in rows if all(r[k] == v for k, v in match.items())), key=lambda r: r["workers"])
+
+
+def _save(figure: Any, path: Path, plt: Any) -> str:
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return path.name
+
+
+def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
+    from .projections import BOUND_STRATEGIES, INCAST_QUEUE_KB, LINKS_GBIT, PERIODS
+
+    plt, rows, written = _pyplot(), report["rows"], []
+    for model in SYNTHETIC:
+        figure, axes = plt.subplots(1, len(LINKS_GBIT), figsize=(13, 3.8), sharey=True)
+        for axis, link in zip(axes, LINKS_GBIT):
+            for strategy in BOUND_STRATEGIES:
+                series = [r for r in _series(rows, sweep="bound", model=model, link_gbit=link, strategy=strategy)
+                          if strategy == "ddp" or r["shards"] == max(1, r["workers"] // 2)]
+                axis.plot([r["workers"] for r in series], [r["ratio_to_bound"] for r in series], marker="o",
+                          label=strategy)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.axhline(1.0, color="grey", linewidth=0.8)
+            axis.set_title(f"{link:g} Gbit/s links, S = W/2")
+            axis.set_xlabel("workers W")
+        axes[0].set_ylabel("mean s/it over the strategy's bound")
+        axes[-1].legend(fontsize=8)
+        figure.suptitle(f"Simulated: {model}, where each strategy sits against its bound")
+        written.append(_save(figure, out / f"scaling-bound-{model}.png", plt))
+    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
+    for axis, model in zip(axes, SYNTHETIC):
+        for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W")):
+            series = [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0, strategy="imerge")
+                      if r["shards"] == max(1, r["workers"] // fraction)]
+            axis.plot([r["workers"] for r in series], [r["ratio_to_bound"] for r in series], marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_title(model)
+        axis.set_xlabel("workers W")
+    axes[0].set_ylabel("imerge: mean s/it over its bound")
+    axes[-1].legend(fontsize=8)
+    figure.suptitle("Simulated: imerge at 25 Gbit/s, by shard count")
+    written.append(_save(figure, out / "scaling-shards.png", plt))
+    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
+    for axis, model in zip(axes, SYNTHETIC):
+        for strategy in ("imerge-noslots", "imerge", "imerge-fixed"):
+            series = _series(rows, sweep="incast", model=model, strategy=strategy)
+            axis.plot([r["workers"] for r in series], [r["mean_iteration_s"] for r in series], marker="o",
+                      label=strategy)
+        axis.set_xscale("log", base=2)
+        axis.set_title(model)
+        axis.set_xlabel("workers W")
+    axes[0].set_ylabel("mean s/it")
+    axes[-1].legend(fontsize=8)
+    figure.suptitle(f"Simulated: shard port queue {INCAST_QUEUE_KB:g} kB, S = W/4, 25 Gbit/s: slots against incast")
+    written.append(_save(figure, out / "scaling-incast.png", plt))
+    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
+    for axis, model in zip(axes, SYNTHETIC):
+        for period in PERIODS:
+            series = _series(rows, sweep="period", model=model, period=period)
+            axis.plot([r["workers"] for r in series], [r["mean_iteration_s"] for r in series], marker="o",
+                      label=f"T = {period} ({period - 1} local steps between syncs)")
+        axis.set_xscale("log", base=2)
+        axis.set_title(model)
+        axis.set_xlabel("workers W")
+    axes[0].set_ylabel("mean s/it")
+    axes[-1].legend(fontsize=7)
+    figure.suptitle("Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness for time")
+    written.append(_save(figure, out / "scaling-period.png", plt))
+    return written
+
+
+def plot_comparison(report: dict[str, Any], path: Path) -> str | None:
+    """Predicted against measured mean s/it, one point per (strategy, worker count); the 15% band."""
+    points = [(r["measured_mean_s"], r["mean_iteration_s"], name, workers)
+              for workers, sized in report["sizes"].items() for name, r in sized["strategies"].items()
+              if "measured_mean_s" in r]
+    if not points:
+        return None
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(5.5, 5))
+    low, high = min(min(p[:2]) for p in points) * 0.8, max(max(p[:2]) for p in points) * 1.2
+    axis.plot([low, high], [low, high], color="grey", linewidth=0.8)
+    axis.fill_between([low, high], [low * 0.85, high * 0.85], [low * 1.15, high * 1.15], color="grey", alpha=0.15,
+                      label="within 15%")
+    names = sorted({p[2] for p in points})
+    for name in names:
+        mine = [p for p in points if p[2] == name]
+        axis.scatter([p[0] for p in mine], [p[1] for p in mine], label=name, s=18)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("measured on the testbed, mean s/it")
+    axis.set_ylabel("simulated, mean s/it")
+    axis.set_title(f"{report['scenario']}: simulated against measured")
+    axis.legend(fontsize=6, ncol=2)
+    return _save(figure, path, plt)

@@ -1,0 +1,137 @@
+"""``imerge simulate projections``: the scaling study of ``docs/scaling.md``, with its plots.
+
+Three sweeps, each over the standard architectures (:data:`profiles.SYNTHETIC`):
+
+* **bound**: every strategy at W = 8 .. 1,024 workers, S = W/4, W/2 and W
+  shards, 10, 25 and 100 Gbit/s links: the iteration time and its ratio to the
+  strategy's bound (DDP does not depend on S);
+* **incast**: shard port queues of a few packets, with and without slots;
+* **period**: T = 1, 2, 4 and 8: bytes per iteration against the local steps
+  between syncs (staleness).
+
+Simulations run in a process pool (one per core); each is deterministic.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from imerge.core.schedule_config import ScheduleConfig
+
+from .cluster import Cluster, Constants
+from .profiles import SYNTHETIC
+from .runner import SimConfig, bounds, simulate_one
+
+SIZES = (8, 32, 128, 512, 1024)
+SHARDS_PER_WORKER = (0.25, 0.5, 1.0)
+LINKS_GBIT = (10.0, 25.0, 100.0)
+BOUND_STRATEGIES = ("ddp", "ps-naive", "wfbp", "size", "imerge", "imerge-T2", "imerge-T4")
+INCAST_STRATEGIES = ("imerge-noslots", "imerge", "imerge-fixed")
+INCAST_QUEUE_KB = 64.0  # about 3.5 jumbo frames per port: two senders fit, more overflow
+PERIODS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    sweep: str
+    model: str
+    workers: int
+    shards: int
+    link_gbit: float
+    strategy: str
+    queue_kb: float = 0.0
+    period: int = 1
+
+
+def tasks(models: tuple[str, ...]) -> list[Task]:
+    jobs = []
+    for model in models:
+        for workers in SIZES:
+            for link in LINKS_GBIT:
+                jobs.append(Task("bound", model, workers, workers, link, "ddp"))
+                for fraction in SHARDS_PER_WORKER:
+                    shards = max(1, int(workers * fraction))
+                    jobs += [Task("bound", model, workers, shards, link, s) for s in BOUND_STRATEGIES if s != "ddp"]
+            jobs += [Task("incast", model, workers, max(1, workers // 4), 25.0, s, INCAST_QUEUE_KB)
+                     for s in INCAST_STRATEGIES]
+            jobs += [Task("period", model, workers, max(1, workers // 2), 25.0, "imerge", period=t) for t in PERIODS]
+    return jobs
+
+
+def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Constants) -> dict[str, Any]:
+    profile = dataclasses.replace(config, model=task.model, profile="").load_profile()
+    cluster = Cluster(task.workers, task.shards, task.link_gbit, task.link_gbit, task.queue_kb, config.mtu)
+    if task.period > 1:  # the strategy's preset leaves the period as the base says
+        base = dataclasses.replace(base, interleave_period=task.period)
+    result = simulate_one(task.strategy, profile, cluster, constants, config.iters, base)
+    ps_bound, ddp_bound = bounds(profile, cluster)
+    bound = ddp_bound if task.strategy == "ddp" else ps_bound
+    return {**dataclasses.asdict(task), "mean_iteration_s": result["mean_iteration_s"],
+            "bytes_per_iteration": result["bytes_per_iteration"], "bound_s": bound,
+            "ratio_to_bound": result["mean_iteration_s"] / bound, "compute_s": profile.compute_s,
+            "model_bytes": profile.nbytes, "simulated_in_s": result["simulated_in_s"]}
+
+
+def run_projections(config: SimConfig, base: ScheduleConfig, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    constants = config.constants()
+    models = tuple(SYNTHETIC)
+    todo = tasks(models)
+    say(f"{len(todo)} simulations, {config.iters} iterations each, on {os.cpu_count()} processes")
+    rows = []
+    with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1) as pool:
+        futures = [pool.submit(run_task, task, config, base, constants) for task in todo]
+        for index, future in enumerate(futures):
+            rows.append(future.result())
+            if (index + 1) % 100 == 0:
+                say(f"  {index + 1} / {len(todo)}")
+    report = {"iters": config.iters, "batch_size": config.batch_size, "device_tflops": config.device_tflops,
+              "constants": dataclasses.asdict(constants), "rows": rows}
+    from .plots import plot_projections
+
+    report["plots"] = plot_projections(report, out)
+    return report
+
+
+def _row(rows: list[dict], **match: Any) -> dict | None:
+    for row in rows:
+        if all(row[k] == v for k, v in match.items()):
+            return row
+    return None
+
+
+def projections_markdown(report: dict[str, Any]) -> str:
+    rows = report["rows"]
+    lines = [f"Standard architectures, batch {report['batch_size']} per worker at {report['device_tflops']:g} "
+             f"TFLOP/s; {report['iters']} iterations simulated each.", ""]
+    for model in SYNTHETIC:
+        first = _row(rows, model=model)
+        lines += [f"### {model} ({first['model_bytes'] / 1e6:.0f} MB, compute {first['compute_s'] * 1e3:.1f} ms)", "",
+                  "x bound (mean s/it over the strategy's bound); S = W/2; each cell: 10 / 25 / 100 Gbit/s.", "",
+                  "| strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|" + "---|" * len(SIZES)]
+        for strategy in BOUND_STRATEGIES:
+            cells = []
+            for workers in SIZES:
+                shards = workers if strategy == "ddp" else max(1, workers // 2)
+                values = [_row(rows, sweep="bound", model=model, workers=workers, shards=shards, link_gbit=link,
+                               strategy=strategy) for link in LINKS_GBIT]
+                cells.append(" / ".join(f"{v['ratio_to_bound']:.2f}" for v in values if v))
+            lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["### Incast: shard port queue %g kB, S = W/4, 25 Gbit/s (mean s/it)" % INCAST_QUEUE_KB, "",
+              "| model | strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
+    for model in SYNTHETIC:
+        for strategy in INCAST_STRATEGIES:
+            cells = [_row(rows, sweep="incast", model=model, workers=w, strategy=strategy) for w in SIZES]
+            lines.append(f"| {model} | {strategy} | " + " | ".join(f"{c['mean_iteration_s']:.3f}" for c in cells) + " |")
+    lines += ["", "### Interleave period T: S = W/2, 25 Gbit/s (mean s/it; MB per worker and iteration)", "",
+              "| model | T | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
+    for model in SYNTHETIC:
+        for period in PERIODS:
+            cells = [_row(rows, sweep="period", model=model, workers=w, period=period) for w in SIZES]
+            lines.append(f"| {model} | {period} | " + " | ".join(
+                f"{c['mean_iteration_s']:.3f} ({c['bytes_per_iteration'] / 1e6:.0f} MB)" for c in cells) + " |")
+    return "\n".join(lines) + "\n"

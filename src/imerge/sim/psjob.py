@@ -1,0 +1,540 @@
+"""One IMerge job, simulated: the workers' hooks, comm queue, senders, slots and pulls; the shards' rounds.
+
+The policies are the product's own: the plan (fusion, partitions, placement)
+comes from :func:`imerge.core.planning.make_plan` and, for fusion cost,
+:func:`fuse_cost` over the profile that the simulated worker 0 measured in its
+first iterations (ready times and a cost fitted to its timed pushes, as the
+worker does); the comm queue and each shard's sender queue are
+:class:`imerge.core.queue.CommQueue` with its byte credit; a group syncs when
+:func:`imerge.core.schedule.syncs` says; the slot width and whether flags are
+taken come from :mod:`imerge.core.slots`, fixed slots hold for
+:meth:`FixedSlots.slot_time`; wire bytes from :mod:`imerge.core.compression`.
+
+What the worker does, step by step (``services/worker``): a module's forward
+waits for its blocks' latest pull; backward produces the units' gradients in
+order; a complete group that syncs in this iteration is queued (with overlap)
+and the next group's gradients wait for its previous push; the comm loop takes
+the highest-priority group, starts its pull, and queues its blocks at each
+shard's sender, which pushes up to SEND_CREDIT bytes per stream with
+PUSHES_IN_FLIGHT streams unanswered (one while a flag is held); with slots
+scoped to (group, shard) the loop pushes the group's shards in turn under
+their flags instead. A shard completes a block's round when every worker's
+push of it is in, steps it, and answers each waiting pull.
+
+Identical workers are simulated once per *class*: without flags every worker
+is alike (one class); with flags, the workers that share a lane take it in turn,
+so each position in a lane is a class. Shards with the same bytes per group are
+one class too (beyond ``max_shard_classes``, bytes within a few percent).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Iterator
+
+import simpy
+
+from imerge.core.compression import block_modes, parse_mode, payload_bytes, topk_count
+from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost, fuse_cost, make_plan
+from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
+from imerge.core.schedule import syncs
+from imerge.core.schedule_config import ScheduleConfig
+from imerge.core.slots import FixedSlots, effective_policy, resolve_width
+
+from .cluster import GBIT, Cluster, Constants
+from .fluid import Fabric, Link
+from .profiles import ModelProfile
+
+FIRST_PLAN, COST_PLAN = 1, 2  # as the coordinator numbers them
+
+
+@dataclasses.dataclass
+class Sync:
+    """One sync of a group by one worker class: its blocks (on representative shards) and their arrivals."""
+
+    group: int
+    iteration: int
+    rounds: dict[int, int]                  # block -> the round it pushes
+    arrived: dict[int, simpy.Event]         # block -> its pulled parameters are in place
+    shard_done: dict[int, simpy.Event]      # shard class -> every block of the group on it is back
+    pushes_left: int
+    pulls_left: dict[int, int]
+    push_done: simpy.Event
+    pull_done: simpy.Event
+
+
+@dataclasses.dataclass(eq=False)
+class ShardClass:
+    index: int
+    shards: list[int]
+    rep: int
+    uplink: Link
+    downlink: Link
+    arrivals: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    waiting: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
+    answers: dict[int, list] = dataclasses.field(default_factory=dict)  # worker class -> blocks to send, in order
+
+
+@dataclasses.dataclass(eq=False)
+class WorkerClass:
+    index: int
+    rank: int
+    count: int
+    uplink: Link
+    downlink: Link
+    queue: CommQueue
+    wake: simpy.Event
+    plan: Plan | None = None
+    latest: dict[int, Sync] = dataclasses.field(default_factory=dict)    # group -> its latest sync
+    block_round: dict[int, int] = dataclasses.field(default_factory=dict)
+    starts: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward start
+    waited: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward waits
+    ready: list[list[float]] = dataclasses.field(default_factory=list)   # profiled: each unit's gradient ready
+    pushes: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # profiled: (bytes, seconds)
+    fixed: FixedSlots | None = None
+    moved_before: tuple[float, float] = (0.0, 0.0)  # its links' bytes when the timed iterations began
+
+
+class PSJob:
+    """Run with :meth:`run`; read :attr:`result`."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, constants: Constants, schedule: ScheduleConfig,
+                 iters: int, warmup: int, max_shard_classes: int = 16):
+        self.profile, self.cluster, self.k, self.schedule = profile, cluster, constants, schedule
+        self.iters, self.warmup, self.max_shard_classes = iters, warmup, max_shard_classes
+        self.env = simpy.Environment()
+        self.fabric = Fabric(self.env, constants.cores)
+        self.host_cap = constants.host_gbit * GBIT if constants.host_gbit else math.inf
+        width = resolve_width(schedule.slot_scope, schedule.slot_width, cluster.shards)
+        self.policy = effective_policy(schedule.slots, width, cluster.workers)
+        self.width = width
+        addresses = tuple(f"ps{s}" for s in range(cluster.shards))
+        self.first_plan = make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN, schedule.plan_options())
+        self.cost_plan: simpy.Event | None = self.env.event() if schedule.fusion == "cost" else None
+        self.modes = block_modes(schedule.compression_spec(), self.first_plan)
+        self.shard_classes, self.class_of_shard = self._shard_classes(self.first_plan)
+        self.workers = self._worker_classes()
+        self.flags: dict[tuple, simpy.Resource] = {}
+        self.unit_fwd = [u.forward_s for u in profile.units]
+        self.unit_bwd = [u.backward_s for u in profile.units]
+        self.published: Plan | None = None  # the plan the simulated coordinator published last
+        self.submitted_profile: dict | None = None  # what the simulated worker 0 submitted for it
+        self.result: dict = {}
+        self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
+        self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
+        self._group_blocks: dict[int, list[dict[int, list[int]]]] = {}  # version -> group -> shard class -> blocks
+        self._index_plan(self.first_plan)
+
+    # -- classes ------------------------------------------------------------------------------
+    def _shard_classes(self, plan: Plan) -> tuple[list[ShardClass], list[int]]:
+        shards = self.cluster.shards
+        vectors = [[0] * len(plan.groups) for _ in range(shards)]
+        for group in plan.groups:
+            for index in group.blocks:
+                block = plan.blocks[index]
+                vectors[block.shard][group.index] += block.numel
+        members: dict[tuple, list[int]] = {}
+        for shard, vector in enumerate(vectors):
+            members.setdefault(tuple(vector), []).append(shard)
+        quantum = 1.01
+        while len(members) > self.max_shard_classes:  # shards of about the same bytes: one class
+            members = {}
+            for shard, vector in enumerate(vectors):
+                total = sum(vector)
+                members.setdefault((round(math.log(total) / math.log(quantum)) if total else -1,), []).append(shard)
+            quantum = 1 + (quantum - 1) * 1.5
+        classes, class_of = [], [0] * shards
+        rate = self.cluster.shard_gbit * GBIT
+        for index, group in enumerate(members.values()):
+            rep = max(group, key=lambda s: (sum(vectors[s]), -s))  # the busiest: the iteration waits for it
+            classes.append(ShardClass(index, group, rep, self._link(f"ps{rep}.up", rate),
+                                      self._link(f"ps{rep}.down", rate, incast=True)))
+            for shard in group:
+                class_of[shard] = index
+        return classes, class_of
+
+    def _link(self, name: str, rate: float, incast: bool = False) -> Link:
+        return Link(name, rate, self.cluster.incast_senders if incast else math.inf, self.k.incast_efficiency)
+
+    def _worker_classes(self) -> list[WorkerClass]:
+        """One class without flags; with flags, one per position in a lane (lane members take it in turn)."""
+        workers, rate = self.cluster.workers, self.cluster.worker_gbit * GBIT
+        if self.policy == "off":
+            positions = [(0, workers)]
+        else:
+            lanes = self.width
+            positions = [(p * lanes, min(lanes, workers - p * lanes)) for p in range(-(-workers // lanes))]
+        classes = []
+        for index, (rank, count) in enumerate(positions):
+            fixed = FixedSlots(None, bandwidth_bps=self.schedule.slot_bandwidth_mbps * 1e6 / 8, owner=f"w{rank}",
+                               lease_s=1.0, timeout_s=1.0, generation=0) if self.policy == "fixed" else None
+            classes.append(WorkerClass(index, rank, count, self._link(f"w{rank}.up", rate),
+                                       self._link(f"w{rank}.down", rate), CommQueue(self.schedule.priority),
+                                       self.env.event(), self.first_plan, fixed=fixed))
+        return classes
+
+    # -- wire bytes -----------------------------------------------------------------------------
+    def push_bytes(self, block_index: int) -> int:
+        block = self.first_plan.blocks[block_index]
+        mode = parse_mode(self.modes[block.block_id])
+        if mode.kind == "topk":
+            return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
+        return payload_bytes(block.numel, mode.cast, -1)
+
+    def pull_bytes(self, block_index: int) -> int:
+        """A pull of top-k sends what changed, sparse where smaller than dense: with momentum (the built-in job's
+        SGD) every parameter a gradient ever touched keeps changing, so an exact pull is taken as dense; with
+        --topk-pull-ratio r, r of the block as (index, value) pairs."""
+        block = self.first_plan.blocks[block_index]
+        mode = parse_mode(self.modes[block.block_id])
+        if mode.kind != "topk" or not mode.pull_ratio:
+            return payload_bytes(block.numel, mode.cast, -1)
+        return min(payload_bytes(block.numel, "float32", topk_count(mode.pull_ratio, block.numel)),
+                   payload_bytes(block.numel, "float32", -1))
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self) -> dict:
+        for worker in self.workers:
+            self.env.process(self._train(worker))
+            self.env.process(self._consume(worker))
+        self.env.run()
+        self.result = self._summary()
+        return self.result
+
+    def _rep_blocks(self, plan: Plan, group_index: int) -> dict[int, list[int]]:
+        """The group's blocks on each shard class's representative, in the order the worker pushes them."""
+        by_class: dict[int, list[int]] = {}
+        for index in plan.groups[group_index].blocks:
+            block = plan.blocks[index]
+            shard_class = self.shard_classes[self.class_of_shard[block.shard]]
+            if block.shard == shard_class.rep:
+                by_class.setdefault(shard_class.index, []).append(index)
+        if self.schedule.priority:
+            for blocks in by_class.values():
+                blocks.sort(key=lambda i: -plan.blocks[i].offset)
+        return by_class
+
+    def _needs(self, worker: WorkerClass, unit: int) -> Iterator[simpy.Event]:
+        """What unit ``unit``'s forward waits for: its blocks' arrivals (a block on a shard that is not its class's
+        representative: the representative's blocks of the same group)."""
+        plan = worker.plan
+        for index in self._unit_blocks[plan.version][unit]:
+            block = plan.blocks[index]
+            sync = worker.latest.get(self._group_of_unit[plan.version][unit])
+            if sync is None:
+                return
+            shard_class = self.class_of_shard[block.shard]
+            if block.shard == self.shard_classes[shard_class].rep:
+                yield sync.arrived[index]
+            elif shard_class in sync.shard_done:
+                yield sync.shard_done[shard_class]
+
+    def _index_plan(self, plan: Plan) -> None:
+        unit_blocks: list[list[int]] = [[] for _ in plan.units]
+        for index, block in enumerate(plan.blocks):
+            unit_blocks[block.unit].append(index)
+        self._unit_blocks[plan.version] = unit_blocks
+        self._group_of_unit[plan.version] = {u: g.index for g in plan.groups for u in g.units}
+        self._group_blocks[plan.version] = [self._rep_blocks(plan, g.index) for g in plan.groups]
+
+    # -- the training thread ------------------------------------------------------------------------
+    def _compute(self, worker: WorkerClass, seconds: float) -> simpy.Event:
+        return self.fabric.compute(seconds, count=worker.count, cores=self.k.compute_cores)
+
+    def _train(self, worker: WorkerClass) -> Iterator:
+        profiling = self.cost_plan is not None
+        for iteration in range(self.iters):
+            worker.starts.append(self.env.now)
+            if iteration == self.warmup:
+                self.fabric.settle()
+                worker.moved_before = (worker.uplink.busy, worker.downlink.busy)
+            waited = yield from self._forward(worker)
+            waited += yield from self._backward(worker, iteration, profiling)
+            worker.waited.append(waited)
+            if profiling and iteration + 1 == self.schedule.profile_iters:
+                yield from self._switch_to_cost_plan(worker)
+                profiling = False
+        worker.starts.append(self.env.now)
+        if worker.index == 0:
+            yield from self._wait_all(worker)
+        self._stop_consumer(worker)
+
+    def _forward(self, worker: WorkerClass) -> Iterator:
+        pending, waited = 0.0, 0.0
+        for unit in reversed(range(len(self.unit_fwd))):
+            events = [e for e in self._needs(worker, unit) if not e.triggered]
+            if events:
+                if pending:
+                    yield self._compute(worker, pending)
+                    pending = 0.0
+                started = self.env.now
+                yield simpy.AllOf(self.env, events)
+                waited += self.env.now - started
+            pending += self.unit_fwd[unit]
+        if pending:
+            yield self._compute(worker, pending)
+        return waited
+
+    def _syncs(self, group: int, iteration: int, profiling: bool) -> bool:
+        if profiling:
+            return True
+        start = self.schedule.profile_iters if self.cost_plan is not None else 0
+        return syncs(group, iteration - start, self.schedule.interleave_period)
+
+    def _backward(self, worker: WorkerClass, iteration: int, profiling: bool) -> Iterator:
+        plan, started, pending = worker.plan, self.env.now, 0.0
+        ready = [0.0] * len(plan.units)
+        local_bytes, syncing = 0, []
+        overlap = self.schedule.overlap
+        for group in plan.groups:
+            previous = worker.latest.get(group.index)
+            if previous is not None and not previous.push_done.triggered:
+                if pending:
+                    yield self._compute(worker, pending)
+                    pending = 0.0
+                yield previous.push_done
+            pending += sum(self.unit_bwd[u] for u in group.units)
+            if self._syncs(group.index, iteration, profiling):
+                syncing.append(group.index)
+                if overlap:
+                    yield self._compute(worker, pending)
+                    pending = 0.0
+                    self._enqueue(worker, group.index, iteration)
+            else:
+                local_bytes += group.numel * BYTES_PER_ELEMENT
+            for unit in group.units:
+                ready[unit] = self.env.now - started + pending
+        local_s = local_bytes * self.k.step_s_per_byte
+        if pending or local_s:
+            yield self._compute(worker, pending + local_s)
+        if profiling:
+            worker.ready.append(ready)
+        if not overlap:  # the naive PS: everything after backward, then wait
+            for group in syncing:
+                self._enqueue(worker, group, iteration)
+            started = self.env.now
+            yield simpy.AllOf(self.env, [worker.latest[g].pull_done for g in syncing])
+            return self.env.now - started
+        return 0.0
+
+    def _wait_all(self, worker: WorkerClass) -> Iterator:
+        events = [s.pull_done for s in worker.latest.values() if not s.pull_done.triggered]
+        if events:
+            yield simpy.AllOf(self.env, events)
+
+    def _switch_to_cost_plan(self, worker: WorkerClass) -> Iterator:
+        """After the profiled iterations: every worker synchronizes; worker 0's profile makes the cost plan."""
+        yield from self._wait_all(worker)
+        if worker.index == 0:
+            measured = worker.ready[1:] or worker.ready
+            ready, latest = [], 0.0
+            for unit in range(len(self.first_plan.units)):
+                latest = max(latest, statistics.fmean(r[unit] for r in measured))
+                ready.append(latest)
+            alpha, beta = fit_cost(worker.pushes)
+            unit_bytes = [0] * len(self.first_plan.units)
+            for index, block in enumerate(self.first_plan.blocks):
+                unit_bytes[block.unit] += self.push_bytes(index)
+            self.submitted_profile = dict(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
+            groups = fuse_cost(ready, unit_bytes, alpha, beta)
+            plan = make_plan(self.profile.layout(), self.cluster.workers, self.first_plan.shard_addresses, COST_PLAN,
+                             self.schedule.plan_options(), groups=groups,
+                             placement_of=[b.shard for b in self.first_plan.blocks])
+            self.published = plan
+            self._index_plan(plan)
+            self.cost_plan.succeed(plan)
+        plan = yield self.cost_plan
+        worker.plan = plan
+        worker.latest = {}
+
+    # -- the comm loop -------------------------------------------------------------------------------
+    def _enqueue(self, worker: WorkerClass, group_index: int, iteration: int) -> None:
+        by_class = self._group_blocks[worker.plan.version][group_index]
+        rounds = {}
+        for blocks in by_class.values():
+            for index in blocks:
+                rounds[index] = worker.block_round.get(index, 0) + 1
+                worker.block_round[index] = rounds[index]
+        env = self.env
+        sync = Sync(group_index, iteration, rounds, {i: env.event() for i in rounds},
+                    {k: env.event() for k in by_class}, len(rounds), {k: len(b) for k, b in by_class.items()},
+                    env.event(), env.event())
+        if not rounds:  # a group with no block on any representative (cannot happen with one class per shard)
+            sync.push_done.succeed()
+            sync.pull_done.succeed()
+        previous = worker.latest.get(group_index)
+        worker.latest[group_index] = sync
+        worker.queue.put(group_index, (sync, previous))
+        if not worker.wake.triggered:
+            worker.wake.succeed()
+
+    def _stop_consumer(self, worker: WorkerClass) -> None:
+        worker.queue.put(-(1 << 30), None)
+        if not worker.wake.triggered:
+            worker.wake.succeed()
+
+    def _consume(self, worker: WorkerClass) -> Iterator:
+        senders: dict[int, tuple[CommQueue, list]] = {}
+        while True:
+            while not len(worker.queue):
+                worker.wake = self.env.event()
+                yield worker.wake
+            item = worker.queue.pop()
+            if item is None:
+                return
+            sync, previous = item
+            if previous is not None and not previous.pull_done.triggered:
+                yield previous.pull_done
+            by_class = self._group_blocks[worker.plan.version][sync.group]
+            for k, blocks in by_class.items():
+                for index in blocks:
+                    self._expect_pull(self.shard_classes[k], worker, sync, index)
+            if self.policy != "off" and self.schedule.slot_scope == "group":
+                yield from self._push_group(worker, sync, by_class)
+                continue
+            for k, blocks in by_class.items():
+                if k not in senders:
+                    senders[k] = (CommQueue(self.schedule.priority), [self.env.event()])
+                    self.env.process(self._send_to(worker, self.shard_classes[k], *senders[k]))
+                queue, wake = senders[k]
+                for index in blocks:
+                    queue.put(sync.group, (sync, index))
+                if not wake[0].triggered:
+                    wake[0].succeed()
+
+    def _send_to(self, worker: WorkerClass, shard: ShardClass, queue: CommQueue, wake: list) -> Iterator:
+        in_flight = simpy.Resource(self.env, 1 if self.policy != "off" else PUSHES_IN_FLIGHT)
+        while True:
+            while not len(queue):
+                wake[0] = self.env.event()
+                yield wake[0]
+            batch, nbytes = [], 0
+            while len(queue) and (not batch or nbytes < SEND_CREDIT):
+                sync, index = queue.pop()
+                batch.append((sync, index))
+                nbytes += self.push_bytes(index)
+            request = in_flight.request()
+            yield request
+            written = self.env.event()
+            self.env.process(self._push(worker, shard, batch, ("port", shard.index), written,
+                                        lambda request=request: in_flight.release(request)))
+            yield written
+
+    def _push_group(self, worker: WorkerClass, sync: Sync, by_class: dict[int, list[int]]) -> Iterator:
+        """Slots scoped to (group, shard): the group's shards one after another, starting at the worker's rank."""
+        order = sorted(by_class, key=lambda k: self.shard_classes[k].rep)
+        start = worker.rank % len(order) if order else 0
+        for k in order[start:] + order[:start]:
+            yield from self._push(worker, self.shard_classes[k], [(sync, i) for i in by_class[k]],
+                                  ("group", sync.group, k))
+
+    def _push(self, worker: WorkerClass, shard: ShardClass, batch: list, flag_key: tuple,
+              written: simpy.Event | None = None, answered: Callable[[], None] | None = None) -> Iterator:
+        """One push stream: (with flags) take the flag, send the blocks, get the reply, release the flag."""
+        nbytes = sum(self.push_bytes(i) for _, i in batch)
+        granted = self.env.now
+        flag = request = None
+        if self.policy != "off":
+            flag = self.flags.setdefault(flag_key, simpy.Resource(self.env, 1))
+            request = flag.request()
+            yield request
+            yield self.env.timeout(self.k.flag_rtt_s)
+            granted = self.env.now
+        started = self.env.now
+
+        def arrived(segment: int) -> None:
+            sync, index = batch[segment]
+            self._arrive(shard, index, sync.rounds[index])
+
+        yield self.fabric.transfer([self.push_bytes(i) for _, i in batch],
+                                   [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count)],
+                                   count=worker.count * len(shard.shards), cap=self.host_cap,
+                                   cpu_per_byte=self.k.cpu_per_byte, on_segment=arrived)
+        if written is not None:
+            written.succeed()
+        yield self.env.timeout(2 * self.k.latency_s)  # the last bytes reach the shard, its reply comes back
+        seconds = self.env.now - started
+        if self.cost_plan is not None and not self.cost_plan.triggered:
+            worker.pushes.append((nbytes, seconds))
+        if flag is not None:
+            if worker.fixed is not None:
+                worker.fixed.observe(nbytes, seconds)
+                hold = granted + worker.fixed.slot_time(nbytes) - self.env.now
+                if hold > 0:
+                    yield self.env.timeout(hold)
+            yield self.env.timeout(self.k.flag_rtt_s / 2)
+            flag.release(request)
+        if answered is not None:
+            answered()
+        for sync, _ in batch:
+            sync.pushes_left -= 1
+            if sync.pushes_left == 0:
+                sync.push_done.succeed()
+
+    # -- the shards -----------------------------------------------------------------------------------------
+    def _expect_pull(self, shard: ShardClass, worker: WorkerClass, sync: Sync, index: int) -> None:
+        key = (index, sync.rounds[index])
+        shard.waiting.setdefault(key, []).append((worker, sync))
+
+    def _arrive(self, shard: ShardClass, index: int, round_: int) -> None:
+        key = (index, round_)
+        shard.arrivals[key] = shard.arrivals.get(key, 0) + 1
+        if shard.arrivals[key] == len(self.workers):
+            del shard.arrivals[key]
+            self.env.process(self._complete(shard, index, round_))
+
+    def _complete(self, shard: ShardClass, index: int, round_: int) -> Iterator:
+        yield self.env.timeout(self.k.latency_s)
+        step_s = self.first_plan.blocks[index].numel * BYTES_PER_ELEMENT * self.k.step_s_per_byte
+        if step_s:
+            yield self.fabric.compute(step_s, count=len(shard.shards))
+        for worker, sync in shard.waiting.pop((index, round_), []):
+            channel = shard.answers.setdefault(worker.index, [])
+            channel.append((sync, index))
+            if len(channel) == 1:  # the connection to this worker was idle
+                self.env.process(self._answer(shard, worker, channel))
+
+    def _answer(self, shard: ShardClass, worker: WorkerClass, channel: list) -> Iterator:
+        """Send the completed blocks to one worker class over its connection, in the order they completed: the
+        blocks queued meanwhile go in the next flow."""
+        while channel:
+            batch = list(channel)
+
+            def arrived(segment: int) -> None:
+                sync, index = batch[segment]
+                self.env.process(self._arrived(sync, index))
+
+            yield self.fabric.transfer([self.pull_bytes(i) for _, i in batch],
+                                       [(shard.uplink, worker.count), (worker.downlink, len(shard.shards))],
+                                       count=worker.count * len(shard.shards), cap=self.host_cap,
+                                       cpu_per_byte=self.k.cpu_per_byte, on_segment=arrived)
+            del channel[:len(batch)]
+
+    def _arrived(self, sync: Sync, index: int) -> Iterator:
+        yield self.env.timeout(self.k.latency_s)
+        sync.arrived[index].succeed()
+        k = self.class_of_shard[self.first_plan.blocks[index].shard]
+        sync.pulls_left[k] -= 1
+        if sync.pulls_left[k] == 0:
+            sync.shard_done[k].succeed()
+            if all(e.triggered for e in sync.shard_done.values()):
+                sync.pull_done.succeed()
+
+    # -- the result -----------------------------------------------------------------------------------------
+    def _summary(self) -> dict:
+        worker = self.workers[-1]  # the last position of a lane waits longest; without flags all are alike
+        times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
+        timed = times[self.warmup:] or times
+        waited = worker.waited[self.warmup:] or worker.waited
+        seconds = sum(timed)
+        self.fabric.settle()
+        up = worker.uplink.busy - worker.moved_before[0]
+        down = worker.downlink.busy - worker.moved_before[1]
+        return {"median_iteration_s": statistics.median(timed), "iteration_s": timed,
+                "mean_iteration_s": statistics.fmean(timed), "exposed_comm_s": statistics.fmean(waited),
+                "bytes_per_iteration": max(up, down) / max(1, len(timed)),
+                "elapsed_s": self.env.now, "worker_classes": len(self.workers),
+                "shard_classes": len(self.shard_classes), "groups": len((self.published or self.first_plan).groups),
+                "seconds_timed": seconds}
+

@@ -1,0 +1,225 @@
+"""The simulator (imerge simulate): its network model on cases with known answers, and that it runs the product's
+own policies (the plan it simulates is the coordinator's for the same inputs)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import simpy
+
+from imerge.core.errors import ConfigError
+from imerge.core.planning import BYTES_PER_ELEMENT
+from imerge.sim.cluster import GBIT, Cluster, Constants
+from imerge.sim.ddp import DDPJob
+from imerge.sim.fluid import Fabric, Link
+from imerge.sim.profiles import ModelProfile, UnitProfile, measured, synthetic
+from imerge.sim.psjob import PSJob
+from imerge.sim.runner import simulate_one, strategy_schedule
+
+QUIET = Constants(latency_s=0.0, flag_rtt_s=0.0, incast_efficiency=1.0)
+
+
+def finish_times(flows: list[tuple[float, list[tuple[Link, float]]]], cores: float = 0.0) -> list[float]:
+    env = simpy.Environment()
+    fabric = Fabric(env, cores)
+    ends = [0.0] * len(flows)
+    for index, (size, links) in enumerate(flows):
+        done = fabric.transfer([size], links) if links else fabric.compute(size)
+        done.callbacks.append(lambda _, index=index: ends.__setitem__(index, env.now))
+    env.run()
+    return ends
+
+
+def test_one_flow_takes_its_bytes_over_the_rate():
+    link = Link("l", 1e6)
+    assert finish_times([(2e6, [(link, 1.0)])]) == pytest.approx([2.0])
+
+
+def test_flows_on_one_link_share_it_max_min_fairly():
+    link = Link("l", 1e6)
+    # three flows at a third each; the small one ends at 1.5 s, the other two then share the link
+    assert finish_times([(1e6, [(link, 1.0)]), (1e6, [(link, 1.0)]), (0.5e6, [(link, 1.0)])]) == \
+        pytest.approx([2.5, 2.5, 1.5])
+
+
+def test_a_flow_held_back_elsewhere_leaves_the_rest_to_the_others():
+    shared, slow = Link("shared", 1e6), Link("slow", 0.25e6)
+    assert finish_times([(0.25e6, [(shared, 1.0), (slow, 1.0)]), (0.75e6, [(shared, 1.0)])]) == \
+        pytest.approx([1.0, 1.0])
+
+
+def test_a_weight_stands_for_identical_flows_and_incast_cuts_an_overflowing_port():
+    assert finish_times([(1e6, [(Link("l", 4e6), 4.0)])]) == pytest.approx([1.0])  # four flows of 1 MB: 1 s
+    port = Link("port", 3e6, incast_senders=2, incast_efficiency=0.5)
+    assert finish_times([(0.5e6, [(port, 1.0)])] * 3) == pytest.approx([1.0] * 3)  # three senders: half the rate
+
+
+def test_shared_cores_slow_computations_in_proportion():
+    assert finish_times([(1.0, []), (1.0, [])], cores=1.0) == pytest.approx([2.0, 2.0])
+    assert finish_times([(1.0, []), (1.0, [])], cores=2.0) == pytest.approx([1.0, 1.0])
+
+
+def one_layer(numel: int, forward_s: float = 0.0, backward_s: float = 0.0) -> ModelProfile:
+    return ModelProfile("one-layer", (UnitProfile("fc", numel, forward_s, backward_s),))
+
+
+def test_one_worker_and_one_shard_take_bytes_over_rate_plus_latency_each_way():
+    numel, latency = 1 << 18, 1e-3
+    rate = GBIT  # 1 Gbit/s
+    result = simulate_one("ps-naive", one_layer(numel), Cluster(1, 1, 1.0, 1.0),
+                          dataclasses.replace(QUIET, latency_s=latency), 8)
+    one_way = numel * BYTES_PER_ELEMENT / rate + latency
+    assert result["mean_iteration_s"] == pytest.approx(2 * one_way, rel=1e-9)
+    assert result["bytes_per_iteration"] == pytest.approx(numel * BYTES_PER_ELEMENT)
+
+
+def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_model():
+    numel, latency, workers = 1 << 20, 1e-4, 4
+    model_bytes = numel * BYTES_PER_ELEMENT
+    result = DDPJob(one_layer(numel), Cluster(workers, 1, 1.0), dataclasses.replace(QUIET, latency_s=latency),
+                    8, 2).run()
+    assert result["bytes_per_iteration"] == pytest.approx(2 * (workers - 1) / workers * model_bytes)
+    expected = 2 * (workers - 1) / workers * model_bytes / GBIT + 2 * (workers - 1) * latency
+    assert result["mean_iteration_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_period_two_halves_the_bytes_per_iteration():
+    profile = synthetic("resnet18-like", 32, 20.0)
+    cluster = Cluster(4, 2, 10.0)
+    every = simulate_one("imerge", profile, cluster, Constants(), 10)  # 8 timed iterations
+    halved = simulate_one("imerge-T2", profile, cluster, Constants(), 10)
+    assert halved["bytes_per_iteration"] == pytest.approx(every["bytes_per_iteration"] / 2, rel=0.01)
+    assert every["bytes_per_iteration"] == pytest.approx(profile.nbytes, rel=0.01)
+
+
+def test_a_link_bound_ps_beats_the_ring_it_is_compared_with():
+    profile = one_layer(1 << 22)  # 16 MB, no compute: every strategy is link-bound
+    cluster = Cluster(4, 4, 1.0)
+    ddp = simulate_one("ddp", profile, cluster, QUIET, 8)["mean_iteration_s"]
+    wfbp = simulate_one("wfbp", profile, cluster, QUIET, 8)["mean_iteration_s"]
+    assert ddp == pytest.approx(1.5 * profile.nbytes / GBIT)  # the ring: 2 (W-1)/W M through each link
+    # the PS: M each way per worker, the pulls of a shard's first blocks overlapping the pushes of its last
+    assert profile.nbytes / GBIT < wfbp < ddp
+    group = simulate_one("imerge-group", profile, cluster, QUIET, 8)
+    assert group["worker_classes"] == 4  # one flag per (group, shard): each worker is its own class
+    assert group["mean_iteration_s"] >= wfbp * 0.99  # the shards in turn: a block completes after every turn
+
+
+def test_the_simulated_plan_is_the_one_the_coordinator_publishes(redis_url):
+    from imerge.control.messages import LayoutSubmission, Profile
+    from imerge.control.store import Store
+    from imerge.coordinator.service import Coordinator, CoordinatorConfig
+    from imerge.core.planning import layout_of
+    from imerge.workloads.models import build_model
+
+    from helpers import new_job
+
+    profile = measured("resnet18")
+    schedule = dataclasses.replace(strategy_schedule("imerge"), profile_iters=3)
+    from imerge.sim.testbed import testbed_constants
+
+    job = PSJob(profile, Cluster(3, 2, 1.0), testbed_constants(), schedule, iters=6, warmup=3)
+    job.run()
+    assert job.published is not None and job.published.version == 2
+    name = new_job()
+    store = Store(redis_url, name)
+    for shard in range(2):
+        store.register_shard(shard, f"ps{shard}")
+    layout = layout_of(build_model("resnet18"))  # the real model's parameters, as the workers submit them
+    for rank in range(3):
+        store.submit_layout(rank, LayoutSubmission(layout, schedule.plan_options()))
+    store.submit_profile(Profile(**job.submitted_profile))
+    plan = Coordinator(CoordinatorConfig(job=name, redis_url=redis_url, num_workers=3, num_shards=2,
+                                         wait_timeout_s=10), store).publish_plan()
+    assert plan.version == 2
+    assert plan.groups == job.published.groups and plan.blocks == job.published.blocks
+    assert plan.units == job.published.units and len(plan.groups) < len(plan.units)
+
+
+def test_a_thousand_workers_of_resnet50_simulate_in_seconds():
+    result = simulate_one("imerge", synthetic("resnet50-like", 32, 20.0), Cluster(1024, 256, 25.0), Constants(), 12)
+    assert result["worker_classes"] == 4 and result["shard_classes"] <= 16
+    assert result["simulated_in_s"] < 10
+
+
+def test_profiles_are_checked_and_round_trip(tmp_path):
+    profile = synthetic("transformer-like", 8, 20.0)
+    path = tmp_path / "p.json"
+    profile.write(path)
+    assert ModelProfile.read(path) == dataclasses.replace(profile, name="transformer-like")
+    path.write_text(json.dumps({"format": "imerge-profile/1", "units": [["fc", 0, 0, 0.1, 0.1]]}))
+    with pytest.raises(ConfigError, match="profile: .*unit #0 \\(fc\\) needs numel >= 1"):
+        ModelProfile.read(path)
+    path.write_text("{}")
+    with pytest.raises(ConfigError, match="not an IMerge profile"):
+        ModelProfile.read(path)
+
+
+def test_the_command_line_reports_every_column_and_names_bad_options(tmp_path, capsys):
+    from imerge.cli import main
+
+    assert main(["simulate", "--model", "resnet18-like", "--workers", "4", "--shards", "2", "--iters", "6",
+                 "--strategies", "ddp,imerge", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| strategy | mean s/it | median s/it | exposed comm s | MB/it/worker | x bound | x ddp |" in out
+    assert json.loads((tmp_path / "results.json").read_text())["strategies"]["imerge"]["ratio_to_ddp"] > 0
+    assert main(["simulate", "--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
+    assert main(["simulate", "--strategies", "imerge,warp"]) == 2
+    assert "strategies: warp not in" in capsys.readouterr().err
+    assert main(["simulate", "calibrate", "--runs", str(tmp_path / "none.json")]) == 2
+    assert "runs: no such file" in capsys.readouterr().err
+
+
+def test_a_simulation_opens_no_socket(monkeypatch):  # and imports no grpc or redis: .importlinter's contract
+    import socket
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the simulator opened a socket")
+
+    monkeypatch.setattr(socket, "socket", refused)
+    monkeypatch.setattr(socket, "create_connection", refused)
+    assert simulate_one("imerge", synthetic("resnet18-like", 32, 20.0), Cluster(8, 4, 10.0), Constants(),
+                        8)["mean_iteration_s"] > 0
+
+
+def test_a_worker_writes_the_profile_the_simulator_reads_and_keeps_its_period(cluster, tmp_path):
+    import torch
+
+    from test_scheduler import run_job
+
+    def make_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+    path = tmp_path / "profile.json"
+    engines = run_job(cluster(2, 1), make_model, steps=4, profile_out=str(path), profile_iters=2, interleave_period=2)
+    profile = ModelProfile.read(path)
+    plan = engines[0].plan
+    assert [(u.module, u.numel) for u in profile.units] == [(u.module, u.numel) for u in plan.units]
+    assert all(u.forward_s >= 0 and u.backward_s >= 0 for u in profile.units)
+    assert sum(u.forward_s for u in profile.units) > 0 and profile.compute_s > 0
+    # profiling for the simulator does not sync every group as fusion cost's profile does: T = 2 holds throughout
+    # (a group of phase 0 syncs in iterations 0 and 2 and at close(), one of phase 1 in iterations 1 and 3;
+    # the profiled iterations 0 and 1 syncing every group would make that 4 and 3)
+    assert set(engines[0].block_rounds().values()) == {2, 3}
+
+
+def test_calibration_fits_the_constants_to_measured_runs(tmp_path, capsys):
+    from imerge.cli import main
+    from imerge.core.strategies import SCENARIOS
+    from imerge.sim.calibrate import START, Case, loss
+
+    scenario = SCENARIOS["tiny"]
+    truth = dataclasses.replace(START, cores=2.0, cpu_per_byte=4e-8, latency_s=1e-3)
+    measured_s = {name: simulate_one(name, measured("digits-cnn"), Cluster(2, 1, 0.1), truth,
+                                     scenario.iters)["iteration_s"] for name in ("ddp", "imerge")}
+    runs = tmp_path / "results.json"  # the shape of imerge bench's results.json
+    runs.write_text(json.dumps({"scenario": dataclasses.asdict(scenario), "strategies": {
+        name: {"iteration_s": times, "median_iteration_s": times[0]} for name, times in measured_s.items()}}))
+    assert main(["simulate", "calibrate", "--runs", str(runs), "--out", str(tmp_path / "fit")]) == 0
+    fitted = Constants.read(tmp_path / "fit" / "calibration.json")
+    cases = [Case(scenario, 2, name, sum(t) / len(t)) for name, t in measured_s.items()]
+    assert loss(cases, fitted, 0) < loss(cases, dataclasses.replace(START, cores=fitted.cores), 0)
+    assert "| digits-cnn | 2 | imerge |" in capsys.readouterr().out
