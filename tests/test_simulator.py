@@ -154,6 +154,9 @@ def test_profiles_are_checked_and_round_trip(tmp_path):
     path.write_text("{}")
     with pytest.raises(ConfigError, match="not an IMerge profile"):
         ModelProfile.read(path)
+    merged = ModelProfile("twice", (UnitProfile("fc", 8, 0.1, 0.1), UnitProfile("fc", 8, 0.1, 0.1)))
+    with pytest.raises(ConfigError, match="profile: twice: its 2 units plan as 1"):  # times would shift units
+        simulate_one("wfbp", merged, Cluster(1, 1), Constants(), 4)
 
 
 def test_the_command_line_reports_every_column_and_names_bad_options(tmp_path, capsys):

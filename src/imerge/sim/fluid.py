@@ -135,10 +135,12 @@ class Fabric:
             return
         self._arm()
 
-    def _schedule(self, flow: Flow) -> None:
+    def _schedule(self, flow: Flow, keep_heap: bool = False) -> None:
+        """Put the end of the flow's current segment on the heap (``keep_heap``) or the list heapified next."""
         flow.ticket = next(self._tickets)
         if flow.rate > 0:
-            self._ends.append((flow.stamp + flow.left / flow.rate, flow.ticket, flow))
+            entry = (flow.stamp + flow.left / flow.rate, flow.ticket, flow)
+            heapq.heappush(self._ends, entry) if keep_heap else self._ends.append(entry)
 
     def _arm(self) -> None:
         if self._ends and self._ends[0][0] < self._timer_at:
@@ -160,13 +162,8 @@ class Fabric:
             self._rerate()
             return
         for flow in due:
-            self._schedule_push(flow)
+            self._schedule(flow, keep_heap=True)
         self._arm()
-
-    def _schedule_push(self, flow: Flow) -> None:
-        flow.ticket = next(self._tickets)
-        if flow.rate > 0:
-            heapq.heappush(self._ends, (flow.stamp + flow.left / flow.rate, flow.ticket, flow))
 
     def _through(self, flows: list[Flow]) -> bool:
         """Complete the segments of ``flows`` that are through; True if a flow ended (the rates change)."""

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from imerge.core.errors import ConfigError
-from imerge.core.planning import BYTES_PER_ELEMENT, Layout, ParamInfo, make_units
+from imerge.core.planning import BYTES_PER_ELEMENT, Layout, ParamInfo
 
 PROFILE_FORMAT = "imerge-profile/1"
 
@@ -114,10 +114,6 @@ def from_measurement(name: str, modules: list[tuple[str, int, int]], forward_s: 
     """A profile from a worker's measurement: ``modules`` lists each unit's (module, numel, group)."""
     units = tuple(UnitProfile(m, n, f, b, g) for (m, n, g), f, b in zip(modules, forward_s, backward_s))
     return ModelProfile(name, units, alpha_s, beta_s_per_byte)
-
-
-def units_of(layout: Layout) -> list[tuple[str, int, int]]:
-    return [(u.module, u.numel, u.group) for u in make_units(layout)]
 
 
 # -- built-in profiles --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 
 import simpy
 
+from imerge.core.errors import ConfigError
 from imerge.core.compression import block_modes, parse_mode, payload_bytes, topk_count
 from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost, fuse_cost, make_plan
 from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
@@ -111,6 +112,9 @@ class PSJob:
         self.width = width
         addresses = tuple(f"ps{s}" for s in range(cluster.shards))
         self.first_plan = make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN, schedule.plan_options())
+        if len(self.first_plan.units) != len(profile.units):  # the times would be matched to the wrong units
+            raise ConfigError("profile", f"{profile.name}: its {len(profile.units)} units plan as "
+                                         f"{len(self.first_plan.units)}; each unit must be one module and group")
         self.cost_plan: simpy.Event | None = self.env.event() if schedule.fusion == "cost" else None
         self.modes = block_modes(schedule.compression_spec(), self.first_plan)
         self.shard_classes, self.class_of_shard = self._shard_classes(self.first_plan)
@@ -527,7 +531,6 @@ class PSJob:
         times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
         timed = times[self.warmup:] or times
         waited = worker.waited[self.warmup:] or worker.waited
-        seconds = sum(timed)
         self.fabric.settle()
         up = worker.uplink.busy - worker.moved_before[0]
         down = worker.downlink.busy - worker.moved_before[1]
@@ -535,6 +538,5 @@ class PSJob:
                 "mean_iteration_s": statistics.fmean(timed), "exposed_comm_s": statistics.fmean(waited),
                 "bytes_per_iteration": max(up, down) / max(1, len(timed)),
                 "elapsed_s": self.env.now, "worker_classes": len(self.workers),
-                "shard_classes": len(self.shard_classes), "groups": len((self.published or self.first_plan).groups),
-                "seconds_timed": seconds}
+                "shard_classes": len(self.shard_classes), "groups": len((self.published or self.first_plan).groups)}
 
