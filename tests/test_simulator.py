@@ -17,7 +17,7 @@ from imerge.sim.profiles import ModelProfile, UnitProfile, measured, synthetic
 from imerge.sim.psjob import PSJob
 from imerge.sim.runner import simulate_one, strategy_schedule
 
-QUIET = Constants(latency_s=0.0, flag_rtt_s=0.0, incast_efficiency=1.0)
+QUIET = Constants(latency_s=0.0, ring_latency_s=0.0, flag_rtt_s=0.0, incast_efficiency=1.0)
 
 
 def finish_times(flows: list[tuple[float, list[tuple[Link, float]]]], cores: float = 0.0) -> list[float]:
@@ -60,6 +60,35 @@ def test_shared_cores_slow_computations_in_proportion():
     assert finish_times([(1.0, []), (1.0, [])], cores=2.0) == pytest.approx([1.0, 1.0])
 
 
+def test_the_ring_and_the_ps_each_pay_their_own_cpu_per_byte():
+    profile = one_layer(1 << 22)  # 16 MB, no compute: with one core, the CPU per byte is the iteration
+    cluster = Cluster(2, 2, 1000.0)
+    ring_costs = dataclasses.replace(QUIET, cores=1.0, ring_cpu_per_byte=1e-8)
+    ddp = simulate_one("ddp", profile, cluster, ring_costs, 8)["mean_iteration_s"]
+    assert ddp == pytest.approx(2 * profile.nbytes * 1e-8, rel=0.01)  # two ranks, M each through one core
+    ps_free = simulate_one("ps-naive", profile, cluster, ring_costs, 8)["mean_iteration_s"]
+    ps_costs = simulate_one("ps-naive", profile, cluster, dataclasses.replace(ring_costs, cpu_per_byte=1e-8), 8)
+    assert ps_free < 0.1 * ddp < ps_costs["mean_iteration_s"]
+
+
+def test_the_cpu_of_a_compressed_push_follows_its_wire_bytes_its_fp32_bytes_and_its_top_k():
+    profile = one_layer(1 << 22)  # 16 MB, no compute, one core: the CPU is the iteration
+    cluster = Cluster(2, 2, 1000.0)
+
+    def seconds(name: str, **costs: float) -> float:  # the median: fusion cost's first iteration waits for nothing
+        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, cores=1.0, **costs), 6)[
+            "median_iteration_s"]
+
+    assert seconds("imerge-fp16", cpu_per_byte=1e-8) == pytest.approx(seconds("imerge", cpu_per_byte=1e-8) / 2,
+                                                                       rel=0.02)  # half the wire bytes
+    assert seconds("imerge-fp16", dense_cpu_per_byte=1e-8) == pytest.approx(
+        seconds("imerge", dense_cpu_per_byte=1e-8), rel=0.02)  # the same fp32 bytes to cast, sum and copy
+    assert seconds("imerge", topk_cpu_per_byte=1e-8) == seconds("imerge")  # no top-k, no selection
+    selection = seconds("imerge-topk", topk_cpu_per_byte=1e-8)  # and the link's few milliseconds
+    assert selection == pytest.approx(2 * profile.nbytes * 1e-8, rel=0.05)  # each worker's push: one core
+    assert seconds("imerge-topk-pull", topk_cpu_per_byte=1e-8) == pytest.approx(1.5 * selection, rel=0.05)
+
+
 def one_layer(numel: int, forward_s: float = 0.0, backward_s: float = 0.0) -> ModelProfile:
     return ModelProfile("one-layer", (UnitProfile("fc", numel, forward_s, backward_s),))
 
@@ -77,7 +106,7 @@ def test_one_worker_and_one_shard_take_bytes_over_rate_plus_latency_each_way():
 def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_model():
     numel, latency, workers = 1 << 20, 1e-4, 4
     model_bytes = numel * BYTES_PER_ELEMENT
-    result = DDPJob(one_layer(numel), Cluster(workers, 1, 1.0), dataclasses.replace(QUIET, latency_s=latency),
+    result = DDPJob(one_layer(numel), Cluster(workers, 1, 1.0), dataclasses.replace(QUIET, ring_latency_s=latency),
                     8, 2).run()
     assert result["bytes_per_iteration"] == pytest.approx(2 * (workers - 1) / workers * model_bytes)
     expected = 2 * (workers - 1) / workers * model_bytes / GBIT + 2 * (workers - 1) * latency

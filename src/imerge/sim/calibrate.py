@@ -4,7 +4,9 @@ Pure. The cases are the strategies of one or more ``results.json`` files of
 ``imerge bench``; the fit minimizes the root mean square of log(predicted /
 measured) mean iteration time by coordinate search: each constant in turn is
 tried at a few multiples of its value (the incast efficiency at a few levels,
-only if some case has a shallow queue), the best kept, for a few sweeps. The
+only if some case has a shallow queue; the ring's CPU per byte and latency only if some
+case runs DDP on two or more workers; the CPU per fp32 byte apart from the
+CPU per wire byte only if some case compresses), the best kept, for a few sweeps. The
 shared cores are the calibrating machine's (the testbed's hosts all run on
 it). Check a calibration on runs it was not fitted to (``imerge simulate
 B1 --measured ... --calibration ...``).
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from imerge.core.schedule_config import ScheduleConfig
+from imerge.core.strategies import STRATEGIES
 
 from .cluster import Constants
 from .profiles import measured
@@ -27,11 +30,11 @@ from .runner import simulate_one
 from .testbed import measured_mean, measured_runs, scenario_cluster
 
 FITTED = ("latency_s", "cpu_per_byte", "compute_cores", "step_s_per_byte")
-START = Constants(latency_s=2e-4, flag_rtt_s=3e-4, incast_efficiency=1.0, cpu_per_byte=1e-8, compute_cores=1.5,
-                  step_s_per_byte=1e-9)
+START = Constants(latency_s=2e-4, flag_rtt_s=3e-4, incast_efficiency=1.0, cpu_per_byte=1e-8,
+                  dense_cpu_per_byte=2e-9, ring_cpu_per_byte=4e-9, compute_cores=1.5, step_s_per_byte=1e-9)
 MULTIPLES = (0.25, 0.5, 2.0, 4.0)
 INCAST_LEVELS = (0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
-LIMITS = {"compute_cores": (0.5, 4.0)}
+LIMITS = {"compute_cores": (0.5, 4.0)}  # and at most the shared cores: one worker alone cannot use more
 FINE = (0.6, 0.8, 1.25, 1.6)
 POOLED = 6  # cases from which the fit runs them in a process pool  # a second search, from a first one's result
 
@@ -83,12 +86,14 @@ def _search(cases: list[Case], iters: int, sweeps: int, best: Constants, multipl
             progress: Callable[[str], None], pool: concurrent.futures.Executor | None) -> tuple[Constants, float]:
     best_loss = loss(cases, best, iters, pool)
     progress(f"start: loss {best_loss:.3f}")
-    names = list(FITTED) + (["incast_efficiency"] if any(c.scenario.shard_queue_kb for c in cases) else [])
+    names = fitted_names(cases)
     for sweep in range(sweeps):
         for name in names:
             value = getattr(best, name)
             candidates = INCAST_LEVELS if name == "incast_efficiency" else [value * m for m in multiples]
             low, high = LIMITS.get(name, (0.0, math.inf))
+            if name == "compute_cores":
+                high = min(high, best.cores)
             for candidate in candidates:
                 if candidate == value or not low <= candidate <= high:
                     continue
@@ -98,6 +103,19 @@ def _search(cases: list[Case], iters: int, sweeps: int, best: Constants, multipl
                     best, best_loss = trial, trial_loss
             progress(f"sweep {sweep + 1}, {name} = {getattr(best, name):.3g}: loss {best_loss:.3f}")
     return best, best_loss
+
+
+def fitted_names(cases: list[Case]) -> list[str]:
+    """The constants the cases can tell: the ring's only with a DDP case of two or more workers, the incast
+    efficiency only with a shallow port queue."""
+    names = list(FITTED)
+    if any(STRATEGIES.get(c.strategy, {}).get("compression", "none") != "none" for c in cases):
+        names.append("dense_cpu_per_byte")  # compressed pushes tell the cost per wire byte from that per fp32 byte
+    if any(c.strategy == "ddp" and c.workers > 1 for c in cases):
+        names += ["ring_cpu_per_byte", "ring_latency_s"]
+    if any(c.scenario.shard_queue_kb for c in cases):
+        names.append("incast_efficiency")
+    return names
 
 
 def fit_table(cases: list[Case], constants: Constants, iters: int = 0) -> list[dict[str, Any]]:

@@ -42,11 +42,16 @@ class Constants:
     """What the network model cannot derive from the cluster; ``imerge bench ... --calibrate`` fits them to
     testbed runs. The defaults describe a cluster of real hosts: each its own processor, no shared cores."""
 
-    latency_s: float = 50e-6        # one way, per message (switch, stacks, gRPC framing)
+    latency_s: float = 50e-6        # one way, per PS message (switch, stacks, gRPC framing, the Python that sends it)
+    ring_latency_s: float = 50e-6   # one way, per step of DDP's ring (switch, stacks, gloo)
     flag_rtt_s: float = 200e-6      # a slot flag's take or release: one round trip to Redis
     incast_efficiency: float = 0.5  # goodput of a port whose queue overflows (losses, retransmission timeouts)
     cores: float = 0.0              # cores every role shares (the testbed: this machine's); 0: each host its own
-    cpu_per_byte: float = 0.0       # with shared cores: core seconds per byte moved (sender and receiver)
+    cpu_per_byte: float = 0.0       # with shared cores: core seconds per byte a PS push or pull moves (both ends)
+    dense_cpu_per_byte: float = 0.0  # ... and per byte of the fp32 blocks it carries, whatever their wire size
+    ring_cpu_per_byte: float = 0.0  # with shared cores: the same for DDP's ring all-reduce (gloo, in C++ threads)
+    topk_cpu_per_byte: float = 0.0  # top-k selection, per byte of the dense block: a worker's push, a shard's
+    #                                 pull with --topk-pull-ratio (imerge bench compression measures it)
     compute_cores: float = 1.0      # with shared cores: the cores a worker's forward and backward keep busy
     step_s_per_byte: float = 0.0    # an optimizer step per parameter byte (shards; DDP's and T > 1's local steps)
     host_gbit: float = 0.0          # the most one host's data path moves (0: only the link limits it)

@@ -82,5 +82,5 @@ class DDPJob:
         if workers == 1:
             return
         yield self.fabric.transfer([ring_bytes(nbytes, workers)], [(self.uplink, 1.0), (self.downlink, 1.0)],
-                                   count=workers, cap=self.host_cap, cpu_per_byte=self.k.cpu_per_byte)
-        yield self.env.timeout(2 * (workers - 1) * self.k.latency_s)
+                                   count=workers, cap=self.host_cap, cpu_per_byte=self.k.ring_cpu_per_byte)
+        yield self.env.timeout(2 * (workers - 1) * self.k.ring_latency_s)

@@ -19,8 +19,9 @@ the losses and timeouts of a shallow switch queue.
 
 A shared processor (the testbed: every role on the same few cores): a
 computation needs its cores while it runs, a transfer ``cpu_per_byte`` core
-seconds per byte; when the demand exceeds the cores, every consumer slows in
-the same proportion (processor sharing). Without one, a computation takes its
+seconds per byte (a PS's gRPC streams and DDP's gloo ring each their own);
+when the demand exceeds the cores, every consumer slows in the same
+proportion (processor sharing). Without one, a computation takes its
 seconds and transfers cost no processor.
 
 Rates change only when a flow starts or ends; a segment's end within a flow

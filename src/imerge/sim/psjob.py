@@ -186,6 +186,23 @@ class PSJob:
             return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
         return payload_bytes(block.numel, mode.cast, -1)
 
+    def topk_s(self, block_index: int, pull: bool = False) -> float:
+        """The CPU seconds a top-k selection over the block costs: a worker compresses every top-k push (in the
+        push stream, as the real worker does); a shard selects what a pull sends only with --topk-pull-ratio."""
+        mode = parse_mode(self.modes[self.first_plan.blocks[block_index].block_id])
+        if mode.kind != "topk" or (pull and not mode.pull_ratio):
+            return 0.0
+        return self.first_plan.blocks[block_index].numel * BYTES_PER_ELEMENT * self.k.topk_cpu_per_byte
+
+    def _cpu_per_byte(self, batch: list, sizes: list[int]) -> float:
+        """The CPU per wire byte of a push or pull of ``batch``: the cost per wire byte, and the cost per byte of the
+        fp32 blocks they stand for (casting, summing, copying into place) spread over the wire bytes."""
+        wire = sum(sizes)
+        if not self.k.dense_cpu_per_byte or not wire:
+            return self.k.cpu_per_byte
+        dense = sum(self.first_plan.blocks[i].numel for _, i in batch) * BYTES_PER_ELEMENT
+        return self.k.cpu_per_byte + self.k.dense_cpu_per_byte * dense / wire
+
     def pull_bytes(self, block_index: int) -> int:
         """A pull of top-k sends what changed, sparse where smaller than dense: with momentum (the built-in job's
         SGD) every parameter a gradient ever touched keeps changing, so an exact pull is taken as dense; with
@@ -437,6 +454,9 @@ class PSJob:
               written: simpy.Event | None = None, answered: Callable[[], None] | None = None) -> Iterator:
         """One push stream: (with flags) take the flag, send the blocks, get the reply, release the flag."""
         nbytes = sum(self.push_bytes(i) for _, i in batch)
+        compress_s = sum(self.topk_s(i) for _, i in batch)  # the payloads are made before the slot is taken
+        if compress_s:
+            yield self.fabric.compute(compress_s, count=worker.count * len(shard.shards))
         granted = self.env.now
         flag = request = None
         if self.policy != "off":
@@ -451,10 +471,10 @@ class PSJob:
             sync, index = batch[segment]
             self._arrive(shard, index, sync.rounds[index])
 
-        yield self.fabric.transfer([self.push_bytes(i) for _, i in batch],
-                                   [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count)],
+        sizes = [self.push_bytes(i) for _, i in batch]
+        yield self.fabric.transfer(sizes, [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count)],
                                    count=worker.count * len(shard.shards), cap=self.host_cap,
-                                   cpu_per_byte=self.k.cpu_per_byte, on_segment=arrived)
+                                   cpu_per_byte=self._cpu_per_byte(batch, sizes), on_segment=arrived)
         if written is not None:
             written.succeed()
         yield self.env.timeout(2 * self.k.latency_s)  # the last bytes reach the shard, its reply comes back
@@ -491,6 +511,7 @@ class PSJob:
     def _complete(self, shard: ShardClass, index: int, round_: int) -> Iterator:
         yield self.env.timeout(self.k.latency_s)
         step_s = self.first_plan.blocks[index].numel * BYTES_PER_ELEMENT * self.k.step_s_per_byte
+        step_s += self.topk_s(index, pull=True)
         if step_s:
             yield self.fabric.compute(step_s, count=len(shard.shards))
         for worker, sync in shard.waiting.pop((index, round_), []):
@@ -509,10 +530,10 @@ class PSJob:
                 sync, index = batch[segment]
                 self.env.process(self._arrived(sync, index))
 
-            yield self.fabric.transfer([self.pull_bytes(i) for _, i in batch],
-                                       [(shard.uplink, worker.count), (worker.downlink, len(shard.shards))],
+            sizes = [self.pull_bytes(i) for _, i in batch]
+            yield self.fabric.transfer(sizes, [(shard.uplink, worker.count), (worker.downlink, len(shard.shards))],
                                        count=worker.count * len(shard.shards), cap=self.host_cap,
-                                       cpu_per_byte=self.k.cpu_per_byte, on_segment=arrived)
+                                       cpu_per_byte=self._cpu_per_byte(batch, sizes), on_segment=arrived)
             del channel[:len(batch)]
 
     def _arrived(self, sync: Sync, index: int) -> Iterator:
