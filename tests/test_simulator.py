@@ -255,3 +255,16 @@ def test_calibration_fits_the_constants_to_measured_runs(tmp_path, capsys):
     cases = [Case(scenario, 2, name, sum(t) / len(t)) for name, t in measured_s.items()]
     assert loss(cases, fitted, 0) < loss(cases, dataclasses.replace(START, cores=fitted.cores), 0)
     assert "| digits-cnn | 2 | imerge |" in capsys.readouterr().out
+
+
+def test_a_calibration_with_shared_cores_but_without_a_cpu_cost_is_refused_naming_it(tmp_path):
+    from imerge.sim.testbed import testbed_constants
+
+    assert testbed_constants().ring_cpu_per_byte > 0  # the shipped one has every cost
+    old = {k: v for k, v in dataclasses.asdict(testbed_constants()).items() if k != "ring_cpu_per_byte"}
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="needs ring_cpu_per_byte"):
+        Constants.read(path)
+    path.write_text(json.dumps(dict(old, cores=0.0)))  # without shared cores the CPU costs do not apply
+    assert Constants.read(path).ring_cpu_per_byte == 0.0

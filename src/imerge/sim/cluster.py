@@ -37,6 +37,10 @@ class Cluster:
         return math.inf if not self.queue_kb else max(1.0, self.queue_kb * 1000 / (2 * self.mtu))
 
 
+SHARED_CORE_COSTS = frozenset({"cpu_per_byte", "dense_cpu_per_byte", "ring_cpu_per_byte", "ring_latency_s",
+                               "topk_cpu_per_byte", "compute_cores"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Constants:
     """What the network model cannot derive from the cluster; ``imerge bench ... --calibrate`` fits them to
@@ -73,6 +77,10 @@ class Constants:
             unknown = sorted(set(values) - names) if isinstance(values, dict) else []
             raise ConfigError("calibration", f"{path}: not a calibration (expected the keys {', '.join(sorted(names))}"
                                              + (f"; unknown: {', '.join(unknown)}" if unknown else "") + ")")
+        missing = sorted(SHARED_CORE_COSTS - set(values)) if values.get("cores") else []
+        if missing:  # left at 0, these would cost nothing on the shared cores: a calibration of an older model
+            raise ConfigError("calibration", f"{path}: a calibration with shared cores needs {', '.join(missing)} "
+                                             "too (written by an older imerge simulate calibrate? fit it again)")
         try:
             constants = cls(**{k: float(v) for k, v in values.items()})
         except (TypeError, ValueError):

@@ -1,6 +1,7 @@
 """The projections' plots (matplotlib, headless)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,25 @@ def _save(figure: Any, path: Path, plt: Any) -> str:
     return path.name
 
 
+def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[dict], str]]], ylabel: str, title: str,
+              path: Path, log_y: bool = False, legend_size: int = 8) -> str:
+    """One panel per synthetic model, workers on a log2 axis; ``lines(model)`` gives each line's (label, rows, the
+    rows' key plotted)."""
+    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
+    for axis, model in zip(axes, SYNTHETIC):
+        for label, series, key in lines(model):
+            axis.plot([r["workers"] for r in series], [r[key] for r in series], marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        if log_y:
+            axis.set_yscale("log")
+        axis.set_title(model)
+        axis.set_xlabel("workers W")
+    axes[0].set_ylabel(ylabel)
+    axes[-1].legend(fontsize=legend_size)
+    figure.suptitle(title)
+    return _save(figure, path, plt)
+
+
 def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
     from .projections import BOUND_STRATEGIES, INCAST_QUEUE_KB, LINKS_GBIT, PERIODS
 
@@ -48,46 +68,24 @@ def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
         axes[-1].legend(fontsize=8)
         figure.suptitle(f"Simulated: {model}, where each strategy sits against its bound")
         written.append(_save(figure, out / f"scaling-bound-{model}.png", plt))
-    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
-    for axis, model in zip(axes, SYNTHETIC):
-        for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W")):
-            series = [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0, strategy="imerge")
-                      if r["shards"] == max(1, r["workers"] // fraction)]
-            axis.plot([r["workers"] for r in series], [r["ratio_to_bound"] for r in series], marker="o", label=label)
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_title(model)
-        axis.set_xlabel("workers W")
-    axes[0].set_ylabel("imerge: mean s/it over its bound")
-    axes[-1].legend(fontsize=8)
-    figure.suptitle("Simulated: imerge at 25 Gbit/s, by shard count")
-    written.append(_save(figure, out / "scaling-shards.png", plt))
-    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
-    for axis, model in zip(axes, SYNTHETIC):
-        for strategy in ("imerge-noslots", "imerge", "imerge-fixed"):
-            series = _series(rows, sweep="incast", model=model, strategy=strategy)
-            axis.plot([r["workers"] for r in series], [r["mean_iteration_s"] for r in series], marker="o",
-                      label=strategy)
-        axis.set_xscale("log", base=2)
-        axis.set_title(model)
-        axis.set_xlabel("workers W")
-    axes[0].set_ylabel("mean s/it")
-    axes[-1].legend(fontsize=8)
-    figure.suptitle(f"Simulated: shard port queue {INCAST_QUEUE_KB:g} kB, S = W/4, 25 Gbit/s: slots against incast")
-    written.append(_save(figure, out / "scaling-incast.png", plt))
-    figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
-    for axis, model in zip(axes, SYNTHETIC):
-        for period in PERIODS:
-            series = _series(rows, sweep="period", model=model, period=period)
-            axis.plot([r["workers"] for r in series], [r["mean_iteration_s"] for r in series], marker="o",
-                      label=f"T = {period} ({period - 1} local steps between syncs)")
-        axis.set_xscale("log", base=2)
-        axis.set_title(model)
-        axis.set_xlabel("workers W")
-    axes[0].set_ylabel("mean s/it")
-    axes[-1].legend(fontsize=7)
-    figure.suptitle("Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness for time")
-    written.append(_save(figure, out / "scaling-period.png", plt))
+    written.append(_by_model(
+        plt, lambda model: [(label, [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0,
+                                                            strategy="imerge")
+                                     if r["shards"] == max(1, r["workers"] // fraction)], "ratio_to_bound")
+                            for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W"))],
+        "imerge: mean s/it over its bound", "Simulated: imerge at 25 Gbit/s, by shard count",
+        out / "scaling-shards.png", log_y=True))
+    written.append(_by_model(
+        plt, lambda model: [(strategy, _series(rows, sweep="incast", model=model, strategy=strategy),
+                             "mean_iteration_s") for strategy in ("imerge-noslots", "imerge", "imerge-fixed")],
+        "mean s/it", f"Simulated: shard port queue {INCAST_QUEUE_KB:g} kB, S = W/4, 25 Gbit/s: slots against incast",
+        out / "scaling-incast.png"))
+    written.append(_by_model(
+        plt, lambda model: [(f"T = {period} ({period - 1} local steps between syncs)",
+                             _series(rows, sweep="period", model=model, period=period), "mean_iteration_s")
+                            for period in PERIODS],
+        "mean s/it", "Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness for time",
+        out / "scaling-period.png", legend_size=7))
     return written
 
 
