@@ -180,6 +180,10 @@ def test_profiles_are_checked_and_round_trip(tmp_path):
     path.write_text(json.dumps({"format": "imerge-profile/1", "units": [["fc", 0, 0, 0.1, 0.1]]}))
     with pytest.raises(ConfigError, match="profile: .*unit #0 \\(fc\\) needs numel >= 1"):
         ModelProfile.read(path)
+    for bad in ("x", -1.0, None):  # the fitted push cost: a number >= 0, or a traceback / a negative time later
+        path.write_text(json.dumps({"format": "imerge-profile/1", "units": [["fc", 8, 0, 0.1, 0.1]], "alpha_s": bad}))
+        with pytest.raises(ConfigError, match="alpha_s must be a finite number >= 0"):
+            ModelProfile.read(path)
     path.write_text("{}")
     with pytest.raises(ConfigError, match="not an IMerge profile"):
         ModelProfile.read(path)

@@ -97,8 +97,15 @@ class ModelProfile:
             units.append(unit)
         if not units:
             raise ConfigError("profile", f"{source} lists no units")
-        return cls(str(raw.get("name") or Path(source).stem), tuple(units), float(raw.get("alpha_s", 0.0)),
-                   float(raw.get("beta_s_per_byte", 0.0)))
+        cost = {}
+        for key in ("alpha_s", "beta_s_per_byte"):  # the push cost the worker fitted
+            try:
+                cost[key] = float(raw.get(key, 0.0))
+            except (TypeError, ValueError):
+                cost[key] = math.nan
+            if not (math.isfinite(cost[key]) and cost[key] >= 0):
+                raise ConfigError("profile", f"{source}: {key} must be a finite number >= 0, not {raw.get(key)!r}")
+        return cls(str(raw.get("name") or Path(source).stem), tuple(units), cost["alpha_s"], cost["beta_s_per_byte"])
 
     @classmethod
     def read(cls, path: str | Path) -> "ModelProfile":
