@@ -30,5 +30,24 @@ def cluster(redis_url):
         c.close()
 
 
+@pytest.fixture
+def lone(cluster):
+    """lone(module, optimizer=SGD at lr 0.1, **options): ``imerge.distribute`` on a job of one worker and one shard,
+    aborted after the test (optimizer None: none given, the job is joined at the first forward)."""
+    import imerge
+    from imerge.core.optim import OptimizerSpec
+
+    c = cluster(1, 1)
+    models = []
+
+    def distribute(module, optimizer=OptimizerSpec("sgd", lr=0.1), **options):
+        models.append(imerge.distribute(module, optimizer, c.worker_config(0, **options)))
+        return models[-1]
+
+    yield distribute
+    for model in models:
+        model.abort()
+
+
 def pytest_configure(config):
     logging.getLogger("imerge").setLevel(logging.INFO)

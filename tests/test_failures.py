@@ -17,6 +17,8 @@ from imerge.workloads.models import build_model
 
 from helpers import new_job
 
+SGD = imerge.OptimizerSpec("sgd", lr=0.01)  # given: the job is joined in imerge.distribute
+
 
 def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
     c = cluster(3, 2)
@@ -25,7 +27,7 @@ def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
     models = [build_model("digits-cnn") for _ in range(3)]
 
     def body(rank: int):
-        model = imerge.distribute(models[rank], config=c.worker_config(rank, pull_timeout_s=2.0))
+        model = imerge.distribute(models[rank], SGD, c.worker_config(rank, pull_timeout_s=2.0))
         joined.wait(30)
         try:
             if rank == 2:  # joins, then never pushes
@@ -52,7 +54,7 @@ def test_layout_mismatch_names_the_first_differing_parameter(cluster):
 
     def body(rank: int):
         with pytest.raises(LayoutMismatchError) as info:
-            imerge.distribute(models[rank], config=c.worker_config(rank))
+            imerge.distribute(models[rank], SGD, c.worker_config(rank))
         return str(info.value)
 
     for message in c.run_workers(body):
@@ -65,7 +67,7 @@ def test_missing_coordinator_times_out_naming_the_plan(redis_url):
     config = WorkerConfig(job=new_job(), redis_url=redis_url, wait_timeout_s=1.0)
     started = time.monotonic()
     with pytest.raises(WaitTimeout, match="waiting for the coordinator to publish the plan"):
-        imerge.distribute(build_model("digits-cnn"), config=config)
+        imerge.distribute(build_model("digits-cnn"), SGD, config)
     assert time.monotonic() - started < 5
 
 
@@ -91,7 +93,7 @@ def test_shards_only_accept_blocks_the_mapping_table_gives_them(cluster):
     from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
     c = cluster(1, 2)
-    model = imerge.distribute(build_model("digits-cnn"), config=c.worker_config(0))
+    model = imerge.distribute(build_model("digits-cnn"), SGD, c.worker_config(0))
     plan = model.plan
     model.close()
     block = plan.blocks[0]

@@ -16,6 +16,7 @@ import pytest
 import imerge
 from imerge.control.messages import FailureReport, Flag
 from imerge.control.store import Store
+from imerge.core.optim import OptimizerSpec
 from imerge.workloads.models import build_model
 from imerge.ps.checkpoint import CheckpointStore
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
@@ -43,7 +44,7 @@ def joined_cluster(cluster, tmp_path, **options):
     """Two workers joined (blocks initialized, round 0), then left; the shard checkpoints every round."""
     c = cluster(2, 1, ps_options={"checkpoint_dir": str(tmp_path), "checkpoint_every": 1})
     models = c.run_workers(lambda rank: imerge.distribute(
-        build_model("digits-cnn"), config=c.worker_config(rank, heartbeat_ttl_s=120, **options)))
+        build_model("digits-cnn"), OptimizerSpec("sgd", lr=0.01), c.worker_config(rank, heartbeat_ttl_s=120, **options)))
     plan = models[0].plan
     for model in models:
         model.abort()

@@ -19,21 +19,6 @@ WORKERS, SHARDS, FEATURES, CLASSES = 2, 2, 8, 4
 SEEDED = threading.Lock()  # models are built in the workers' threads: one seeded construction at a time
 
 
-@pytest.fixture
-def lone(cluster):
-    """lone(module, optimizer): ``imerge.distribute`` on a job of one worker and one shard, aborted after the test."""
-    c = cluster(1, 1)
-    models = []
-
-    def distribute(module, optimizer):
-        models.append(imerge.distribute(module, optimizer, c.worker_config(0)))
-        return models[-1]
-
-    yield distribute
-    for model in models:
-        model.abort()
-
-
 def one_batch():
     return make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
 
@@ -82,21 +67,24 @@ def test_a_parameter_used_outside_its_module_is_waited_for(cluster, spec):
     assert_same_params(results, expected, params_of(SideUse()))
 
 
-def test_a_use_outside_its_module_that_appears_later_raises_naming_the_parameter(cluster):
+def test_a_use_outside_its_module_that_appears_later_is_waited_for_too(cluster):
+    """``side`` is called as a module for two iterations, then read through F.linear: every read of a parameter
+    whose block is in flight waits for it, wherever it happens, so the run equals one process."""
     c = cluster(WORKERS, 1)
-    data = make_data(3, WORKERS, 16, FEATURES, CLASSES)
+    data = make_data(6, WORKERS, 16, FEATURES, CLASSES)
+    spec = OptimizerSpec("adam", lr=0.01)
 
     def body(rank: int):
-        model = imerge.distribute(SideUse(outside_from=2), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank))
-        try:
-            for step in data[:2]:
-                cross_entropy(model, step[rank]).backward()
-            with pytest.raises(UnsupportedUse, match=r"parameter side\.(weight|bias) got a gradient in iteration 2"):
-                cross_entropy(model, data[2][rank]).backward()
-        finally:
-            model.abort()
+        model = imerge.distribute(SideUse(outside_from=2), spec, c.worker_config(rank))
+        for step in data:
+            cross_entropy(model, step[rank]).backward()
+        model.close()
+        return params_of(model.module)
 
-    c.run_workers(body)
+    results = c.run_workers(body)
+    reference = SideUse(outside_from=2)
+    expected = train_reference(reference, spec.build(list(reference.parameters())), data, cross_entropy)
+    assert_same_params(results, expected, params_of(SideUse()))
 
 
 class Branchy(torch.nn.Module):
@@ -265,7 +253,7 @@ def test_with_t_2_every_worker_ends_with_the_same_parameters_after_close(cluster
         model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(rank, interleave_period=2))
         for step in data:
             cross_entropy(model, step[rank]).backward()
-        with pytest.raises(UnsupportedUse, match="no_sync.. with --interleave-period > 1"):
+        with pytest.raises(UnsupportedUse, match=r"no_sync\(\) \(or require_backward_grad_sync = False\) with --interleave-period > 1"):
             with model.no_sync():
                 pass
         model.close()
@@ -506,25 +494,39 @@ def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(lo
     assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
 
 
-def test_gradients_accumulate_in_place_and_a_local_step_finds_none(lone):
-    """CPU, T = 1: from a training forward to the end of its backward every .grad is a view of the accumulator
-    (autograd adds into it, nothing is copied per gradient); afterwards .grad is None, so the script's own
-    optimizer.step() (weight decay included) changes nothing."""
+def test_grad_is_this_workers_gradient_until_the_next_forward_and_a_local_step_changes_nothing(lone):
+    """CPU, T = 1: every .grad is a view of the accumulator (autograd adds into it, nothing is copied per gradient).
+    After backward it holds this worker's own gradient (not the average, which never exists on a worker) until the
+    next forward, as a DDP loop that logs gradient norms expects; a parameter without gradient has none. The
+    script's own optimizer.step() (weight decay included) changes nothing and leaves the gradients."""
     module = Branchy()
     own = torch.optim.SGD(module.parameters(), lr=0.1, weight_decay=0.5)
     model = lone(module, own)
+    reference = Branchy()
     x, y = one_batch()
+    F.cross_entropy(reference(x), y).backward()
     loss = F.cross_entropy(model(x), y)
     storage = model.engine.flat.grads.untyped_storage().data_ptr()
     assert all(p.grad is not None and p.grad.untyped_storage().data_ptr() == storage
                for p in model.module.parameters())
     loss.backward()
-    model.synchronize()
-    assert all(p.grad is None for p in model.module.parameters())
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for name, param in model.module.named_parameters():  # read at once: no synchronize
+        if expected[name] is None:
+            assert param.grad is None, name
+        else:
+            torch.testing.assert_close(param.grad, expected[name], atol=1e-6, rtol=0, msg=name)
     before = params_of(model.module)
     own.step()
-    own.zero_grad()
     assert all(torch.equal(value, params_of(model.module)[name]) for name, value in before.items())
+    torch.testing.assert_close(model.module.head.weight.grad, expected["head.weight"], atol=1e-6, rtol=0)
+    own.zero_grad()
+    assert all(p.grad is None for p in model.module.parameters())
+    current = Branchy()
+    current.load_state_dict(params_of(model.module))  # the stepped parameters (a read waits for them)
+    F.cross_entropy(current(x), y).backward()
+    F.cross_entropy(model(x), y).backward()  # the next iteration's gradient, from zero
+    torch.testing.assert_close(model.module.head.weight.grad, current.head.weight.grad, atol=1e-6, rtol=0)
 
 
 class Gate:

@@ -16,6 +16,7 @@ It is a ``torch.amp.GradScaler`` (same arguments, same ``scale`` / ``step`` /
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,15 +26,15 @@ from imerge.core.errors import UnsupportedUse
 
 
 class ShardGradScaler(torch.amp.GradScaler):
-    def __init__(self, hooks: Any, device: str = "cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+    def __init__(self, hooks: Callable[[], Any], device: str = "cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-        self._hooks = hooks
+        self._hooks = hooks  # the engine's hooks (joining the job if it was not yet)
 
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)
         if self._enabled:
-            self._hooks.loss_scale = float(self._scale)
+            self._hooks().loss_scale = float(self._scale)
         return scaled
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -51,10 +52,13 @@ class ShardGradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        result = self._hooks.last_round_result()
+        result = self._hooks().last_round_result()
         if result is None:
             raise UnsupportedUse("grad_scaler.step() before any backward of the wrapped model")
         state["found_inf_per_device"] = {self._scale.device: torch.full((), float(result.skipped),
                                                                         device=self._scale.device)}
         state["stage"] = OptState.STEPPED
-        return None if result.skipped else optimizer.step(*args, **kwargs)
+        if result.skipped:  # the shards skipped the round; it still counts as the loop's step
+            self._hooks().stepped()
+            return None
+        return optimizer.step(*args, **kwargs)

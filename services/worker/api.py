@@ -18,6 +18,7 @@ checkpoint's round (``start_iteration``: the data position to continue from).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -31,10 +32,12 @@ from imerge.control.messages import FailureReport, LayoutSubmission, WorkerInfo,
 from imerge.control.store import Store
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError, InvalidArgument, StoreError, UnsupportedUse
 from imerge.core.optim import OptimizerSpec
+from imerge.core.planning import Plan
 from imerge.telemetry.metrics import MetricsServer
 
+from .adoption import OptimizerWatch, optimizer_state
 from .config import WorkerConfig
-from .engine import SyncEngine
+from .engine import JOIN_STATE, SyncEngine
 from . import guards
 from .amp import ShardGradScaler
 from .lease import RankLease
@@ -45,79 +48,148 @@ from .saving import load_model, save_model
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass
+class PendingSettings:
+    """What the loop set before the job was joined, for the hooks made then."""
+
+    max_norm: float = 0.0
+    accumulating: bool = False
+
+    def apply(self, hooks: Any) -> None:
+        hooks.max_norm, hooks.accumulating = self.max_norm, self.accumulating
+
+
 class DistributedModel(torch.nn.Module):
-    """A module whose parameters are trained by the PS shards of an IMerge job."""
+    """A module whose parameters are trained by the PS shards of an IMerge job.
+
+    The job is joined (the layout sent, the plan read, the blocks made, worker 0's parameters, frozen parameters
+    and buffers given to every worker) at once when ``optimizer`` is given, else at the first forward or the first
+    call that needs the shards, so that an optimizer the script builds after ``imerge.distribute`` is the one the
+    shards run (:mod:`.adoption`).
+    """
 
     def __init__(self, module: torch.nn.Module, config: WorkerConfig,
-                 optimizer: OptimizerSpec | torch.optim.Optimizer):
+                 optimizer: OptimizerSpec | torch.optim.Optimizer | None):
         super().__init__()
         self.module = module
         self.config = config
-        layout, self._optimizer = shard_optimizer(module, optimizer)
+        self._watch = OptimizerWatch(module, optimizer)
+        self._optimizer: ShardOptimizer | None = None
         self._store = Store(config.redis_url, config.job)
         self._lease = RankLease(self._store, config.job, config.rank, config.heartbeat_ttl_s)
         try:
             self._lease.claim()
         except BaseException:
             self._store.close()
+            self._watch.stop()
             raise
         self._store.register_worker(config.rank, WorkerInfo(socket.gethostname(), os.getpid()),
                                     config.heartbeat_ttl_s)
         self._heartbeat = Heartbeat(self._store, self._lease)
         self._engine: SyncEngine | None = None
         self._metrics: MetricsServer | None = None
+        self._joining: Any = module.register_forward_pre_hook(self._join_at_forward, prepend=True)
+        self._pending = PendingSettings()
+        self._closed = False
         self.generation = 0
         self.failure_reported = False  # this worker reported a failure to the coordinator
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
         self.rejoined = False  # this worker joined a job that was running (after a restart)
+        self._plan: Plan | None = None
         try:
-            rejoining = self._store.job_running()
-            self.rejoined = rejoining
-            if rejoining:
-                self.plan = latest_plan(self._store, config)
+            self.rejoined = self._store.job_running()
+            if self.rejoined:
+                self._plan = latest_plan(self._store, config)
                 self.generation, self.start_iteration = rejoin_point(self._store, config,
-                                                                     len(self.plan.shard_addresses))
-            else:
-                self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
-                self.plan = wait_plan(self._store, config)
-                self.generation = self._store.generation() or 0
-            self._engine = SyncEngine(module, [p.name for p in layout.params], self.plan, config, self._optimizer,
-                                      self._store, self.generation)
-            guards.guard(self._engine.params)
-            self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port,
-                                          f"worker {config.rank}", config.metrics_address(),
-                                          ports_file=config.ports_file)
-            if rejoining:
-                self._engine.resume(self.start_iteration)
-            else:
-                self._engine.initialize()
-            self._store.record_worker(config.rank, WorkerPosition(self.start_iteration, self.generation))
-            engine = self._engine
-            self._heartbeat.position = lambda: (self.generation, engine.iteration)
-            self._store.heartbeat(config.rank, config.heartbeat_ttl_s, self.generation)
+                                                                     len(self._plan.shard_addresses))
+            if optimizer is not None:
+                self._join()
         except BaseException:
             self.abort()
             raise
+
+    # -- joining the job -------------------------------------------------------------------
+    def _join_at_forward(self, _module: torch.nn.Module, args: tuple) -> None:
+        """The inner module's first forward (called directly, not through this wrapper) joins the job; the hooks
+        the join installs run from the next forward on, so this one runs their forward start itself."""
+        if self._engine is None:
+            self._join()
+            self._engine.hooks.first_forward(args)
+
+    def _join(self) -> None:
+        config = self.config
+        self._joining.remove()
+        chosen = self._watch.choose()
+        if chosen is None:
+            chosen = check_launch_flags(None, config)
+            log.warning("worker %d: no optimizer was given to imerge.distribute or built over the model before its "
+                        "first forward: the shards run %s (OptimizerSpec.from_env(): imerge launch --optimizer, "
+                        "--lr and --optimizer-args set it)", config.rank, chosen)
+        else:
+            chosen = check_launch_flags(chosen, config)
+        layout, self._optimizer = shard_optimizer(self.module, chosen)
+        if self.rejoined:
+            plan = self._plan
+        else:
+            self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
+            plan = wait_plan(self._store, config)
+            self.generation = self._store.generation() or 0
+        self._engine = SyncEngine(self.module, [p.name for p in layout.params], plan, config, self._optimizer,
+                                  self._store, self.generation)
+        guards.guard(self._engine.params)
+        self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port, f"worker {config.rank}",
+                                      config.metrics_address(), ports_file=config.ports_file)
+        if self.rejoined:
+            self._engine.resume(self.start_iteration)
+            if isinstance(chosen, torch.optim.Optimizer) and chosen.state:
+                log.info("worker %d: rejoined: the optimizer state the script loaded is ignored, the shards restored "
+                         "their own checkpoint", config.rank)
+        else:
+            self._engine.initialize(self._loaded_state(chosen))
+        self._engine.share_module_state(JOIN_STATE)
+        self._pending.apply(self._engine.hooks)
+        self._store.record_worker(config.rank, WorkerPosition(self.start_iteration, self.generation))
+        engine = self._engine
+        self._heartbeat.position = lambda: (self.generation, engine.iteration)
+        self._store.heartbeat(config.rank, config.heartbeat_ttl_s, self.generation)
         log.info("worker %d/%d %s job %s in generation %d at iteration %d: %d groups on %d shards", config.rank,
-                 config.world_size, "rejoined" if rejoining else "joined", config.job, self.generation,
-                 self.start_iteration, len(self.plan.groups), len(self.plan.shard_addresses))
+                 config.world_size, "rejoined" if self.rejoined else "joined", config.job, self.generation,
+                 self.start_iteration, len(plan.groups), len(plan.shard_addresses))
+
+    def _loaded_state(self, chosen: Any) -> dict[str, dict[str, torch.Tensor]]:
+        """The state of the script's own optimizer (a checkpoint's, loaded before the job started): worker 0's goes
+        to the shards with the blocks, and the optimizer keeps none of it here (it lives on the shards)."""
+        if not isinstance(chosen, torch.optim.Optimizer) or not chosen.state:
+            return {}
+        state = optimizer_state(chosen, {id(p): name for name, p in self.module.named_parameters()})
+        chosen.state.clear()
+        return state if self.config.rank == 0 else {}
+
+    @property
+    def engine(self) -> SyncEngine:
+        if self._engine is None:
+            if self._closed:
+                raise IMergeError("this DistributedModel is closed")
+            with self._reporting():
+                self._join()
+        return self._engine
+
+    @property
+    def plan(self) -> Plan:
+        return self.engine.plan
 
     @property
     def optimizer(self) -> ShardOptimizer:
         """The shards' optimizer as the loop sees it: a torch.optim.Optimizer whose param_groups each round's
-        pushes carry (attach any torch.optim.lr_scheduler to it); step() and zero_grad() have nothing to do."""
+        pushes carry (attach any torch.optim.lr_scheduler to it); step() and zero_grad() have nothing to do.
+        Reading it joins the job (with the optimizer built so far, or the default)."""
+        self.engine
         return self._optimizer
 
     @property
     def metrics_port(self) -> int:
         """The port of this worker's /metrics (-1: off)."""
         return self._metrics.port if self._metrics is not None else -1
-
-    @property
-    def engine(self) -> SyncEngine:
-        if self._engine is None:
-            raise IMergeError("this DistributedModel is closed")
-        return self._engine
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.engine  # fail loudly once closed
@@ -134,8 +206,9 @@ class DistributedModel(torch.nn.Module):
             raise UnsupportedUse(f"grad_scaler() with --compression {self.config.compression}: the top-k residual "
                                  "would keep gradients of an old loss scale, and an overflow would stay in it for "
                                  "good; use --compression fp16 or bf16 (or none) with a grad scaler")
-        return ShardGradScaler(self.engine.hooks, self.engine.flat.device.type, init_scale, growth_factor,
-                               backoff_factor, growth_interval, enabled)
+        device = next(self.module.parameters()).device.type
+        return ShardGradScaler(lambda: self.engine.hooks, device, init_scale, growth_factor, backoff_factor,
+                               growth_interval, enabled)
 
     def log_loss(self, loss: torch.Tensor | float) -> None:
         """Show ``loss`` on this worker's metrics (``imerge_worker_loss``, the workers dashboard). A tensor is read
@@ -156,7 +229,10 @@ class DistributedModel(torch.nn.Module):
             raise UnsupportedUse(f"clip_grad_norm_ with norm_type {norm_type}: the shards clip by the L2 norm only")
         if not max_norm > 0:
             raise InvalidArgument(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
-        hooks = self.engine.hooks
+        if self._engine is None:  # before the job is joined: kept for it
+            self._pending.max_norm = float(max_norm)
+            return torch.tensor(0.0)
+        hooks = self._engine.hooks
         if hooks.max_norm == 0 and hooks.started:
             raise UnsupportedUse("clip_grad_norm_() after the first backward: that round was pushed, and applied, "
                                  "without clipping; call it once before the first backward (the value stays)")
@@ -165,7 +241,7 @@ class DistributedModel(torch.nn.Module):
         return torch.tensor(result.grad_norm if result is not None else 0.0)
 
     def _refuse_with_interleave(self, what: str) -> None:
-        if self.engine.hooks.table.plan.period > 1:
+        if self.config.interleave_period > 1:
             raise UnsupportedUse(f"{what} with --interleave-period > 1: groups sync in different iterations, so "
                                  "no round holds the whole gradient")
 
@@ -173,15 +249,29 @@ class DistributedModel(torch.nn.Module):
     def no_sync(self) -> Iterator[None]:
         """As DDP's: the backward of every forward run inside only sums its gradients locally; the first backward
         of a forward outside pushes the sum (one optimizer step for all the micro-batches)."""
-        hooks = self.engine.hooks
-        if hooks.table.plan.period > 1:
-            raise UnsupportedUse("no_sync() with --interleave-period > 1: between syncs each backward already takes "
-                                 "a local step; accumulate with T = 1")
-        previous, hooks.accumulating = hooks.accumulating, True
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            hooks.accumulating = previous
+            self.require_backward_grad_sync = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: False makes the backward of each forward run from now on only sum its gradients
+        locally (``no_sync()`` sets it for its block); the first backward of a forward run with it True pushes
+        the sum, one optimizer step for all the micro-batches."""
+        return not (self._engine.hooks.accumulating if self._engine is not None else self._pending.accumulating)
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not value and self.config.interleave_period > 1:
+            raise UnsupportedUse("no_sync() (or require_backward_grad_sync = False) with --interleave-period > 1: "
+                                 "between syncs each backward already takes a local step; accumulate with T = 1")
+        if self._engine is None:
+            self._pending.accumulating = not value
+        else:
+            self._engine.hooks.accumulating = not value
 
     def synchronize(self) -> None:
         """Wait for every in-flight sync, so the parameters are the shards' latest."""
@@ -210,6 +300,9 @@ class DistributedModel(torch.nn.Module):
 
     def abort(self) -> None:
         """Leave at once: no final sync, no done mark (the others will time out naming this worker)."""
+        self._closed = True
+        self._joining.remove()
+        self._watch.stop()
         if self._engine is not None:
             guards.release(self._engine.params)
             self._engine.close()
@@ -225,10 +318,12 @@ class DistributedModel(torch.nn.Module):
         self._store.close()
 
     def close(self) -> None:
-        """Finish the last sync, tell the coordinator this worker is done, release resources."""
-        if self._engine is None:
+        """Finish the last sync, tell the coordinator this worker is done, release resources (a worker that has not
+        joined the job yet joins it first: the others wait for it)."""
+        if self._closed:
             return
         try:
+            self.engine
             with self._reporting():
                 self._engine.hooks.flush()
                 self._engine.synchronize()
@@ -282,7 +377,8 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
         config = from_env(WorkerConfig, **options)
     elif options:
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
-    optimizer = check_launch_flags(optimizer, config)
+    if optimizer is not None:
+        optimizer = check_launch_flags(optimizer, config)
     return DistributedModel(module, config, optimizer)
 
 

@@ -81,10 +81,11 @@ class FlatParams:
 class GroupRuntime:
     """One fusion group's sync state on this worker."""
 
-    def __init__(self, group: Group, blocks: list[Block], param_ids: set[int], round_: int):
+    def __init__(self, group: Group, blocks: list[Block], params: list[torch.nn.Parameter], round_: int):
         self.group = group
         self.blocks = blocks
-        self.param_ids = param_ids
+        self.params = params
+        self.param_ids = {id(p) for p in params}
         self.round = round_
         self.by_shard: dict[int, list[Block]] = {}
         for block in blocks:
@@ -97,6 +98,8 @@ class GroupRuntime:
         self.push_done = threading.Event()
         self.push_done.set()
         self.pull_task = None
+        self.unsettled: set[str] = set()  # blocks of the latest sync the training thread has not waited for yet
+        self.dirty = False  # the accumulator's slice holds a pushed gradient (zeroed before the next one)
 
     @property
     def index(self) -> int:
@@ -126,15 +129,15 @@ class GroupTable:
         self.blocks_of: dict[int, list[str]] = {}    # id(param) -> the blocks that hold it
         self.pieces_of: dict[str, list[int]] = {b.block_id: [pid for pid, _ in flat.pieces(b)] for b in plan.blocks}
         for group in plan.groups:
-            members = {id(p) for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel}
+            members = [p for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel]
             blocks = plan.group_blocks(group)
             rounds = {block_rounds[b.block_id] for b in blocks}
             if len(rounds) != 1:
                 raise IMergeError(f"group {group.index}: its blocks are at different rounds {sorted(rounds)}")
             runtime = GroupRuntime(group, blocks, members, rounds.pop())
             self.groups.append(runtime)
-            self.group_of.update({pid: runtime for pid in members})
-            for pid in members:
+            self.group_of.update({id(p): runtime for p in members})
+            for pid in runtime.param_ids:
                 start, numel = flat.range[pid]
                 self.blocks_of[pid] = [b.block_id for b in blocks
                                        if b.offset < start + numel and start < b.offset + b.numel]

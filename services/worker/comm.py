@@ -278,8 +278,7 @@ class Communicator:
         for pending, sync_bytes in per_sync.values():
             self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
                               iteration=pending.sync.iteration)
-        for pending, block in batch:
-            self.staging.pushed(block.offset, block.numel)
+        for pending, _ in batch:
             if pending.block_pushed():
                 pending.sync.group.push_done.set()
 
@@ -299,7 +298,6 @@ class Communicator:
         for shard in shards[start:] + shards[:start]:
             span, nbytes = await self._push_shard_in_slot(sync, shard, group.by_shard[shard])
             self._record_push(shard, span, nbytes, group=group.index, iteration=sync.iteration)
-        self.staging.pushed(group.group.offset, group.group.numel)
 
     async def _push_shard_in_slot(self, sync: Sync, shard: int, blocks: list) -> tuple[tuple[float, float], int]:
         """Push the group's blocks of one shard holding the slot of (group, shard). With priority, they go in the

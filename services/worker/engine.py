@@ -34,9 +34,11 @@ from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
+from .saving import block_states, check_optimizer_state
 from .transport import ShardClient
 
 log = logging.getLogger(__name__)
+JOIN_STATE = -1  # the tag of worker 0's module state shared when the job is joined (imerge.load #n: -1 - n)
 
 
 class SyncEngine:
@@ -69,6 +71,7 @@ class SyncEngine:
                                  compression=block_modes(config.compression_spec(), plan))
         self.hooks = Hooks(self.flat, self.comm, config, optimizer, self.metrics, self.timeline,
                            {id(by_name[n]): n for n in names})
+        optimizer.on_step = self.hooks.stepped
         self.hooks.buffer_sync = BufferSync(model, store, rank=config.rank, world_size=config.world_size,
                                             mode=config.buffers, generation=generation,
                                             timeout_s=config.pull_timeout_s + config.rpc_timeout_s)
@@ -98,6 +101,8 @@ class SyncEngine:
 
     def use_plan(self, plan: Plan, block_rounds: dict[str, int]) -> None:
         """Group the (unchanging) blocks as ``plan`` says, each group at its blocks' round."""
+        if self.hooks.table is not None:
+            self.hooks.settle_accumulator()
         self.hooks.table = GroupTable(plan, self.flat, self.params, block_rounds)
         self.comm.plan_version = plan.version
 
@@ -129,13 +134,18 @@ class SyncEngine:
                  len(plan.groups), self.hooks.iteration)
 
     # -- the blocks on the shards ------------------------------------------------------------
-    def initialize(self) -> None:
-        """Rank 0 creates every block; then every worker fetches the current parameters."""
+    def initialize(self, optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
+        """Rank 0 creates every block (with ``optimizer_state``, per parameter: a torch optimizer's loaded state);
+        then every worker fetches the current parameters."""
         cfg = self.config
         if cfg.rank == 0:
             try:
                 self.loop.run(self._init_blocks(), cfg.rpc_timeout_s * 4,
                               "the shards to accept the initial parameters")
+                if optimizer_state:
+                    check_optimizer_state(self, optimizer_state, "the optimizer's loaded state")
+                    self.loop.run(self.import_states(block_states(self, optimizer_state)), cfg.rpc_timeout_s * 4,
+                                  "the shards to import the optimizer's loaded state")
             except Exception as exc:
                 self.store.announce_blocks_ready(self.plan.version, BlocksReady(
                     f"worker 0 could not initialize the blocks: {exc}"))
@@ -202,6 +212,13 @@ class SyncEngine:
         rounds = {b.block_id: r for blocks, reply in zip(by_shard.values(), replies) for b, r in zip(blocks, reply)}
         self.flat.load_from_host(0, self.flat.values.numel())
         self.use_plan(self.plan, rounds)
+
+    def share_module_state(self, tag: int) -> None:
+        """Worker 0's parameters outside the plan (frozen ones) and buffers become every worker's, as DDP's
+        construction broadcasts them (``tag``: JOIN_STATE when the job is joined, else an imerge.load's)."""
+        trained = {id(p) for p in self.params}
+        frozen = {name: p for name, p in self.hooks.model.named_parameters() if id(p) not in trained}
+        self.hooks.buffer_sync.share(tag, 0 if tag == JOIN_STATE else self.generation, frozen)
 
     # -- waits and closing -------------------------------------------------------------------
     def synchronize(self) -> None:

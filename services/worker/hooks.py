@@ -7,13 +7,16 @@
 * At the end of backward, groups some of whose parameters got no gradient
   count them as zero, and the iteration is counted.
 * A module's forward pre-hook waits on the Futures of the blocks that hold its
-  parameters (pulled blocks arrive one by one), not on whole groups.
-* A parameter whose gradient arrives although no forward of a module that holds
-  it ran (``F.linear(x, self.side.weight)``) is used outside its module. The
-  first backward of the engine learns such parameters (every parameter is fresh
-  then) and from then on the root module's forward waits for them first; one
-  that shows up later raises :class:`UnsupportedUse` naming it, since that
-  forward may already have read a stale value.
+  parameters (pulled blocks arrive one by one), not on whole groups. Any other
+  read of a parameter whose block is in flight (used before or outside its
+  module, or read after backward: ``state_dict()``, an EMA update) waits in
+  the parameter itself (:mod:`.guarded`).
+* ``.grad`` is the parameter's slice of the accumulator, the local gradient,
+  from a forward that records gradients to the next one (with T > 1, the
+  gradient autograd made). A group's slice is zeroed at that next forward once
+  its push is out; one still going out is left to the backward (its
+  parameters' ``.grad`` are None until then, and their first gradient clears
+  the slice).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from .buffers import FlatParams, GroupRuntime, GroupTable
 from .comm import Communicator, RoundResult
 from .staging import DONE
 from .config import WorkerConfig
+from .guarded import ParamGuard, guard_params, internal
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .transport import PushOptions
@@ -59,10 +63,12 @@ class Hooks:
         self.bucket_views = False   # each .grad is a view of the accumulator (set by install)
         self._views: dict[int, torch.Tensor] = {}
         self._params: list[torch.nn.Parameter] = []
-        self._model: torch.nn.Module | None = None
-        self._forward_params: set[int] = set()  # parameters whose module's forward ran since the last backward
-        self.outside: list[int] = []  # parameters used outside their module: waited for at the root's forward
-        self._learning = True       # the engine's first backward: outside uses are learned, not refused
+        self.model: torch.nn.Module | None = None
+        self._root_owned: list[int] = []  # the root module's own parameters
+        self._frozen: list[tuple[str, torch.nn.Parameter]] = []  # the model's parameters outside the layout
+        self.guard = ParamGuard(names, self.wait_params, self._grad_ready)
+        self.in_flight = self.guard.in_flight  # groups whose latest sync this thread has not waited for yet
+        self._release_guard: Callable[[], None] | None = None
         self.round_hypers: list[str] = []  # each param group's hyperparameters, as this backward's pushes carry
         self.buffer_sync: BufferSync | None = None  # set by the engine
         self.accumulating = False   # inside model.no_sync()
@@ -72,15 +78,19 @@ class Hooks:
         self._round_scaling = (0.0, 0.0)  # (loss scale, max norm) of this backward's pushes
         self._accumulate_this = False  # the last forward ran inside no_sync(): its backward only accumulates
         self._groups_enqueued = 0   # this iteration's groups sent
+        self._script_steps = False  # the loop calls optimizer.step(): then each synced backward needs one
+        self._backwards_since_step = 0
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
 
     def install(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-        # T = 1: from each forward to the end of its backward every .grad is a view of the accumulator, so
-        # autograd adds into it in place (with T > 1 a local step needs each iteration's own gradient)
+        # T = 1: from each forward to the next every .grad is a view of the accumulator, so autograd adds into
+        # it in place (with T > 1 a local step needs each iteration's own gradient)
         self.bucket_views = self.table.plan.period == 1
+        self._params, self.model = list(params), model
         if self.bucket_views:
             self._views = {id(p): self.flat.grad_view(p) for p in params}
-            self._params, self._model = list(params), model
+        trained = {id(p) for p in params}
+        self._frozen = [(name, p) for name, p in model.named_parameters() if id(p) not in trained]
         handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
                                                        prepend=True))
@@ -93,16 +103,27 @@ class Hooks:
             if owned:
                 handles.append(module.register_forward_pre_hook(
                     lambda _module, _args, owned=owned: self._module_forward(owned)))
+            if module is model:
+                self._root_owned = owned
         self._handles = handles
+        self._release_guard = guard_params(self._params, self.guard)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._release_guard is not None:
+            self._release_guard()
+            self._release_guard = None
 
     # -- iteration boundaries -------------------------------------------------------------
+    def first_forward(self, args: tuple) -> None:
+        """The forward during which the job was joined: the root's hooks were installed too late to run for it."""
+        self._forward_started_now(args)
+        if self._root_owned:
+            self._module_forward(self._root_owned)
+
     def _module_forward(self, owned: list[int]) -> None:
-        self._forward_params.update(owned)
         self.wait_params(owned)
         if self.profiler is not None:
             self.profiler.unit_forward([self.table.unit_of[pid] for pid in owned],
@@ -110,16 +131,12 @@ class Hooks:
 
     def _forward_started_now(self, args: tuple) -> None:
         self.buffer_sync.apply()
-        if torch.is_grad_enabled():
-            self.comm.staging.before_accumulate()  # the device accumulator's last zeroing is done first
-        if self.bucket_views and torch.is_grad_enabled() and self._model.training:
-            for param in self._params:  # from here to the end of backward, .grad is the accumulator's slice
-                param.grad = self._views[id(param)]
         if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
+            self._refuse_unfrozen()
+            self.comm.staging.before_accumulate()  # the device accumulator's copies to the host are done first
+            self._prepare_grads()
             self._forward_seen = True
             self._accumulate_this = self.accumulating  # as in DDP, the forward decides whether its backward syncs
-        if self.outside:
-            self._module_forward(self.outside)
         now = time.time()
         if self._forward_started:
             self.metrics.iteration.observe(now - self._forward_started)
@@ -128,6 +145,51 @@ class Hooks:
             self.profiler.forward_started()
         if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
             self.metrics.samples.inc(args[0].shape[0])
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen when the model was distributed is not in the plan: nobody would train it."""
+        for name, param in self._frozen:
+            if param.requires_grad:
+                raise UnsupportedUse(
+                    f"parameter {name} was frozen (requires_grad False) when the model was distributed and now "
+                    "requires a gradient: the shards hold only the parameters that were trainable then, so nobody "
+                    "would train it. Distribute the model with every parameter you will train trainable, and "
+                    "freeze parameters after imerge.distribute instead (a frozen one is not stepped)")
+
+    def _prepare_grads(self) -> None:
+        """A forward that records gradients: last iteration's local gradients make way for this one's."""
+        with internal():
+            if not self.bucket_views:  # T > 1: .grad was autograd's own tensor; the accumulator keeps the sum
+                for group in self.table.groups:
+                    if group.dirty and self._accumulator_free(group):
+                        self._clear(group)
+                for param in self._params:
+                    param.grad = None
+                return
+            for group in self.table.groups:
+                if group.dirty and self._accumulator_free(group):
+                    self._clear(group)
+                members = group.params
+                if group.dirty:  # its push is still reading the slice: backward clears it first (see _on_grad)
+                    for param in members:
+                        param.grad = None
+                else:  # from here on, .grad is the accumulator's slice: autograd adds into it
+                    for param in members:
+                        param.grad = self._views[id(param)]
+
+    def _accumulator_free(self, group: GroupRuntime) -> bool:
+        """Whether the group's slice of the accumulator may be overwritten now (on the CPU the push reads it)."""
+        return group.push_done.is_set() or not self.comm.staging.wire_reads_accumulator
+
+    def _clear(self, group: GroupRuntime) -> None:
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+        group.dirty = False
+
+    def _grad_ready(self, param_id: int) -> None:
+        """``.grad`` is read: with bucket views it is the slice a push may still be reading; let that finish."""
+        group = self.table.group_of.get(param_id)
+        if self.bucket_views and group is not None and not group.push_done.is_set():
+            self._wait(group.push_done.wait, group, "its push to finish before .grad is read")
 
     def _forward_ended_now(self) -> None:
         if self.profiler is not None:
@@ -141,25 +203,28 @@ class Hooks:
 
     # -- backward ---------------------------------------------------------------------------
     def _on_grad(self, param: torch.nn.Parameter) -> None:
+        with internal():
+            self._take_grad(param)
+
+    def _take_grad(self, param: torch.nn.Parameter) -> None:
         group = self.table.group_of[id(param)]
         if not self._callback_queued:
             self._backward_started()
         if not group.push_done.is_set():  # the previous push of this group is still going out
             self._wait(group.push_done.wait, group, "its previous push to finish")
-        if id(param) not in self._forward_params:
-            self._used_outside_its_module(param)
+        if group.dirty:  # its slice still held the pushed gradient at the forward: clear it before adding
+            self._clear(group)
         grad = param.grad.detach()
         if self.bucket_views:  # autograd accumulated into the view in place, unless...
             view = self._views[id(param)]
             if grad.data_ptr() != view.data_ptr():
                 if torch.is_grad_enabled():  # ...create_graph: .grad became view + gradient, out of place
                     view.copy_(grad.reshape(view.shape))
-                else:  # ...the script set .grad to None after the forward: .grad is this gradient alone
+                else:  # ...its .grad was None at the forward (the script's, or a slice being pushed then)
                     view.add_(grad.reshape(view.shape))
                 param.grad = view
         else:
-            self.flat.add_grad(param, grad)
-            param.grad = None
+            self.flat.add_grad(param, grad)  # .grad stays this iteration's gradient until the next forward
         group.given.add(id(param))
         if self._accumulate_this:  # no_sync(): summed locally, pushed with the next synced backward
             return
@@ -179,23 +244,17 @@ class Hooks:
                 "of the wrapped model in between: every backward is one optimizer step on the shards, so it would "
                 "step twice (or, on one rank only, desynchronize the job); run the wrapped model's forward before "
                 "each backward, or accumulate gradients under model.no_sync()")
+        if self._script_steps and self._backwards_since_step and not self._accumulate_this:
+            raise UnsupportedUse(
+                f"worker {self.config.rank}: a second backward since the last optimizer.step(): with IMerge every "
+                "backward is an optimizer step on the shards, so accumulating gradients over several backward "
+                "passes before one step (as DDP allows) would take a step per backward. Accumulate under "
+                "model.no_sync() (or model.require_backward_grad_sync = False) for every backward but the last")
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self._callback_queued = True
         self.round_hypers = self.optimizer.hypers()
         self.metrics.learning_rates([float(group.get("lr", 0.0)) for group in self.optimizer.param_groups])
         self._round_scaling = (self.loss_scale, self.max_norm)
-
-    def _used_outside_its_module(self, param: torch.nn.Parameter) -> None:
-        name = self.names.get(id(param), "?")
-        if not self._learning:
-            raise UnsupportedUse(
-                f"worker {self.config.rank}: parameter {name} got a gradient in iteration {self.iteration} although "
-                "no forward of a module holding it ran: it is used outside its module (as in F.linear(x, "
-                "module.weight)). IMerge learns such uses in the first iteration and waits for them at the start "
-                "of forward; this one appeared later, so this forward may have read a stale value. Use it the same "
-                "way from the first iteration on, or call its module")
-        self.outside.append(id(param))
-        self._forward_params.add(id(param))
 
     def _group_complete(self, group: GroupRuntime) -> None:
         group.seen.clear()
@@ -217,14 +276,27 @@ class Hooks:
         group.given.clear()
         ready = self.comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
         self.comm.enqueue(group, self.iteration - self.schedule_start, options, ready)
+        group.unsettled = {b.block_id for b in group.blocks}
+        group.dirty = True
+        self.in_flight.add(group.index)
 
     def _end_of_backward(self) -> None:
         """Groups some of whose parameters got no gradient count them as zero."""
+        with internal():
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         if self._accumulate_this:  # a no_sync() micro-batch: not an iteration
             self._backward_done()
             return
         for group in self.table.groups:
             if not group.done_this_backward:
+                if group.dirty:  # none of its parameters got a gradient: its slice still holds the last push
+                    self._wait(group.push_done.wait, group, "its previous push to finish")
+                    self._clear(group)
+                for param in group.params:  # as after a local backward, one that got no gradient has none
+                    if id(param) not in group.given:
+                        param.grad = None
                 self._group_complete(group)
             group.done_this_backward = False
             if not self.config.overlap and self.syncs_now(group):
@@ -243,19 +315,28 @@ class Hooks:
         self.loss_scale = 0.0  # a backward is scaled only if grad_scaler.scale() ran since the last one
         self.buffer_sync.published(self.iteration)
         self.iteration += 1
+        self._backwards_since_step += 1
         if self.profiler is not None:
             self.profiler.backward_ended()
         if self.after_backward is not None:
             self.after_backward()
 
     def _backward_done(self) -> None:
-        if self.bucket_views:  # between iterations .grad is None: a local optimizer.step() finds nothing to do
-            for param in self._params:
-                param.grad = None
         self._callback_queued = False
         self._forward_seen = False
-        self._forward_params.clear()
-        self._learning = False
+
+    def stepped(self) -> None:
+        """The loop called optimizer.step(): after more than one synced backward since the last, that step stands
+        for several shard steps (DDP-style accumulation without no_sync)."""
+        if self._backwards_since_step > 1:
+            self._backwards_since_step = 0
+            raise UnsupportedUse(
+                f"worker {self.config.rank}: optimizer.step() after several backward passes: with IMerge every "
+                "backward is an optimizer step on the shards, so gradients accumulated over several backward passes "
+                "were stepped once each. Accumulate under model.no_sync() (or model.require_backward_grad_sync = "
+                "False) for every backward but the last")
+        self._script_steps = True
+        self._backwards_since_step = 0
 
     # -- forward: waits ----------------------------------------------------------------------------
     def _wait(self, wait: Any, group: GroupRuntime, what: str) -> Any:
@@ -281,23 +362,30 @@ class Hooks:
             self._waited_s += time.time() - started
         for future in futures:
             future.result()  # re-raise a failed sync
-        for block_id in block_ids if block_ids is not None else [block.block_id for block in group.blocks]:
+        block_ids = block_ids if block_ids is not None else [block.block_id for block in group.blocks]
+        for block_id in block_ids:
             self.comm.staging.before_use(self.comm.arrived.get(block_id, DONE))
+        group.unsettled.difference_update(block_ids)
+        if not group.unsettled:
+            self.in_flight.discard(group.index)
 
     def wait_params(self, param_ids: list[int]) -> None:
         """Wait until the blocks holding these parameters are back from their latest sync."""
+        if not self.in_flight:
+            return
         needed: dict[int, tuple[GroupRuntime, set[str]]] = {}
         for pid in param_ids:
-            group = self.table.group_of[pid]
-            needed.setdefault(group.index, (group, set()))[1].update(self.table.blocks_of[pid])
+            group = self.table.group_of.get(pid)
+            if group is None or group.index not in self.in_flight:
+                continue
+            pending = group.unsettled.intersection(self.table.blocks_of[pid])
+            if pending:
+                needed.setdefault(group.index, (group, set()))[1].update(pending)
         for index in sorted(needed):
             group, block_ids = needed[index]
-            if self.bucket_views and not group.push_done.is_set():  # backward will accumulate into its slice
-                self._wait(group.push_done.wait, group, "its previous push to finish")
-            if group.future is not None:
-                waited = sorted(block_ids)
-                self._wait_futures(group, [group.block_futures[b] for b in waited],
-                                   f"round {group.round + 1} of blocks {waited} to be pulled", waited)
+            waited = sorted(block_ids)
+            self._wait_futures(group, [group.block_futures[b] for b in waited],
+                               f"round {group.round + 1} of blocks {waited} to be pulled", waited)
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
@@ -310,7 +398,7 @@ class Hooks:
     @property
     def started(self) -> bool:
         """Whether this engine pushed (or is pushing) a round already."""
-        return not self._learning or self._callback_queued
+        return self.iteration > 0 or self._callback_queued
 
     def last_round_result(self) -> RoundResult | None:
         """What the shards said of the latest round pushed (waiting for its first block to come back)."""
@@ -338,8 +426,15 @@ class Hooks:
     def _before_load(self) -> None:
         if not self._loading:
             self.synchronize()
+        self.guard.assigning = True
 
     def _after_load(self) -> None:
+        self.guard.assigning = False
+        current = {id(param) for param in self.model.parameters()}
+        replaced = [self.names[id(param)] for param in self._params if id(param) not in current]
+        if replaced:
+            raise UnsupportedUse(f"load_state_dict(assign=True) after imerge.distribute replaced parameter "
+                                 f"{replaced[0]}: the shards and the hooks hold the old one; load without assign=True")
         if not self._loading:
             self.assign()
 
@@ -351,10 +446,21 @@ class Hooks:
                                  "gradients would be lost; load before the micro-batches or after their step")
         self.synchronize()
         self.round_hypers = self.optimizer.hypers()
+        self.settle_accumulator()
         self.flat.grads.copy_(self.flat.values)
         for group in self.table.groups:
             self._enqueue(group, assign=True)
         self.synchronize()
+
+    def settle_accumulator(self) -> None:
+        """Every push out and every pushed slice of the accumulator zeroed (before the groups change, or the
+        accumulator is used for anything else)."""
+        self.comm.staging.before_accumulate()
+        for group in self.table.groups:
+            if not group.push_done.is_set():
+                self._wait(group.push_done.wait, group, "its push to finish")
+            if group.dirty:
+                self._clear(group)
 
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""

@@ -8,6 +8,10 @@ it last did), and every other worker copies them in before its next forward
 Mode ``average`` has every worker publish and take the mean, in rank order, of
 the floating-point buffers (integer ones, such as ``num_batches_tracked``, come
 from worker 0). Mode ``off`` leaves each worker its own.
+
+Whatever the mode, when the job is joined and after ``imerge.load`` worker 0's
+buffers and frozen parameters (those not trained, so outside the plan) become
+every worker's, as DDP's construction broadcasts them (:meth:`BufferSync.share`).
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ import base64
 import torch
 from safetensors.torch import load, save
 
+from imerge.core.errors import UnsupportedUse
+
+SHARED_STATE_TTL_S = 30 * 86400.0  # worker 0's state at the job's start: read again by workers restarted later
 
 
 def encode(tensors: dict[str, torch.Tensor]) -> str:
@@ -74,6 +81,27 @@ class BufferSync:
             else:
                 averaged[name] = first
         self._copy(averaged)
+
+    def share(self, tag: int, generation: int, frozen: dict[str, torch.nn.Parameter]) -> None:
+        """Worker 0's ``frozen`` parameters (those outside the plan) and buffers become every worker's: it publishes
+        them under ``tag``, the others copy them in (a restarted worker reads those of the job's start again)."""
+        if self.world_size == 1:
+            return
+        if self.rank == 0:
+            state = {**{f"param/{name}": p.detach().clone() for name, p in frozen.items()},
+                     **{f"buffer/{name}": b.detach().clone() for name, b in self.buffers.items()}}
+            self.store.publish_buffers(generation, tag, 0, encode(state), SHARED_STATE_TTL_S)
+            return
+        state = decode(self.store.wait_buffers(generation, tag, 0, self.timeout_s))
+        params = {f"param/{name}": p for name, p in frozen.items()}
+        targets = {**params, **{f"buffer/{name}": b for name, b in self.buffers.items()}}
+        unknown = sorted(set(state) - set(targets))
+        if unknown:
+            raise UnsupportedUse(f"worker 0's {unknown[0].replace('/', ' ', 1)} is not a frozen parameter or buffer "
+                                 f"of worker {self.rank}'s model: every worker must freeze the same parameters")
+        with torch.no_grad():
+            for key, value in state.items():
+                targets[key].copy_(value)
 
     def _copy(self, values: dict[str, torch.Tensor]) -> None:
         buffers = self.buffers

@@ -57,12 +57,27 @@ def _state_lives_on_the_shards(*_: Any) -> None:
                          "imerge.save(model, path) and imerge.load(model, path)")
 
 
-def _nothing_to_step(optimizer: torch.optim.Optimizer) -> None:
-    """Before the script's own optimizer steps: the shards stepped already, so no gradient is left for it."""
-    _refuse_torch_scaler(optimizer)
-    for group in optimizer.param_groups:
-        for param in group["params"]:
+class _NothingToStep:
+    """Around the script's own optimizer's step(): the shards stepped already, so it must find no gradient. The
+    local gradients (``.grad``, which the loop may still read) are put aside for the step and back after it."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, proxy: "ShardOptimizer"):
+        self.aside: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.proxy = proxy
+        optimizer.register_step_pre_hook(self.before)
+        optimizer.register_step_post_hook(self.after)
+
+    def before(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        _refuse_torch_scaler(optimizer)
+        self.proxy.stepped()
+        self.aside = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
+        for param, _ in self.aside:
             param.grad = None
+
+    def after(self, *_: Any) -> None:
+        for param, grad in self.aside:
+            param.grad = grad
+        self.aside = []
 
 
 def _refuse_torch_scaler(optimizer: Any) -> None:
@@ -75,6 +90,7 @@ def _refuse_torch_scaler(optimizer: Any) -> None:
 
 class ShardOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # torch.amp.GradScaler hands itself to step(), which refuses it
+    imerge_proxy = True  # not a second optimizer over the model's parameters (see .adoption)
 
     def __init__(self, spec: OptimizerSpec, groups: Sequence[Sequence[torch.nn.Parameter]],
                  shared: torch.optim.Optimizer | None = None):
@@ -87,7 +103,8 @@ class ShardOptimizer(torch.optim.Optimizer):
             shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
             shared._step_supports_amp_scaling = True  # torch.amp.GradScaler then marks the optimizer before step()
-            shared.register_step_pre_hook(lambda optimizer, *_: _nothing_to_step(optimizer))
+            _NothingToStep(shared, self)
+        self.on_step: Callable[[], None] | None = None  # the engine counts the script's steps
         self.hyper_keys = list(defaults)
         self.initial = [scalar_hypers(spec.group(index).build([torch.nn.Parameter(torch.zeros(1))]).param_groups[0],
                                       self.hyper_keys) for index in range(len(groups))]
@@ -108,6 +125,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         return [hyper_delta(scalar_hypers(group, self.hyper_keys), initial)
                 for group, initial in zip(self.param_groups, self.initial)]
 
+    def stepped(self) -> None:
+        """The script called step() (this proxy's, or its own optimizer's)."""
+        if self.on_step is not None:
+            self.on_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the gradient accumulator is zeroed once each push is out (each .grad views it)."""
 
@@ -124,6 +146,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         if grad_scaler is not None:
             _refuse_torch_scaler(None)
         _refuse_torch_scaler(self)
+        self.stepped()
         return None
 
 

@@ -45,8 +45,10 @@ def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
         return
     states = engine.loop.run(engine.export_states(), engine.config.wait_timeout_s, "the shards' optimizer state")
     by_param: dict[str, dict[str, list[torch.Tensor]]] = {}
+    masters = torch.empty(engine.flat.values.numel())  # the shards' fp32 parameters (compressed pulls round them)
     for block in sorted(engine.plan.blocks, key=lambda b: b.offset):
         state = load(states[block.block_id])
+        masters[block.offset:block.offset + block.numel] = state["param"]
         for index, (name, _, _) in enumerate(_block_pieces(engine, block)):
             for key in [k for k in state if k.startswith(f"state/{index}/")]:
                 parts = by_param.setdefault(name, {}).setdefault(key.split("/", 2)[2], [])
@@ -55,6 +57,10 @@ def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
                     parts.append(value.reshape(-1) if value.dim() > 0 else value)
     tensors = {f"model/{key}": value.detach().cpu().clone().contiguous()
                for key, value in model.module.state_dict().items()}
+    for name, param in model.module.named_parameters(remove_duplicate=False):
+        if id(param) in engine.flat.range and f"model/{name}" in tensors:
+            offset, numel = engine.flat.range[id(param)]
+            tensors[f"model/{name}"] = masters[offset:offset + numel].reshape(param.shape).clone()
     tensors.update({f"optim/{name}/{key}": torch.cat(parts) if parts[0].dim() > 0 else parts[0]
                     for name, by_key in by_param.items() for key, parts in by_key.items()})
     metadata = {"format": FORMAT, "iteration": str(iteration), "optimizer": engine.optimizer.spec.to_json(),
@@ -79,7 +85,7 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, metadata
 
 
-def _block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, bytes]:
+def block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, bytes]:
     """Each block's parameters (the loaded module's) and optimizer state, cut from the file's per-parameter state."""
     engine.flat.stage_to_host()
     states = {}
@@ -92,7 +98,7 @@ def _block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dic
     return states
 
 
-def _check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
+def check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
     """Refuse a file whose optimizer state names a parameter this model does not train, or whose per-element
     state does not match the parameter's size: loading it would drop or misplace that state silently."""
     numel = {engine.hooks.names[pid]: count for pid, (_, count) in engine.flat.range.items()}
@@ -126,16 +132,18 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
                 if key.startswith("optim/"):
                     name, _, state_name = key[6:].rpartition("/")
                     optim.setdefault(name, {})[state_name] = value
-            _check_optimizer_state(engine, optim, path)
-            engine.loop.run(engine.import_states(_block_states(engine, optim)), config.wait_timeout_s,
+            check_optimizer_state(engine, optim, path)
+            engine.loop.run(engine.import_states(block_states(engine, optim)), config.wait_timeout_s,
                             "the shards to import the loaded state")
         except IMergeError as exc:
             engine.store.announce_loaded(engine.generation, sequence, Loaded(f"worker 0 could not load {path}: {exc}"))
             raise
         engine.store.announce_loaded(engine.generation, sequence, Loaded("", json.dumps(metadata)))
+        engine.share_module_state(-1 - sequence)  # its frozen parameters and buffers: every worker's
         return metadata
     loaded = engine.store.wait_loaded(engine.generation, sequence, config.wait_timeout_s)
     if loaded.error:
         raise JobFailed(loaded.error)
     engine.loop.run(engine.fetch_all(), config.wait_timeout_s + 5.0, "the loaded parameters from the shards")
+    engine.share_module_state(-1 - sequence)
     return json.loads(loaded.metadata)

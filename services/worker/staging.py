@@ -1,17 +1,17 @@
 """Between the device and the wire: when a group's gradients may be read, when pulled parameters may be used.
 
 * CPU (:class:`HostStaging`): nothing is copied. The gradient accumulator is
-  what a push sends, and it is zeroed once the push is out; a pull writes the
-  parameters themselves.
+  what a push sends (so it is not zeroed before the push is out); a pull
+  writes the parameters themselves.
 * CUDA (:class:`CudaStaging`): gradients accumulate in a flat device buffer.
   When a group completes in backward, one non-blocking copy of its slice into
   pinned host memory runs on a side stream, after the work the compute stream
-  has queued so far, and the slice is zeroed there; the hook returns at once,
-  and the comm thread waits on the copy's event before it pushes. A pulled
+  has queued so far; the hook returns at once, and the comm thread waits on
+  the copy's event before it pushes. A pulled
   block goes back with one non-blocking copy on another side stream; the
   forward that needs it waits on that block's event on the GPU, never on a
-  host synchronize, and the next backward's accumulation waits (on the GPU)
-  for the zeroing.
+  host synchronize, and the next forward that records gradients waits (on the
+  GPU) for the copies before it zeroes the accumulator.
 
 A staging hands out "ready" objects with ``query()`` (done?) and
 ``synchronize()`` (block until done): CUDA events, or :data:`DONE`.
@@ -43,6 +43,8 @@ DONE = _Done()
 
 
 class HostStaging:
+    wire_reads_accumulator = True  # a push reads the accumulator itself: zero a slice only once it is out
+
     def __init__(self, flat: FlatParams):
         self.flat = flat
 
@@ -54,10 +56,6 @@ class HostStaging:
         """What a push sends of that range (host memory)."""
         return self.flat.grads[offset:offset + numel]
 
-    def pushed(self, offset: int, numel: int) -> None:
-        """The range is on the shards: clear it for the next accumulation (comm thread)."""
-        self.flat.grads[offset:offset + numel].zero_()
-
     def block_pulled(self, offset: int, numel: int) -> Ready:
         """A pulled block is in the host buffer (comm thread): when may a forward use it?"""
         return DONE
@@ -66,10 +64,13 @@ class HostStaging:
         """A forward is about to read a pulled block (training thread)."""
 
     def before_accumulate(self) -> None:
-        """A training forward starts: its backward will accumulate into the device buffer (training thread)."""
+        """A forward that records gradients starts: the accumulator is about to be zeroed and accumulated into
+        (training thread)."""
 
 
 class CudaStaging(HostStaging):
+    wire_reads_accumulator = False  # a push reads the pinned copy
+
     def __init__(self, flat: FlatParams):
         super().__init__(flat)
         self.d2h = torch.cuda.Stream(flat.device)
@@ -82,16 +83,12 @@ class CudaStaging(HostStaging):
             self.d2h.wait_event(computed)
             self.flat.host_grads[offset:offset + numel].copy_(self.flat.grads[offset:offset + numel],
                                                               non_blocking=True)
-            self.flat.grads[offset:offset + numel].zero_()
             copied = torch.cuda.Event()
             copied.record()
         return copied
 
     def wire_grads(self, offset: int, numel: int) -> torch.Tensor:
         return self.flat.host_grads[offset:offset + numel]
-
-    def pushed(self, offset: int, numel: int) -> None:
-        """Nothing: the device slice was zeroed right after its copy, on the copy stream."""
 
     def block_pulled(self, offset: int, numel: int) -> Ready:
         # after the compute work queued before the groups completed (which may still read the old parameters)

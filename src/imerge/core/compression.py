@@ -125,6 +125,9 @@ class TopKCompressor:
         corrected = self.residual.add_(tensor)  # in place: the residual becomes what is left after sending
         indices = select_topk(corrected, self.k)
         values = corrected[indices]
+        given = values != 0
+        if not bool(given.all()):  # zeros are not sent: a piece nobody gave a gradient stays without one
+            indices, values = indices[given], values[given]
         corrected[indices] = 0.0
         return Payload(values, indices.to(torch.int32), tensor.numel()), tensor.numel()
 
