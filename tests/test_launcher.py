@@ -119,6 +119,7 @@ def test_failed_role_is_named_and_exit_is_nonzero_once_its_restarts_are_exhauste
     (["bench", "B4", "--sizes", "1,x"], {}, "--sizes: must be comma-separated worker counts"),
     (["testbed", "--mtu", "100"], {}, "--mtu: must be within 576..65000"),
     (["launch", "--model", "resnet18", "--", "python", "s.py"], {}, "--model: is an option of the built-in job"),
+    (["launch", "--", "missing-command", "x"], {}, "no such command: missing-command (the command after --"),
 ])
 def test_cli_rejects_bad_options_naming_them(args, env, message, monkeypatch, capsys):
     from helpers import run_cli
@@ -240,3 +241,83 @@ def test_console_lines_never_read_a_roles_text_as_markup():
     launcher = Launcher(LaunchConfig(), {}, console=Console(file=out, width=200))
     launcher._say("red", "ps0: failed [/imerge.v1.ParameterServer/Pull] [bold]x[/bold]")
     assert "ps0: failed [/imerge.v1.ParameterServer/Pull] [bold]x[/bold]" in out.getvalue()
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist, imerge
+from torch.utils.data import DistributedSampler
+dist.init_process_group("gloo")  # the script's own process group, from torchrun's variables
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+sampled = list(DistributedSampler(range(8), shuffle=False))
+model = imerge.distribute(torch.nn.Linear(4, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    loss = model(torch.ones(2, 4)).pow(2).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.log_loss(loss, total=3)
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "local", os.environ["LOCAL_RANK"],
+      os.environ["LOCAL_WORLD_SIZE"], "sum", total.item(), "sampled", sampled, flush=True)
+dist.destroy_process_group()
+"""  # and no model.close(): the script ends, IMerge leaves the job at exit
+
+
+def test_a_script_gets_torchruns_variables_and_ends_without_close(tmp_path):
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun gives them: the
+    script's own process group, all_reduce and DistributedSampler work beside IMerge; it never calls close(), and
+    leaves cleanly at exit (exit 0, no restart); model.log_loss feeds the launcher's summary."""
+    summary = tmp_path / "summary.json"
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--summary-json", str(summary), "--", sys.executable,
+                 "-c", TORCHRUN_SCRIPT)
+    output, _ = run.communicate(timeout=180)
+    assert run.returncode == 0, output
+    assert "[rank0]: rank 0 of 2 local 0 2 sum 1.0 sampled [0, 2, 4, 6]" in output
+    assert "[rank1]: rank 1 of 2 local 1 2 sum 1.0 sampled [1, 3, 5, 7]" in output
+    assert "Traceback" not in output and "restarting" not in output
+    result = json.loads(summary.read_text())
+    assert result["iterations"] == 3 and result["final_loss"] is not None and result["restarts"] == 0
+
+
+def test_a_failure_that_repeats_is_not_restarted_again_and_each_restart_is_one_line(tmp_path):
+    script = "import os; os.environ['IMERGE_RANK'] == '1' and os.environ['A_VARIABLE_NOBODY_SET']"
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
+                 script)
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1, output
+    assert output.count("restarting it") == 1, output
+    assert "worker1: failed twice the same way (exit code 1: KeyError: 'A_VARIABLE_NOBODY_SET'); not restarted " \
+           "again" in " ".join(output.split()), output
+
+
+def test_a_worker_script_that_never_joins_fails_the_job(tmp_path):
+    run = launch(tmp_path, "--shards", "1", "--workers", "1", "--", sys.executable, "-c", "print('no job here')")
+    output, _ = run.communicate(timeout=120)
+    assert run.returncode == 1, output
+    assert "worker0: exited with code 0 without finishing its part of the job: it never joined it" in \
+        " ".join(output.split()), output
+
+
+def test_under_torchrun_its_rank_decides_over_the_pods(cluster, tmp_path):
+    """A pod of the chart carries IMERGE_RANK for itself; torchrun inside it starts a process per GPU, each with
+    its own RANK: torchrun's decides (no RankInUse), and an IMERGE_WORLD_SIZE that disagrees is refused."""
+    from imerge.core.errors import ConfigError
+    from imerge.ops.redis_server import free_port
+    from imerge.worker.config import torchrun_identity
+
+    c = cluster(2, 1)
+    script = ("import os, torch, imerge\n"
+              "model = imerge.distribute(torch.nn.Linear(4, 2), imerge.OptimizerSpec('sgd', lr=0.1))\n"
+              "model(torch.ones(1, 4)).sum().backward()\n"
+              "print('joined as', model.config.rank, 'of', model.config.world_size, flush=True)\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}, "IMERGE_JOB": c.job,
+           "IMERGE_REDIS_URL": c.redis_url, "IMERGE_RANK": "0", "IMERGE_WORLD_SIZE": "2"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), "--no-python", sys.executable, "-c", script],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "joined as 0 of 2" in run.stdout and "joined as 1 of 2" in run.stdout
+    with pytest.raises(ConfigError, match="IMERGE_WORLD_SIZE is 4 but torchrun's WORLD_SIZE is 2"):
+        torchrun_identity({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "IMERGE_WORLD_SIZE": "4"})
+    assert torchrun_identity({"RANK": "1", "WORLD_SIZE": "2"}) == {}  # not under torchrun: IMERGE_* decide

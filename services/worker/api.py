@@ -17,12 +17,15 @@ checkpoint's round (``start_iteration``: the data position to continue from).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import sys
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,10 +36,11 @@ from imerge.control.store import Store
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError, InvalidArgument, StoreError, UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
+from imerge.telemetry import progress
 from imerge.telemetry.metrics import MetricsServer
 
 from .adoption import OptimizerWatch, optimizer_state
-from .config import WorkerConfig
+from .config import WorkerConfig, torchrun_identity
 from .engine import JOIN_STATE, SyncEngine
 from . import guards
 from .amp import ShardGradScaler
@@ -91,6 +95,7 @@ class DistributedModel(torch.nn.Module):
         self._joining: Any = module.register_forward_pre_hook(self._join_at_forward, prepend=True)
         self._pending = PendingSettings()
         self._closed = False
+        self._logged: tuple[float, int] | None = None  # (when, iteration) of the last loss reported to a launcher
         self.generation = 0
         self.failure_reported = False  # this worker reported a failure to the coordinator
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
@@ -210,11 +215,19 @@ class DistributedModel(torch.nn.Module):
         return ShardGradScaler(lambda: self.engine.hooks, device, init_scale, growth_factor, backoff_factor,
                                growth_interval, enabled)
 
-    def log_loss(self, loss: torch.Tensor | float) -> None:
-        """Show ``loss`` on this worker's metrics (``imerge_worker_loss``, the workers dashboard). A tensor is read
-        with ``.item()``, which waits for the GPU: call it every few iterations where that matters."""
+    def log_loss(self, loss: torch.Tensor | float, total: int | None = None) -> None:
+        """Show ``loss`` on this worker's metrics (``imerge_worker_loss``, the workers dashboard) and, under
+        ``imerge launch``, worker 0's on the launcher's progress bar and in its summary, at the iterations done
+        (``total``: the iterations the script will run, for the bar). A tensor is read with ``.item()``, which
+        waits for the GPU: call it every few iterations where that matters."""
         value = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
         self.engine.metrics.loss.set(value)
+        if progress.connected():
+            now, iteration = time.monotonic(), self.engine.iteration
+            figures = {"seconds": (now - self._logged[0]) / max(1, iteration - self._logged[1])} \
+                if self._logged is not None and iteration > self._logged[1] else {}
+            progress.report(iteration=iteration, loss=value, **({"total": total} if total else {}), **figures)
+            self._logged = (now, iteration)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every round's averaged gradient, on the shards, to ``max_norm`` (global L2 norm over all the
@@ -342,17 +355,49 @@ class DistributedModel(torch.nn.Module):
             self.abort()
 
 
+_live: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()  # every model not closed yet, for the exit hook
+_uncaught: list[BaseException] = []  # the exception ending the script, if one does
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, IMergeError):
+        return EXIT_REJOIN if error.recoverable else EXIT_FATAL
+    return 1
+
+
+def _leave_at_exit() -> None:
+    """At interpreter exit, every model the script did not close leaves the job: with the last sync and a done mark
+    where the script ended normally (a DDP script has no close() to call), at once where an exception ended it.
+    The comm thread is stopped here, before the interpreter tears down under it."""
+    for model in list(_live):
+        if model._closed:
+            continue
+        if _uncaught:
+            model.abort()
+            continue
+        try:
+            model.close()
+        except BaseException as exc:  # noqa: BLE001 - the process must say it failed, not exit 0
+            log.error("worker %d could not leave the job at exit: %s: %s", model.config.rank, type(exc).__name__, exc)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_exit_code(exc))
+
+
 def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
     """An excepthook that ends a training script killed by an IMerge error with the code its supervisor reads:
-    EXIT_REJOIN (recoverable: restart it and it rejoins) or EXIT_FATAL (restarting would fail the same way)."""
+    EXIT_REJOIN (recoverable: restart it and it rejoins) or EXIT_FATAL (restarting would fail the same way); any
+    uncaught exception makes the exit hook abort (not close) the models still open."""
 
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        _uncaught.append(value)
         previous(kind, value, traceback)
         if isinstance(value, IMergeError):
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_REJOIN if value.recoverable else EXIT_FATAL)
+            os._exit(_exit_code(value))
 
     hook.imerge = True  # type: ignore[attr-defined]
     return hook
@@ -373,13 +418,16 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
 
     if not getattr(sys.excepthook, "imerge", False):
         sys.excepthook = _exit_codes(sys.excepthook)
+        atexit.register(_leave_at_exit)
     if config is None:
-        config = from_env(WorkerConfig, **options)
+        config = from_env(WorkerConfig, **{**torchrun_identity(os.environ), **options})
     elif options:
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
     if optimizer is not None:
         optimizer = check_launch_flags(optimizer, config)
-    return DistributedModel(module, config, optimizer)
+    model = DistributedModel(module, config, optimizer)
+    _live.add(model)
+    return model
 
 
 def save(model: DistributedModel, path: str | os.PathLike) -> None:

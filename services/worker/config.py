@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.core.config import CommonConfig, TlsConfig, option, require
+from collections.abc import Mapping
+
+from imerge.core.config import CommonConfig, TlsConfig, flag_name, option, require
+from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import MIB, ScheduleConfig
 
-__all__ = ["MIB", "ScheduleConfig", "WorkerConfig"]
+__all__ = ["MIB", "ScheduleConfig", "WorkerConfig", "torchrun_identity"]
+TORCHRUN = "TORCHELASTIC_RUN_ID"  # torchrun (torch.distributed.run) sets it in every process it starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,3 +42,23 @@ class WorkerConfig(ScheduleConfig, TlsConfig, CommonConfig):
             require((node + 1) * self.nproc_per_node <= self.world_size, "nproc_per_node",
                     f"node {node} with {self.nproc_per_node} processes needs ranks up to "
                     f"{(node + 1) * self.nproc_per_node - 1}, but --world-size is {self.world_size}")
+
+
+def torchrun_identity(env: Mapping[str, str]) -> dict[str, int]:
+    """Under torchrun, its RANK, WORLD_SIZE and LOCAL_RANK are the worker's identity, over IMERGE_RANK and
+    IMERGE_LOCAL_RANK (which a pod may carry for itself: the chart's, when torchrun runs a process per GPU in
+    it); an IMERGE_WORLD_SIZE that disagrees with torchrun's WORLD_SIZE is an error naming both."""
+    if not env.get(TORCHRUN):
+        return {}
+    try:
+        identity = {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
+                    "local_rank": int(env.get("LOCAL_RANK", "-1"))}
+    except (KeyError, ValueError):
+        raise ConfigError("RANK", f"torchrun ({TORCHRUN} is set) gives RANK and WORLD_SIZE as integers; got RANK="
+                                  f"{env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}") from None
+    ours = env.get("IMERGE_WORLD_SIZE", "")
+    if ours and ours.strip() != str(identity["world_size"]):
+        raise ConfigError(flag_name("world_size"), f"IMERGE_WORLD_SIZE is {ours} but torchrun's WORLD_SIZE is "
+                                                   f"{identity['world_size']}: the job's workers are every process "
+                                                   "torchrun starts on every node; make the two agree")
+    return identity

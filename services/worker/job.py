@@ -34,7 +34,7 @@ def _train(model: DistributedModel, train: torch.utils.data.TensorDataset, worke
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
             iteration, loss_value = iteration + 1, loss.detach().item()
-            model.log_loss(loss_value)
+            model.engine.metrics.loss.set(loss_value)  # the job reports its own progress, with the epoch
             progress.report(iteration=iteration, total=total, loss=loss_value, epoch=epoch,
                             seconds=time.monotonic() - tick)
             if job.state_file and job.state_every and iteration % job.state_every == 0 and iteration < total:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["distribute", "DistributedModel", "WorkerConfig", "OptimizerSpec", "save", "load", "__version__"]
+__all__ = ["distribute", "DistributedModel", "WorkerConfig", "OptimizerSpec", "save", "load", "progress",
+           "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,6 +20,9 @@ def __getattr__(name: str) -> Any:
     if name == "WorkerConfig":
         from imerge.worker.config import WorkerConfig
         return WorkerConfig
+    if name == "progress":  # imerge.progress.report(iteration=..., total=..., loss=...): the launcher's bar
+        from imerge.telemetry import progress
+        return progress
     if name == "OptimizerSpec":
         from imerge.core.optim import OptimizerSpec
         return OptimizerSpec

@@ -11,6 +11,7 @@ import importlib
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -53,11 +54,11 @@ def _run_worker(args: argparse.Namespace) -> int:
     from imerge.workloads.job import JobConfig
 
     worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
-    if worker.nproc_per_node > 1:
+    if worker.nproc_per_node > 1 or args.command:  # a node's processes, or a script run as this worker
         from imerge.ops.node import run_node
 
         setup_logging(worker.log_level, f"node{worker.node_rank if worker.node_rank >= 0 else worker.rank}")
-        return run_node(worker, job)
+        return run_node(worker, job, args.command)
     setup_logging(worker.log_level, f"worker{worker.rank}")
 
     def preempted(signum: int, _frame: object) -> None:  # leave at once; the job recovers and this rank rejoins
@@ -303,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # a bad IMERGE_* value while building the defaults
         print(f"imerge: error: {exc}", file=sys.stderr)
         return 2
-    if command and args.role not in ("launch", "testbed"):
-        return _usage_error(args.role, "a command after -- is only accepted by 'imerge launch' and 'imerge testbed'")
+    if command and args.role not in ("launch", "testbed", "worker"):
+        return _usage_error(args.role, "a command after -- is only accepted by 'imerge launch', 'imerge testbed' "
+                                       "and 'imerge worker'")
     if split_given and not command:
         return _usage_error(args.role, "-- is followed by no command: give the script to run after it (python "
                                        "train.py ...), or leave -- out to run the built-in job")
+    if command and not _runnable(command[0]):
+        return _usage_error(args.role, f"no such command: {command[0]} (the command after --: a program on PATH "
+                                       "or the path of an executable file)")
     args.command = command
     args.given = given_options(argv[argv.index(args.role) + 1:], *_configs(args.role))
     try:
@@ -323,6 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _runnable(program: str) -> bool:
+    return shutil.which(program) is not None
 
 
 def run() -> None:

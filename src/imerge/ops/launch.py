@@ -26,6 +26,8 @@ import signal
 import statistics
 import subprocess
 import sys
+import re
+import shutil
 import threading
 import time
 import uuid
@@ -38,18 +40,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from imerge.ops import proc
+from imerge.ops.node import torchrun_env
 from imerge.core.config import option, redacted, require
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ChildFailed, IMergeError
 from imerge.core.ports import bind_problem
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
-from imerge.ops.redis_server import RedisServer
+from imerge.ops.redis_server import RedisServer, free_port
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
 ERRORS_SHOWN = 5  # a role's error lines the console shows
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
 MAX_REJOINS = 50  # exits with code 75 tolerated per worker (each follows a recovery of the job)
+MASTER_PORT = 29500  # torchrun's default, where each role has its own host
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,11 @@ class LocalHosts:
     def role_env(self, role: str) -> dict[str, str]:
         return {}
 
+    def master(self) -> tuple[str, int]:
+        """Where a script's own torch.distributed process group meets (MASTER_ADDR, MASTER_PORT): worker 0's
+        host, a port free when the launch starts (torchrun picks its port the same way)."""
+        return "127.0.0.1", free_port()
+
 
 class TestbedHosts:
     """Every role in its own network namespace of a testbed, reached by its role name."""
@@ -141,6 +151,9 @@ class TestbedHosts:
         namespace's address, where the host's Prometheus (the testbed's switch) reaches it."""
         return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}", "IMERGE_METRICS_HOST": "0.0.0.0"}
 
+    def master(self) -> tuple[str, int]:
+        return "worker0", MASTER_PORT
+
 
 class Interrupted(Exception):
     def __init__(self, signum: int):
@@ -162,6 +175,8 @@ class Child:
     rejoins: int = 0    # after exit code 75 (the job recovered)
     log_read: int = 0   # bytes of the log already scanned for errors
     errors_shown: int = 0
+    run_from: int = 0   # where this run's output starts in the log
+    last_failure: tuple[int, str] | None = None  # (exit code, error line) of the previous run that failed
 
     def new_errors(self) -> list[str]:
         """The log's ERROR lines written since the last call (complete lines only)."""
@@ -174,6 +189,18 @@ class Child:
         complete = data[:data.rfind(b"\n") + 1]
         self.log_read += len(complete)
         return [line for line in complete.decode(errors="replace").splitlines() if " ERROR " in line]
+
+    def failure(self, code: int) -> tuple[int, str]:
+        """This run's failure: its exit code and the last line of its output that names an error (else its last
+        line), so that a run failing the same way as the one before can be told apart from a new failure."""
+        try:
+            with self.log_path.open("rb") as stream:
+                stream.seek(self.run_from)
+                lines = [line.strip() for line in stream.read().decode(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            lines = []
+        errors = [line for line in lines if _ERROR_LINE.match(line)]
+        return code, (errors or lines or [""])[-1][:300]
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -235,6 +262,7 @@ class Launcher:
         """Start ``child``, its output appended to its log; a script's output also goes to the console, each line
         prefixed with the worker's rank (as torchrun does)."""
         argv = self.hosts.prefix(child.role) + child.argv
+        child.run_from = child.log_path.stat().st_size if child.log_path.exists() else 0
         if not (child.is_worker and self.command) or self.quiet:
             with open(child.log_path, "ab") as log_file:
                 child.process = proc.spawn(argv, env=child.env, stdout=log_file, pass_fds=child.pass_fds)
@@ -285,8 +313,9 @@ class Launcher:
             self._ports_file(child.role).unlink(missing_ok=True)
             if child.shard is not None:
                 child.env.update(self.hosts.shard_env(child.shard))
-        log.warning("%s %s; restarting it", child.role, why)
-        if not self.quiet:
+        if self.quiet:
+            log.warning("%s %s; restarting it", child.role, why)
+        else:
             self._say("yellow", f"{child.role} {why}; restarting it")
         self._spawn(child)
         self._write_roles()
@@ -314,10 +343,12 @@ class Launcher:
     def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
         cfg = self.config
         threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+        master = self.hosts.master()
         for rank in range(cfg.workers):
-            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env}
-            if cfg.nproc_per_node:
-                extra.update(IMERGE_LOCAL_RANK=str(rank % cfg.nproc_per_node), LOCAL_RANK=str(rank % cfg.nproc_per_node))
+            extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env,
+                     **torchrun_env(rank, cfg.workers, cfg.nproc_per_node, master)}
+            # the GPU: the local rank with --nproc-per-node, else the rank modulo the GPUs (LOCAL_RANK is torchrun's)
+            extra["IMERGE_LOCAL_RANK"] = str(rank % cfg.nproc_per_node) if cfg.nproc_per_node else "-1"
             argv = self.command or role + ["worker"]
             extra.update(self.job_env)
             if self.save_state and not self.command and not extra.get("IMERGE_STATE_FILE"):
@@ -348,6 +379,11 @@ class Launcher:
                 self._restart(child, "left to rejoin the recovered job")
                 workers_done = False
             elif (child.role != "coordinator" or code < 0) and child.restarts < self.config.max_restarts:
+                failure, previous = child.failure(code), child.last_failure
+                if failure == previous:  # a certain failure (a bug, a missing variable): restarting repeats it
+                    raise ChildFailed(child.role, f"failed twice the same way (exit code {code}: {failure[1]}); not "
+                                                  f"restarted again; last lines of {child.log_path}:\n{child.tail()}")
+                child.last_failure = failure
                 child.restarts += 1
                 self._restart(child, f"exited with code {code} (restart {child.restarts} of "
                                      f"{self.config.max_restarts})")
@@ -358,6 +394,26 @@ class Launcher:
                     why += f" after {child.restarts} restarts (--max-restarts {self.config.max_restarts})"
                 raise ChildFailed(child.role, f"{why}; last lines of {child.log_path}:\n{child.tail()}")
         return workers_done
+
+    def _check_done(self, redis_url: str) -> None:
+        """Every worker exited 0: each must have finished its part of the job (a script that never joined it, or
+        left without its last sync, exits 0 too)."""
+        from imerge.control.store import Store
+
+        store = Store(redis_url, self.job)
+        try:
+            done = store.done_ranks()
+        except IMergeError as exc:
+            log.warning("could not check that every worker finished: %s", exc)
+            return
+        finally:
+            store.close()
+        missing = [rank for rank in range(self.config.workers) if rank not in done]
+        if missing:
+            child = next(c for c in self.children if c.role == f"worker{missing[0]}")
+            raise ChildFailed(child.role, "exited with code 0 without finishing its part of the job: it never "
+                                          "joined it (did the script call imerge.distribute and train?); last "
+                                          f"lines of {child.log_path}:\n{child.tail()}")
 
     def _stop_all(self) -> None:
         for child in reversed(self.children):
@@ -454,6 +510,8 @@ class Launcher:
             if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
                 self._write_prometheus_config()
             self._supervise(read_fd)
+            if not self.workers_only:  # the DDP baseline's workers are not IMerge's
+                self._check_done(redis_url)
             self._collect_ports()  # a job too short for the loop to have seen them all
             self._finish_roles()
         except Interrupted as exc:

@@ -1,7 +1,9 @@
-"""``imerge worker --nproc-per-node N``: the worker processes of one node (a pod of the chart's GPU workers).
+"""``imerge worker --nproc-per-node N [-- CMD]``: the worker processes of one node (a pod of the chart's GPU workers).
 
-This process starts N ``imerge worker`` processes with ranks ``node_rank * N + i``
-and local ranks ``i`` (each takes GPU ``i``, and metrics port base + ``i``),
+This process starts N ``imerge worker`` processes (or N processes of a training
+script ``CMD``) with ranks ``node_rank * N + i`` and local ranks ``i`` (each
+takes GPU ``i``, and metrics port base + ``i``), with torchrun's variables
+(:func:`torchrun_env`; ``MASTER_ADDR``/``MASTER_PORT`` as this process has them),
 forwards SIGTERM to them, and waits. It exits with what the node's workers
 say together: 76 if any failed fatally, the first other failure's code (the
 others are stopped), 75 if any left to rejoin a recovered job (the pod is
@@ -24,13 +26,25 @@ from imerge.ops import proc
 log = logging.getLogger(__name__)
 
 
+def torchrun_env(rank: int, world_size: int, per_node: int, master: tuple[str, int]) -> dict[str, str]:
+    """torchrun's variables for worker ``rank``, so that a script's own ``dist.init_process_group()``,
+    DistributedSampler and rank-0 logging work beside IMerge (``per_node``: processes per node, 0: all on one)."""
+    local_size = per_node or world_size
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_size),
+            "LOCAL_WORLD_SIZE": str(local_size), "GROUP_RANK": str(rank // local_size), "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": str(-(-world_size // local_size)),
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+
+
 def child_env(worker: Any, job: Any, local: int) -> dict[str, str]:
     """A node's ``local``-th worker: this process's options, as one rank of its own."""
     node = worker.node_rank if worker.node_rank >= 0 else worker.rank
     rank = node * worker.nproc_per_node + local
     env = {**os.environ, **to_env(worker), **to_env(job)}
+    master = (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")))
+    env.update(torchrun_env(rank, worker.world_size, worker.nproc_per_node, master))
     env.update(IMERGE_RANK=str(rank), IMERGE_LOCAL_RANK=str(local), IMERGE_NPROC_PER_NODE="1",
-               IMERGE_NODE_RANK="-1", RANK=str(rank), LOCAL_RANK=str(local))
+               IMERGE_NODE_RANK="-1")
     if worker.metrics_port > 0:
         env["IMERGE_METRICS_PORT"] = str(worker.metrics_port + local)
     if worker.ports_file:  # one file per process: worker.json -> worker.local1.json, ...
@@ -49,9 +63,9 @@ def node_exit_code(codes: list[int]) -> int:
     return EXIT_REJOIN if EXIT_REJOIN in codes else 0
 
 
-def run_node(worker: Any, job: Any, grace_s: float = 30.0) -> int:
-    children = [proc.spawn([sys.executable, "-m", "imerge", "worker"], env=child_env(worker, job, local))
-                for local in range(worker.nproc_per_node)]
+def run_node(worker: Any, job: Any, command: list[str] | None = None, grace_s: float = 30.0) -> int:
+    argv = command or [sys.executable, "-m", "imerge", "worker"]
+    children = [proc.spawn(argv, env=child_env(worker, job, local)) for local in range(worker.nproc_per_node)]
     log.info("started %d workers: pids %s", len(children), [c.pid for c in children])
     signal.signal(signal.SIGTERM, lambda *_: [proc.signal_group(c, signal.SIGTERM) for c in children])
     codes: dict[int, int] = {}

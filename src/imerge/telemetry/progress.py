@@ -2,8 +2,11 @@
 
 The launcher hands worker 0 a pipe and names its file descriptor in
 ``IMERGE_PROGRESS_FD``; :func:`report` writes one JSON object per line to it.
-Without the variable, events are logged instead. User scripts may call
-``imerge.progress.report(iteration=..., loss=...)`` too.
+Without the variable, events are logged instead. A training script's
+``model.log_loss(loss)`` reports its iteration and loss here; a script may
+also call ``imerge.progress.report(iteration=..., total=..., loss=...)`` (the
+launcher's bar shows ``iteration`` of ``total``, the loss and ``seconds`` per
+iteration; its summary, the last of them or a ``"summary"`` event's figures).
 """
 from __future__ import annotations
 
@@ -26,6 +29,11 @@ def _channel():
             log.warning("cannot open progress channel %s: %s", os.environ[PROGRESS_FD_ENV], exc)
             os.environ.pop(PROGRESS_FD_ENV, None)
     return _stream
+
+
+def connected() -> bool:
+    """Whether a launcher reads this process's progress (worker 0 under imerge launch)."""
+    return _channel() is not None
 
 
 def report(event: str = "iteration", **fields: Any) -> None:
