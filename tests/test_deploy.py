@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_DIR = DEPLOY / "compose"
 IMERGE = [sys.executable, "-m", "imerge"]
 # Variables the product reads that are not IMERGE_* options: torch's thread count, redis-cli's password.
-OTHER_VARIABLES = {"OMP_NUM_THREADS", "REDISCLI_AUTH"}
+OTHER_VARIABLES = {"OMP_NUM_THREADS", "REDISCLI_AUTH",
+                   "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}  # torchrun's, for a script's own process group
 VALUE_SETS = {
     "default": {},
     "gpu": {"workers": {"gpu": {"enabled": True, "count": 2}, "replicas": 4},
@@ -34,6 +35,8 @@ VALUE_SETS = {
     "8-shards": {"shards": {"replicas": 8}, "metrics": {"serviceMonitor": {"enabled": True},
                                                         "prometheusRule": {"enabled": True}}},
     "mutual-tls": {"tls": {"enabled": True, "secretName": "imerge-tls"}},
+    "script-per-gpu": {"workers": {"command": ["python", "train.py"], "gpu": {"enabled": True, "count": 2},
+                                   "replicas": 2}},
 }
 needs_testbed = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                    reason="the testbed needs root and iproute2")
@@ -111,6 +114,13 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
         assert [(p["port"], p["targetPort"]) for p in service] == [(9400, "metrics"), (9401, "metrics-1")]
         endpoints = kinds[("ServiceMonitor", "ci-imerge")]["spec"]["endpoints"]
         assert [e["port"] for e in endpoints] == ["metrics", "metrics-1"]
+    if value_set == "script-per-gpu":  # imerge worker starts the script once per GPU, with torchrun's variables
+        assert worker["args"] == ["worker", "--", "python", "train.py"] and "command" not in worker
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        assert env["IMERGE_NPROC_PER_NODE"] == "2" and env["IMERGE_WORLD_SIZE"] == "4"
+        assert env["MASTER_ADDR"] == "ci-imerge-worker-0.ci-imerge-metrics" and env["MASTER_PORT"] == "29500"
+        assert "RANK" not in env  # each process's own, from imerge worker
+        assert specs["Job/ci-imerge-worker"]["subdomain"] == "ci-imerge-metrics"
     if value_set == "external-redis":
         assert ("StatefulSet", "ci-imerge-redis") not in kinds and ("NetworkPolicy", "ci-imerge-redis") not in kinds
         url = next(e["value"] for e in worker["env"] if e["name"] == "IMERGE_REDIS_URL")
@@ -243,7 +253,7 @@ def check_container(where: str, argv: list[str], env: dict[str, str], ports: set
     role = argv[0]
     assert role in role_specs(), f"{where}: unknown role {role!r}"
     parser, _ = build_parser()
-    parser.parse_args(argv)  # exits (fails the test) on a flag the role does not take
+    parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)  # exits on a flag the role does not take
     referenced = {m for value in env.values() for m in re.findall(r"\$\((\w+)\)", value)}
     unread = {name for name in env if name not in accepted_variables(role) | OTHER_VARIABLES | referenced}
     assert not unread, f"{where}: variables imerge {role} does not read: {sorted(unread)}"

@@ -321,3 +321,35 @@ def test_under_torchrun_its_rank_decides_over_the_pods(cluster, tmp_path):
     with pytest.raises(ConfigError, match="IMERGE_WORLD_SIZE is 4 but torchrun's WORLD_SIZE is 2"):
         torchrun_identity({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "IMERGE_WORLD_SIZE": "4"})
     assert torchrun_identity({"RANK": "1", "WORLD_SIZE": "2"}) == {}  # not under torchrun: IMERGE_* decide
+
+
+@pytest.mark.timeout(300)
+def test_a_second_launch_under_a_running_jobs_name_is_refused_before_it_touches_the_job(tmp_path):
+    """On a shared Redis, a second run under the running job's name: its coordinator, shards and workers each
+    refuse the job (another run's token holds its lease) before writing anything of it; the first run goes on
+    undisturbed and finishes."""
+    from imerge.control.store import Store
+    from imerge.ops.redis_server import RedisServer
+
+    redis = RedisServer()
+    try:
+        job = ["--job", "shared", "--redis-url", redis.url, "--shards", "1", "--workers", "1", "--no-evaluate",
+               "--model", "digits-cnn", "--data", "digits", "--max-restarts", "0"]
+        first = launch(tmp_path / "first", *job, "--iters", "250")
+        store = Store(redis.url, "shared")
+        deadline = time.monotonic() + 120
+        while not store.job_running():
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()
+            time.sleep(0.3)
+        addresses = store._redis.hgetall(store._key("shards"))
+        started = time.monotonic()
+        second = launch(tmp_path / "second", *job, "--iters", "5")
+        output, _ = second.communicate(timeout=120)
+        assert second.returncode == 1 and time.monotonic() - started < 30, output
+        assert "job shared is running in this Redis under another run" in " ".join(output.split()), output
+        assert store._redis.hgetall(store._key("shards")) == addresses  # its shards registered nothing
+        first_output, _ = first.communicate(timeout=240)
+        assert first.returncode == 0, first_output
+        store.close()
+    finally:
+        redis.stop()

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
 
-from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, LayoutSubmission,
-                                     PlanPublished, Profile, WorkerDone)
+from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease,
+                                     LayoutSubmission, PlanPublished, Profile, WorkerDone)
 from imerge.control.store import Store
 from imerge.core.config import CommonConfig, option, require
-from imerge.core.errors import IMergeError, JobFailed, LayoutMismatchError, PlanError, StoreError, WaitTimeout
+from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
+                                WaitTimeout)
 from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 from imerge.telemetry.metrics import MetricsServer
 
@@ -78,6 +81,7 @@ class Coordinator:
         self._alive: set[str] = set()  # members seen alive in the current generation
         self._redis_back_at = float("-inf")  # when Redis answered again after it was unreachable or stalled
         self._store_failing_since: float | None = None
+        self.token = uuid.uuid4().hex  # the job's lease token where no --job-token is given
 
     def stop(self) -> None:
         self._stop.set()
@@ -248,10 +252,33 @@ class Coordinator:
                  self.plan.version)
         return True
 
+    def hold_job(self) -> threading.Thread:
+        """Take the job's lease for this run's token (JobTaken where another run holds it) and keep renewing it
+        until stopped; a restarted coordinator of the same run takes it over."""
+        cfg = self.config
+        lease = JobLease(cfg.job_token or self.token, f"{socket.gethostname()}:{os.getpid()}")
+        held = self.store.claim_job(lease, cfg.heartbeat_ttl_s)
+        if held is not None:
+            raise JobTaken(held.refusal(cfg.job, "this coordinator"))
+
+        def renew() -> None:
+            while not self._stop.wait(cfg.heartbeat_ttl_s / 3):
+                try:
+                    held = self.store.claim_job(lease, cfg.heartbeat_ttl_s)
+                    if held is not None:
+                        log.error("the job's lease passed to another run (%s)", held.holder)
+                except StoreError as exc:
+                    log.warning("could not renew the job's lease: %s", exc)
+
+        thread = threading.Thread(target=renew, daemon=True, name="imerge-job-lease")
+        thread.start()
+        return thread
+
     def run(self) -> int:
         started = time.monotonic()
         metrics = None
         try:
+            self.hold_job()
             metrics = self.serve_metrics()
             if not self.resume():
                 self.publish_plan()
@@ -262,5 +289,10 @@ class Coordinator:
         finally:
             if metrics is not None:
                 metrics.close()
+        self._stop.set()
+        try:
+            self.store.release_job(self.config.job_token or self.token)
+        except StoreError as exc:
+            log.warning("could not release the job's lease (it expires by itself): %s", exc)
         log.info("job %s finished after %.1fs", self.config.job, time.monotonic() - started)
         return 0

@@ -398,6 +398,7 @@ class ShardServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self._store is not None:
+            await asyncio.to_thread(self._store.check_job, cfg.job_token, f"shard {cfg.shard_index}")
             self._membership = ShardMembership(self._store, self.shard, servicer.load_plan,
                                                asyncio.get_running_loop(), cfg.heartbeat_ttl_s,
                                                cfg.checkpoint_failures)

@@ -82,6 +82,7 @@ class DistributedModel(torch.nn.Module):
         self._store = Store(config.redis_url, config.job)
         self._lease = RankLease(self._store, config.job, config.rank, config.heartbeat_ttl_s)
         try:
+            self._store.check_job(config.job_token, f"worker {config.rank}")
             self._lease.claim()
         except BaseException:
             self._store.close()

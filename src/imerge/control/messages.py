@@ -167,6 +167,21 @@ class WorkerInfo(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class JobLease(Message):
+    """Which run holds a job's name: its token (one per ``imerge launch`` or chart release), and the coordinator
+    that keeps renewing it."""
+
+    token: str
+    holder: str  # host:pid of that coordinator
+
+    def refusal(self, job: str, what: str) -> str:
+        """Why ``what`` of another run must not touch the job this lease holds."""
+        return (f"job {job} is running in this Redis under another run (its coordinator on {self.holder} holds "
+                f"the job's lease): {what} would take that job's queues and overwrite its addresses. Give this "
+                "run another --job, or wait until that one finished")
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerPosition(Message):
     """The generation a worker joined and its data position (iterations done)."""
 

@@ -38,6 +38,8 @@ key                         type     meaning
 ``generation``              string   the job generation (absent until the plan is published;
                                      its loss means Redis lost the job's state)
 ``finished``                string   when every worker had finished (epoch seconds): the job is over
+``lease``                   string   JSON {token, holder}: the run that holds the job's name (:class:`JobLease`),
+                                     renewed by its coordinator, expires after the coordinator's heartbeat TTL
 ``shard:{i}:alive``         string   a shard's heartbeat: the generation it serves; expires after its TTL
 ``checkpoints``             hash     shard index -> JSON list of its complete checkpoint rounds
 ``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
@@ -77,11 +79,11 @@ from typing import Any, TypeVar
 import redis
 
 from imerge.core.config import redacted
-from imerge.core.errors import GenerationChanged, StoreError, WaitTimeout
+from imerge.core.errors import GenerationChanged, JobTaken, StoreError, WaitTimeout
 
 from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant,
-                       GenerationEvent, LayoutSubmission, Loaded, PlanPublished, Profile, Restored, WorkerDone,
-                       WorkerInfo, WorkerPosition)
+                       GenerationEvent, JobLease, LayoutSubmission, Loaded, PlanPublished, Profile, Restored,
+                       WorkerDone, WorkerInfo, WorkerPosition)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -236,10 +238,20 @@ class Store:
         pipe.execute()
 
     def _wait_event(self, name: str, timeout_s: float, what: str) -> str:
-        """Block until event ``name`` is set; return its payload."""
-        self._pop(self._key("event", name), time.monotonic() + timeout_s, what, timeout_s)
-        self._redis.rpush(self._key("event", name), "1")  # re-arm the latch for other waiters
-        return self._redis.get(self._key("event", name, "value")) or ""
+        """Block until event ``name`` is set; return its payload. The payload is looked at before each wait on the
+        latch (at least every second): a latch token lost by a waiter that died between taking and putting it
+        back delays the others by a second at most, never forever."""
+        latch, value_key = self._key("event", name), self._key("event", name, "value")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = self._redis.get(value_key)
+            if value is not None:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
+            if self._redis.blpop([latch], timeout=min(_slice(remaining), 1.0)) is not None:
+                self._redis.rpush(latch, "1")  # re-arm the latch for other waiters
 
     def _read_event(self, name: str) -> str | None:
         """The payload of event ``name`` if it is set, without waiting."""
@@ -519,6 +531,37 @@ class Store:
                                         "resetchannels", "-@all", *(f"+{command}" for command in commands))
             users.append(user)
         return users
+
+    # -- which run holds the job's name ---------------------------------------------------
+    @_translated
+    def claim_job(self, lease: JobLease, ttl_s: float) -> JobLease | None:
+        """Take (or renew) the job's lease for ``lease.token``; the other run's lease where another token holds
+        it."""
+        key, ttl_ms = self._key("lease"), int(ttl_s * 1000)
+        if self._redis.set(key, lease.encode(), nx=True, px=ttl_ms):
+            return None
+        held = self.job_lease()
+        if held is not None and held.token != lease.token:
+            return held
+        self._redis.set(key, lease.encode(), px=ttl_ms)
+        return None
+
+    @_translated
+    def job_lease(self) -> JobLease | None:
+        text = self._redis.get(self._key("lease"))
+        return JobLease.decode(text) if text else None
+
+    def check_job(self, token: str, what: str) -> None:
+        """JobTaken where another run's token holds the job's name (``token`` empty: nothing to tell apart)."""
+        held = self.job_lease() if token else None
+        if held is not None and held.token != token:
+            raise JobTaken(held.refusal(self.job, what))
+
+    @_translated
+    def release_job(self, token: str) -> None:
+        held = self.job_lease()
+        if held is not None and held.token == token:
+            self._redis.unlink(self._key("lease"))
 
     # -- the job's end, and a fresh start -------------------------------------------
     @_translated

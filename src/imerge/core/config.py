@@ -168,6 +168,9 @@ class CommonConfig:
     ports_file: str = option("", "once bound, write the ports this process listens on to this file (JSON: "
                                  "metrics, and a shard's grpc), so that whoever started it learns them: "
                                  "imerge launch binds every port 0")
+    job_token: str = option("", "this run's token (imerge launch and the chart set one per run): a coordinator, "
+                                "shard or worker refuses a job whose name another run's token holds (empty: the "
+                                "coordinator makes one; shards and workers then check nothing)")
 
     def metrics_address(self, listen_host: str = "127.0.0.1") -> str:
         """Where /metrics listens: --metrics-host, else the role's own listen address (loopback by default)."""

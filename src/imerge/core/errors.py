@@ -42,6 +42,10 @@ class UnsupportedUse(IMergeError):
     """A use of the wrapped model that IMerge does not support, refused where it would train wrongly."""
 
 
+class JobTaken(IMergeError):
+    """Another run (another token) holds the job's name in this Redis: this process must not touch its keys."""
+
+
 class RankInUse(IMergeError):
     """Another live process holds this worker's rank in the job (a rank lease it keeps renewing)."""
 

@@ -224,6 +224,7 @@ class Launcher:
         self.command = command or []
         self.console = console or Console(stderr=True)
         self.job = config.job or f"job-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        self.token = uuid.uuid4().hex  # this run's: its roles refuse a job of the same name another run holds
         self.log_dir = Path(config.log_dir or Path("runs") / self.job)
         self.children: list[Child] = []
         self.redis: RedisServer | None = None
@@ -236,7 +237,7 @@ class Launcher:
     def _env(self, redis_url: str, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)
         env.update(IMERGE_JOB=self.job, IMERGE_REDIS_URL=redis_url, IMERGE_LOG_LEVEL=self.config.log_level,
-                   PYTHONUNBUFFERED="1")
+                   IMERGE_JOB_TOKEN=self.token, PYTHONUNBUFFERED="1")
         env.update(extra)
         return env
 
@@ -534,6 +535,7 @@ class Launcher:
 
         store = Store(redis_url, self.job)
         try:
+            store.check_job(self.token, "--fresh (deleting its keys)")
             log.info("--fresh: deleted %d keys of job %s", store.clear_job(), self.job)
         finally:
             store.close()

@@ -92,6 +92,8 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "imerge.commonEnv" -}}
 - name: IMERGE_JOB
   value: {{ .Values.job.id | quote }}
+- name: IMERGE_JOB_TOKEN  # this release's run: roles of another run refuse a job of the same name
+  value: {{ printf "%s/%s" .Release.Namespace .Release.Name | quote }}
 - name: IMERGE_LOG_LEVEL
   value: {{ .Values.job.logLevel | quote }}
 - name: IMERGE_WAIT_TIMEOUT_S
