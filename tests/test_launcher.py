@@ -353,3 +353,16 @@ def test_a_second_launch_under_a_running_jobs_name_is_refused_before_it_touches_
         store.close()
     finally:
         redis.stop()
+
+
+def test_imerge_worker_runs_a_script_once_per_gpu_with_torchruns_variables():
+    """What a chart pod of workers.gpu.count 2 runs for workers.command: a process per GPU, each its own rank."""
+    script = ("import os; print('process', *(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+              "'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT', 'IMERGE_RANK')), flush=True)")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}, "MASTER_ADDR": "w0.svc",
+           "MASTER_PORT": "29511"}
+    run = subprocess.run(IMERGE + ["worker", "--nproc-per-node", "2", "--world-size", "4", "--node-rank", "1",
+                                   "--", sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert {"process 2 0 4 2 1 w0.svc 29511 2", "process 3 1 4 2 1 w0.svc 29511 3"} <= set(run.stdout.splitlines())

@@ -123,6 +123,14 @@ class DistributedModel(torch.nn.Module):
             self._engine.hooks.first_forward(args)
 
     def _join(self) -> None:
+        """Join the job; a join that fails leaves it (abort): what it built is of no use half made."""
+        try:
+            self._join_job()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _join_job(self) -> None:
         config = self.config
         self._joining.remove()
         chosen = self._watch.choose()

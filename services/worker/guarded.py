@@ -40,8 +40,7 @@ _METADATA = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", 
              "is_sparse", "is_quantized", "is_meta", "names", "name", "_backward_hooks", "_post_accumulate_grad_hooks",
              "numel", "size", "dim", "stride", "storage_offset", "is_contiguous", "is_floating_point", "is_complex",
              "element_size", "get_device", "nelement", "__hash__", "__len__", "_is_view", "is_shared", "is_pinned",
-             "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook",
-             "_version", "__deepcopy__", "__reduce_ex__", "__class__", "__format__"}
+             "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "_version"}
 _IN_PLACE_DUNDER = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 _ALLOWED_IN_PLACE = {"requires_grad_", "share_memory_", "retain_grad"}
@@ -84,7 +83,7 @@ class GuardedParameter(torch.nn.Parameter):
         kwargs = kwargs or {}
         name, accessor = _name(func)
         if name not in _METADATA:
-            guard = _guard_of(args)
+            guard = _guard_of(args, kwargs)
             if guard is not None:
                 _check(guard, name, accessor, args, kwargs)
         with internal():
@@ -93,24 +92,36 @@ class GuardedParameter(torch.nn.Parameter):
     def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
         """A copy (an EMA model, say) is an ordinary parameter: it is not the job's."""
         with internal():
-            self._guard.wait([id(self)]) if self._guard.in_flight else None
-            copied = torch.nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+            copied = torch.nn.Parameter(self._settled().clone(memory_format=torch.preserve_format),
+                                        self.requires_grad)
         memo[id(self)] = copied
         return copied
 
     def __reduce_ex__(self, protocol: int) -> Any:
+        """Pickled (``torch.save(model)``) as an ordinary parameter of the step's values."""
         with internal():
-            if self._guard.in_flight:
-                self._guard.wait([id(self)])
-            return torch.nn.Parameter(self.data, self.requires_grad).__reduce_ex__(protocol)
+            return torch.nn.Parameter(self._settled(), self.requires_grad).__reduce_ex__(protocol)
+
+    def _settled(self) -> torch.Tensor:
+        if self._guard.in_flight:
+            self._guard.wait([id(self)])
+        return self.data
 
 
-def _guard_of(args: tuple) -> ParamGuard | None:
-    for arg in args:
-        if isinstance(arg, GuardedParameter):
-            return arg._guard
-        if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], GuardedParameter):
-            return arg[0]._guard
+def _guarded_in(value: Any) -> GuardedParameter | None:
+    """The guarded parameter ``value`` is, or the first one of a list or tuple of tensors (a foreach op's)."""
+    if isinstance(value, GuardedParameter):
+        return value
+    if isinstance(value, (list, tuple)):
+        return next((item for item in value if isinstance(item, GuardedParameter)), None)
+    return None
+
+
+def _guard_of(args: tuple, kwargs: dict) -> ParamGuard | None:
+    for arg in (*args, *kwargs.values()):
+        found = _guarded_in(arg)
+        if found is not None:
+            return found._guard
     return None
 
 
@@ -120,7 +131,7 @@ def _params_in(args: Iterable, kwargs: dict) -> list[int]:
         if isinstance(arg, GuardedParameter):
             found.append(id(arg))
         elif isinstance(arg, (list, tuple)):
-            found.extend(id(a) for a in arg if isinstance(a, GuardedParameter))
+            found.extend(id(item) for item in arg if isinstance(item, GuardedParameter))
     return found
 
 
@@ -135,10 +146,11 @@ def _check(guard: ParamGuard, name: str, accessor: str, args: tuple, kwargs: dic
         return
     writes = (name in _IN_PLACE_DUNDER or (name.endswith("_") and not name.startswith("_")
                                            and name not in _ALLOWED_IN_PLACE))
-    out = kwargs.get("out")
-    if (writes and isinstance(param, GuardedParameter)) or isinstance(out, GuardedParameter):
-        if not guard.assigning:
-            guard.refuse_write(param if writes else out, f"an in-place {name}() on it")
+    written = _guarded_in(param) if writes else None
+    if written is None:
+        written = _guarded_in(kwargs.get("out"))
+    if written is not None and not guard.assigning:
+        guard.refuse_write(written, f"an in-place {name}() on it")
     if guard.in_flight:
         guard.wait(_params_in(args, kwargs))
 

@@ -11,12 +11,8 @@
   read of a parameter whose block is in flight (used before or outside its
   module, or read after backward: ``state_dict()``, an EMA update) waits in
   the parameter itself (:mod:`.guarded`).
-* ``.grad`` is the parameter's slice of the accumulator, the local gradient,
-  from a forward that records gradients to the next one (with T > 1, the
-  gradient autograd made). A group's slice is zeroed at that next forward once
-  its push is out; one still going out is left to the backward (its
-  parameters' ``.grad`` are None until then, and their first gradient clears
-  the slice).
+* ``.grad`` is this worker's gradient from a forward to the next one
+  (:mod:`.grads`).
 """
 from __future__ import annotations
 
@@ -36,6 +32,7 @@ from .buffers import FlatParams, GroupRuntime, GroupTable
 from .comm import Communicator, RoundResult
 from .staging import DONE
 from .config import WorkerConfig
+from .grads import LocalGrads
 from .guarded import ParamGuard, guard_params, internal
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
@@ -60,8 +57,7 @@ class Hooks:
         self._forward_started = 0.0
         self._forward_seen = False  # a forward ran since the last backward ended
         self._waited_s = 0.0        # this iteration's forward waits
-        self.bucket_views = False   # each .grad is a view of the accumulator (set by install)
-        self._views: dict[int, torch.Tensor] = {}
+        self.grads: LocalGrads | None = None  # each parameter's .grad (set by install)
         self._params: list[torch.nn.Parameter] = []
         self.model: torch.nn.Module | None = None
         self._root_owned: list[int] = []  # the root module's own parameters
@@ -83,12 +79,10 @@ class Hooks:
         self.wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
 
     def install(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-        # T = 1: from each forward to the next every .grad is a view of the accumulator, so autograd adds into
-        # it in place (with T > 1 a local step needs each iteration's own gradient)
-        self.bucket_views = self.table.plan.period == 1
+        # T = 1: every .grad is a view of the accumulator, so autograd adds into it in place (with T > 1 a local
+        # step needs each iteration's own gradient)
         self._params, self.model = list(params), model
-        if self.bucket_views:
-            self._views = {id(p): self.flat.grad_view(p) for p in params}
+        self.grads = LocalGrads(self.flat, self._params, bucket_views=self.table.plan.period == 1)
         trained = {id(p) for p in params}
         self._frozen = [(name, p) for name, p in model.named_parameters() if id(p) not in trained]
         handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -134,7 +128,7 @@ class Hooks:
         if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
             self._refuse_unfrozen()
             self.comm.staging.before_accumulate()  # the device accumulator's copies to the host are done first
-            self._prepare_grads()
+            self.grads.before_forward(self.table.groups, self.comm.staging)
             self._forward_seen = True
             self._accumulate_this = self.accumulating  # as in DDP, the forward decides whether its backward syncs
         now = time.time()
@@ -156,39 +150,10 @@ class Hooks:
                     "would train it. Distribute the model with every parameter you will train trainable, and "
                     "freeze parameters after imerge.distribute instead (a frozen one is not stepped)")
 
-    def _prepare_grads(self) -> None:
-        """A forward that records gradients: last iteration's local gradients make way for this one's."""
-        with internal():
-            if not self.bucket_views:  # T > 1: .grad was autograd's own tensor; the accumulator keeps the sum
-                for group in self.table.groups:
-                    if group.dirty and self._accumulator_free(group):
-                        self._clear(group)
-                for param in self._params:
-                    param.grad = None
-                return
-            for group in self.table.groups:
-                if group.dirty and self._accumulator_free(group):
-                    self._clear(group)
-                members = group.params
-                if group.dirty:  # its push is still reading the slice: backward clears it first (see _on_grad)
-                    for param in members:
-                        param.grad = None
-                else:  # from here on, .grad is the accumulator's slice: autograd adds into it
-                    for param in members:
-                        param.grad = self._views[id(param)]
-
-    def _accumulator_free(self, group: GroupRuntime) -> bool:
-        """Whether the group's slice of the accumulator may be overwritten now (on the CPU the push reads it)."""
-        return group.push_done.is_set() or not self.comm.staging.wire_reads_accumulator
-
-    def _clear(self, group: GroupRuntime) -> None:
-        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
-        group.dirty = False
-
     def _grad_ready(self, param_id: int) -> None:
         """``.grad`` is read: with bucket views it is the slice a push may still be reading; let that finish."""
         group = self.table.group_of.get(param_id)
-        if self.bucket_views and group is not None and not group.push_done.is_set():
+        if self.grads.bucket_views and group is not None and not group.push_done.is_set():
             self._wait(group.push_done.wait, group, "its push to finish before .grad is read")
 
     def _forward_ended_now(self) -> None:
@@ -212,19 +177,7 @@ class Hooks:
             self._backward_started()
         if not group.push_done.is_set():  # the previous push of this group is still going out
             self._wait(group.push_done.wait, group, "its previous push to finish")
-        if group.dirty:  # its slice still held the pushed gradient at the forward: clear it before adding
-            self._clear(group)
-        grad = param.grad.detach()
-        if self.bucket_views:  # autograd accumulated into the view in place, unless...
-            view = self._views[id(param)]
-            if grad.data_ptr() != view.data_ptr():
-                if torch.is_grad_enabled():  # ...create_graph: .grad became view + gradient, out of place
-                    view.copy_(grad.reshape(view.shape))
-                else:  # ...its .grad was None at the forward (the script's, or a slice being pushed then)
-                    view.add_(grad.reshape(view.shape))
-                param.grad = view
-        else:
-            self.flat.add_grad(param, grad)  # .grad stays this iteration's gradient until the next forward
+        grad = self.grads.take(param, group)
         group.given.add(id(param))
         if self._accumulate_this:  # no_sync(): summed locally, pushed with the next synced backward
             return
@@ -293,10 +246,8 @@ class Hooks:
             if not group.done_this_backward:
                 if group.dirty:  # none of its parameters got a gradient: its slice still holds the last push
                     self._wait(group.push_done.wait, group, "its previous push to finish")
-                    self._clear(group)
-                for param in group.params:  # as after a local backward, one that got no gradient has none
-                    if id(param) not in group.given:
-                        param.grad = None
+                    self.grads.clear(group)
+                self.grads.none_without_gradient(group)
                 self._group_complete(group)
             group.done_this_backward = False
             if not self.config.overlap and self.syncs_now(group):
@@ -460,7 +411,7 @@ class Hooks:
             if not group.push_done.is_set():
                 self._wait(group.push_done.wait, group, "its push to finish")
             if group.dirty:
-                self._clear(group)
+                self.grads.clear(group)
 
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""

@@ -21,13 +21,12 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import select
 import signal
 import statistics
 import subprocess
 import sys
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -381,7 +380,8 @@ class Launcher:
                 workers_done = False
             elif (child.role != "coordinator" or code < 0) and child.restarts < self.config.max_restarts:
                 failure, previous = child.failure(code), child.last_failure
-                if failure == previous:  # a certain failure (a bug, a missing variable): restarting repeats it
+                if code > 0 and failure == previous:  # it failed by itself the same way again (a bug, a missing
+                    # variable): restarting repeats it; a process killed by a signal is always restarted
                     raise ChildFailed(child.role, f"failed twice the same way (exit code {code}: {failure[1]}); not "
                                                   f"restarted again; last lines of {child.log_path}:\n{child.tail()}")
                 child.last_failure = failure
@@ -511,8 +511,8 @@ class Launcher:
             if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
                 self._write_prometheus_config()
             self._supervise(read_fd)
-            if not self.workers_only:  # the DDP baseline's workers are not IMerge's
-                self._check_done(redis_url)
+            if not self.workers_only and self.hosts.reports_ports:  # not the DDP baseline's workers, nor a
+                self._check_done(redis_url)  # testbed's Redis, which only its namespaces reach by name
             self._collect_ports()  # a job too short for the loop to have seen them all
             self._finish_roles()
         except Interrupted as exc:

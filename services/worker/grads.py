@@ -1,0 +1,76 @@
+"""Each parameter's ``.grad``, and the gradient accumulator behind it.
+
+With T = 1 every ``.grad`` is the parameter's slice of the flat accumulator
+(DDP's ``gradient_as_bucket_view``) from a forward that records gradients to
+the next one: autograd adds into it in place, the push reads it, and after
+backward it holds this worker's gradient for the loop to read (the average
+never exists on a worker). That next forward zeroes the slices whose push is
+out; a slice still being pushed is left to the backward: its parameters'
+``.grad`` are None until their first gradient, which clears the slice first
+(:meth:`LocalGrads.take`). With T > 1, ``.grad`` is the tensor autograd made,
+dropped at the next forward, and the accumulator keeps the sum of the
+gradients since the group's last sync.
+"""
+from __future__ import annotations
+
+import torch
+
+from .buffers import FlatParams, GroupRuntime
+from .guarded import internal
+from .staging import HostStaging
+
+
+class LocalGrads:
+    def __init__(self, flat: FlatParams, params: list[torch.nn.Parameter], bucket_views: bool):
+        self.flat, self.params, self.bucket_views = flat, params, bucket_views
+        self.views = {id(p): flat.grad_view(p) for p in params} if bucket_views else {}
+
+    @staticmethod
+    def free(group: GroupRuntime, staging: HostStaging) -> bool:
+        """Whether the group's slice may be overwritten now (on the CPU the push reads the accumulator itself)."""
+        return group.push_done.is_set() or not staging.wire_reads_accumulator
+
+    def clear(self, group: GroupRuntime) -> None:
+        self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()
+        group.dirty = False
+
+    def before_forward(self, groups: list[GroupRuntime], staging: HostStaging) -> None:
+        """A forward that records gradients: last iteration's local gradients make way for this one's."""
+        with internal():
+            for group in groups:
+                if group.dirty and self.free(group, staging):
+                    self.clear(group)
+                if not self.bucket_views:  # T > 1: autograd makes a new .grad
+                    self._set(group.params, None)
+                elif group.dirty:  # its push still reads the slice: backward clears it first (see take)
+                    self._set(group.params, None)
+                else:  # from here on .grad is the accumulator's slice: autograd adds into it
+                    for param in group.params:
+                        param.grad = self.views[id(param)]
+
+    @staticmethod
+    def _set(params: list[torch.nn.Parameter], grad: None) -> None:
+        for param in params:
+            param.grad = grad
+
+    def take(self, param: torch.nn.Parameter, group: GroupRuntime) -> torch.Tensor:
+        """The parameter's gradient of this backward, summed into the accumulator (its push is out: the caller
+        waited); returns the gradient (for a local step)."""
+        if group.dirty:  # its slice still held the pushed gradient at the forward: clear it before adding
+            self.clear(group)
+        grad = param.grad.detach()
+        if not self.bucket_views:
+            self.flat.add_grad(param, grad)  # .grad stays this iteration's gradient until the next forward
+            return grad
+        view = self.views[id(param)]
+        if grad.data_ptr() != view.data_ptr():  # autograd accumulated into the view in place, unless...
+            if torch.is_grad_enabled():  # ...create_graph: .grad became view + gradient, out of place
+                view.copy_(grad.reshape(view.shape))
+            else:  # ...its .grad was None at the forward (the script's, or a slice being pushed then)
+                view.add_(grad.reshape(view.shape))
+            param.grad = view
+        return grad
+
+    def none_without_gradient(self, group: GroupRuntime) -> None:
+        """As after a local backward: a parameter that got no gradient has none."""
+        self._set([p for p in group.params if id(p) not in group.given], None)
