@@ -48,10 +48,10 @@ _ALLOWED_IN_PLACE = {"requires_grad_", "share_memory_", "retain_grad"}
 
 def _name(func: Any) -> tuple[str, str]:
     """(what the operation is called, "get"/"set"/"") for a function, method or property accessor."""
-    descriptor = getattr(func, "__self__", None)
-    if func.__name__ in ("__get__", "__set__") and descriptor is not None:
-        return descriptor.__name__, func.__name__[2:5]
-    return func.__name__, ""
+    name, descriptor = getattr(func, "__name__", ""), getattr(func, "__self__", None)
+    if name in ("__get__", "__set__") and descriptor is not None:
+        return getattr(descriptor, "__name__", ""), name[2:5]
+    return name, ""
 
 
 class ParamGuard:
