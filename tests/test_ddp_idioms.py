@@ -152,14 +152,14 @@ def test_accumulating_over_several_backwards_without_no_sync_raises(lone):
 
 def test_save_stores_the_shards_fp32_parameters_under_compressed_pulls(lone, tmp_path):
     """With fp16 pulls the workers hold rounded copies; the file holds the shards' fp32 masters."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
 
     model = lone(Branchy(), OptimizerSpec("adam", lr=0.003), compression="fp16")
     for x, y in (step[0] for step in make_data(3, 1, 16, FEATURES, CLASSES, seed=53)):
         F.cross_entropy(model(x), y).backward()
     imerge.save(model, tmp_path / "state.safetensors")
     saved = load_file(str(tmp_path / "state.safetensors"))
-    masters = torch.cat([load_file_bytes(data)["param"] for data in
+    masters = torch.cat([load(data)["param"] for data in
                          (model.engine.loop.run(model.engine.export_states(), 10, "export")[b.block_id]
                           for b in sorted(model.plan.blocks, key=lambda b: b.offset))])
     held = params_of(model.module)
@@ -169,12 +169,6 @@ def test_save_stores_the_shards_fp32_parameters_under_compressed_pulls(lone, tmp
         assert torch.equal(saved[f"model/{name}"], masters[offset:offset + numel].reshape(param.shape)), name
         differs += int(not torch.equal(saved[f"model/{name}"], held[name]))
     assert differs > 0  # the rounded copies are not what was saved
-
-
-def load_file_bytes(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    return load(data)
 
 
 class Backbone(torch.nn.Module):
@@ -278,3 +272,54 @@ def test_normed_model_buffers_stay_in_step_with_a_lazily_joined_optimizer(cluste
     for name, value in results[0].items():
         assert torch.equal(value, results[1][name]), name
     assert not torch.equal(results[0]["head.weight"], params_of(Normed())["head.weight"])
+
+
+def test_a_worker_of_another_run_is_refused_before_it_touches_the_job(cluster):
+    """The coordinator holds the job's lease for its run; a worker with another run's token raises JobTaken before
+    it claims a rank or registers (a worker with no token checks nothing: it cannot tell)."""
+    import time
+
+    from imerge.control.store import Store
+    from imerge.core.errors import JobTaken
+
+    c = cluster(1, 1)
+    store = Store(c.redis_url, c.job)
+    try:
+        deadline = time.monotonic() + 30
+        while store.job_lease() is None:
+            assert time.monotonic() < deadline, "the coordinator took no lease"
+            time.sleep(0.05)
+        with pytest.raises(JobTaken, match=rf"job {c.job} is running in this Redis under another run"):
+            imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0, job_token="another-run"))
+        assert store.worker_info(0) is None  # nothing registered
+    finally:
+        store.close()
+
+
+def test_at_exit_an_open_model_closes_after_a_normal_end_and_aborts_after_an_exception(cluster):
+    """The exit hook of a script without model.close(): its last sync and done mark when the script ended
+    normally; none when an uncaught exception ended it (the job then recovers without it)."""
+    from imerge.control.store import Store
+    from imerge.worker import api
+
+    c = cluster(1, 1)
+    store = Store(c.redis_url, c.job)
+    x, y = make_data(1, 1, 8, FEATURES, CLASSES)[0][0]
+    try:
+        model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+        F.cross_entropy(model(x), y).backward()
+        api._uncaught.append(RuntimeError("the script failed"))
+        try:
+            api._leave_at_exit()
+        finally:
+            api._uncaught.clear()
+        assert model._closed and store.done_ranks() == set()
+        second = cluster(1, 1)
+        store.close()
+        store = Store(second.redis_url, second.job)
+        model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), second.worker_config(0))
+        F.cross_entropy(model(x), y).backward()
+        api._leave_at_exit()
+        assert model._closed and store.done_ranks() == {0}
+    finally:
+        store.close()

@@ -175,7 +175,7 @@ class DistributedModel(torch.nn.Module):
         to the shards with the blocks, and the optimizer keeps none of it here (it lives on the shards)."""
         if not isinstance(chosen, torch.optim.Optimizer) or not chosen.state:
             return {}
-        state = optimizer_state(chosen, {id(p): name for name, p in self.module.named_parameters()})
+        state = optimizer_state(chosen, self._engine.hooks.names)  # a frozen parameter's is never used
         chosen.state.clear()
         return state if self.config.rank == 0 else {}
 

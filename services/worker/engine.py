@@ -216,9 +216,7 @@ class SyncEngine:
     def share_module_state(self, tag: int) -> None:
         """Worker 0's parameters outside the plan (frozen ones) and buffers become every worker's, as DDP's
         construction broadcasts them (``tag``: JOIN_STATE when the job is joined, else an imerge.load's)."""
-        trained = {id(p) for p in self.params}
-        frozen = {name: p for name, p in self.hooks.model.named_parameters() if id(p) not in trained}
-        self.hooks.buffer_sync.share(tag, 0 if tag == JOIN_STATE else self.generation, frozen)
+        self.hooks.buffer_sync.share(tag, 0 if tag == JOIN_STATE else self.generation, self.hooks.frozen)
 
     # -- waits and closing -------------------------------------------------------------------
     def synchronize(self) -> None:

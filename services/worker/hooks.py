@@ -61,7 +61,7 @@ class Hooks:
         self._params: list[torch.nn.Parameter] = []
         self.model: torch.nn.Module | None = None
         self._root_owned: list[int] = []  # the root module's own parameters
-        self._frozen: list[tuple[str, torch.nn.Parameter]] = []  # the model's parameters outside the layout
+        self.frozen: dict[str, torch.nn.Parameter] = {}  # the model's parameters outside the layout, by name
         self.guard = ParamGuard(names, self.wait_params, self._grad_ready)
         self.in_flight = self.guard.in_flight  # groups whose latest sync this thread has not waited for yet
         self._release_guard: Callable[[], None] | None = None
@@ -84,7 +84,7 @@ class Hooks:
         self._params, self.model = list(params), model
         self.grads = LocalGrads(self.flat, self._params, bucket_views=self.table.plan.period == 1)
         trained = {id(p) for p in params}
-        self._frozen = [(name, p) for name, p in model.named_parameters() if id(p) not in trained]
+        self.frozen = {name: p for name, p in model.named_parameters() if id(p) not in trained}
         handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         handles.append(model.register_forward_pre_hook(lambda _module, args: self._forward_started_now(args),
                                                        prepend=True))
@@ -142,7 +142,7 @@ class Hooks:
 
     def _refuse_unfrozen(self) -> None:
         """A parameter frozen when the model was distributed is not in the plan: nobody would train it."""
-        for name, param in self._frozen:
+        for name, param in self.frozen.items():
             if param.requires_grad:
                 raise UnsupportedUse(
                     f"parameter {name} was frozen (requires_grad False) when the model was distributed and now "

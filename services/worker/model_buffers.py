@@ -99,6 +99,12 @@ class BufferSync:
         if unknown:
             raise UnsupportedUse(f"worker 0's {unknown[0].replace('/', ' ', 1)} is not a frozen parameter or buffer "
                                  f"of worker {self.rank}'s model: every worker must freeze the same parameters")
+        for key, value in state.items():
+            target = targets[key]
+            if value.shape != target.shape or value.dtype != target.dtype:
+                raise UnsupportedUse(f"worker 0's {key.replace('/', ' ', 1)} is {value.dtype} {list(value.shape)}, "
+                                     f"worker {self.rank}'s {target.dtype} {list(target.shape)}: every worker must "
+                                     "build the same model")
         with torch.no_grad():
             for key, value in state.items():
                 targets[key].copy_(value)

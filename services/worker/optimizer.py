@@ -4,14 +4,15 @@ The optimizer runs on the shards, during backward. :class:`ShardOptimizer` is
 a ``torch.optim.Optimizer`` over the model's parameters whose ``param_groups``
 are the ones each round's pushes carry: any ``torch.optim.lr_scheduler`` (or a
 loop that sets ``group["lr"]``) works unchanged, and its values reach the
-shards with the next backward. ``step()`` and ``zero_grad()`` have nothing
-left to do (gradients were pushed and cleared in backward) and may be called
-as in any loop.
+shards with the next backward. ``step()`` has nothing left to do (the
+gradients were pushed in backward; ``.grad`` keeps this worker's until the
+next forward) and may be called as in any loop; it counts the loop's steps.
 
-A training script may instead hand ``imerge.distribute`` the ``torch.optim``
-optimizer it built (with its parameter groups): :func:`spec_of` reads its
-class, arguments and groups, and the proxy shares that optimizer's
-``param_groups``, so a scheduler attached to either one drives the shards.
+The optimizer a training script builds (with its parameter groups), before or
+after ``imerge.distribute`` (see :mod:`.adoption`), is read by :func:`spec_of`
+(class, arguments, groups); the proxy shares its ``param_groups``, so a
+scheduler attached to either one drives the shards, and its own ``step()``
+finds no gradient (:class:`_NothingToStep`).
 Under ``imerge launch``, :func:`check_launch_flags` makes sure the optimizer
 flags given to the launcher reach the script's optimizer, or refuses.
 """
@@ -131,7 +132,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             self.on_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: the gradient accumulator is zeroed once each push is out (each .grad views it)."""
+        """Nothing to do: each .grad views the accumulator, which the next forward zeroes once its push is out."""
 
     def lr(self, group: int) -> float:
         return float(self.param_groups[group]["lr"])
