@@ -231,16 +231,24 @@ def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_noth
         except grpc.RpcError as exc:
             outcomes.append(exc.code().name)
 
+    def round_of_b0(stub):
+        blocks = {b.block_id: b for b in stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks}
+        return blocks["b0"].round if "b0" in blocks else None
+
     def attack(pool) -> None:
-        time.sleep(0.5)
+        stubs = [ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address)) for address in c.addresses]
+        deadline = time.monotonic() + 60
+        while not any(round_of_b0(stub) is not None for stub in stubs):  # the job's blocks are not made yet
+            assert time.monotonic() < deadline, "block b0 was not made within 60 s"
+            time.sleep(0.05)
+        stub = next(stub for stub in stubs if round_of_b0(stub) is not None)
         for _ in range(3):
-            for address in c.addresses:
-                stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address))
-                blocks = {b.block_id: b for b in stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks}
-                if "b0" in blocks:
-                    for worker in (0, 1):
-                        pool.submit(stall, stub, blocks["b0"].round, worker)
-            time.sleep(1.0)
+            stalled_round = round_of_b0(stub)
+            for worker in (0, 1):
+                pool.submit(stall, stub, stalled_round, worker)
+            while round_of_b0(stub) <= stalled_round:  # the stalled round completes only past the stalls
+                assert time.monotonic() < deadline, f"round {stalled_round} of b0 did not complete"
+                time.sleep(0.05)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         attacker = pool.submit(attack, pool)
