@@ -219,7 +219,8 @@ def test_dockerfile_is_multi_stage_non_root_with_the_imerge_entrypoint_and_healt
     assert '"imerge", "health"' in health
     env = " ".join(args for op, args in instructions if op == "ENV")
     ports = [args for op, args in instructions if op == "EXPOSE"][0].split()
-    assert "IMERGE_PORT=50051" in env and "IMERGE_METRICS_PORT=9400" in env and ports == ["50051", "9400"]
+    assert "IMERGE_PORT=50051" in env and "IMERGE_METRICS_PORT=9400" in env and "IMERGE_DATA_PORT=50052" in env
+    assert ports == ["50051", "50052", "9400"]
 
 
 def test_health_command_checks_a_real_shard(redis_url):
@@ -259,7 +260,7 @@ def check_container(where: str, argv: list[str], env: dict[str, str], ports: set
     assert not unread, f"{where}: variables imerge {role} does not read: {sorted(unread)}"
     metrics = int(env.get("IMERGE_METRICS_PORT", "0"))  # a node of N worker processes: base + local rank
     listening = {metrics + i for i in range(int(env.get("IMERGE_NPROC_PER_NODE", "1")))} | \
-        ({int(env["IMERGE_PORT"])} if role == "ps" else set())
+        ({int(env["IMERGE_PORT"]), int(env["IMERGE_DATA_PORT"])} if role == "ps" else set())
     assert ports <= listening, f"{where}: exposes {sorted(ports - listening)}, listens on {sorted(listening)}"
 
 

@@ -1,6 +1,7 @@
 """Security: TLS and mutual TLS on the gRPC channels (certificates made by trustme), Redis AUTH and ACLs."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import datetime
 import os
@@ -16,7 +17,9 @@ import trustme
 
 from imerge.coordinator.service import Coordinator, CoordinatorConfig
 from imerge.control.store import Store
+from imerge.core.config import TlsConfig
 from imerge.core.errors import IMergeError, StoreError
+from imerge.core.optim import OptimizerSpec
 from imerge.ops.health import HealthConfig, check_grpc
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
@@ -129,6 +132,93 @@ def test_a_certificate_for_worker_0_cannot_push_or_pull_as_worker_1_in_strict_mo
                 assert "names worker 1, but the client's certificate names worker-0.imerge.svc" in \
                     refused.value.details()
             assert stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks[0].pushed == 1  # nothing of worker 1's
+    finally:
+        shard.stop()
+
+
+def tls_shard_and_block(pki, redis_url, **options) -> ThreadedShard:
+    import numpy as np
+
+    cert, key = pki["server"]
+    shard = ThreadedShard(PSConfig(redis_url=redis_url, register=False, host="127.0.0.1", tls_cert=cert,
+                                   tls_key=key, tls_ca=pki["ca"], **options))
+    from imerge.worker.transport import ShardClient
+
+    async def init():
+        client = ShardClient(shard.address, tls_client(pki, "worker-0"))
+        try:
+            await client.init_block("b", 2, OptimizerSpec("sgd", lr=0.1), torch.from_numpy(np.zeros(4, "<f4")), 10)
+        finally:
+            await client.close()
+
+    asyncio.run(init())
+    return shard
+
+
+def tls_client(pki, name: str) -> TlsConfig:
+    cert, key = pki[name]
+    return TlsConfig(tls_ca=pki["ca"], tls_cert=cert, tls_key=key)
+
+
+def test_the_data_channel_is_tls_when_the_shard_serves_tls_and_refuses_plaintext(pki, redis_url):
+    from imerge.wire.datapath import ChannelClosed, Kind, read_header, send_frame
+    from imerge.wire.rpc import ps_pb2
+    from imerge.worker.transport import ShardClient
+
+    shard = tls_shard_and_block(pki, redis_url)
+
+    async def exchange():
+        clients = [ShardClient(shard.address, tls_client(pki, f"worker-{w}"), data_path="socket") for w in (0, 1)]
+        try:
+            reply = await clients[0].open_channel(0, 0)
+            assert reply.tls
+            for worker, client in enumerate(clients):
+                await client.push([("b", torch.full((4,), float(worker + 1)), 0)], worker, timeout_s=10)
+            targets = [torch.empty(4), torch.empty(4)]
+            for worker, client in enumerate(clients):
+                assert await client.pull_into([("b", targets[worker])], worker, 0, 10) == [1]
+            return reply, targets
+        finally:
+            for client in clients:
+                await client.close()
+
+    try:
+        reply, targets = asyncio.run(exchange())
+        for target in targets:  # SGD's step of the mean (1 + 2) / 2, lr 0.1
+            assert torch.equal(target, torch.full((4,), -0.15))
+        with socket.create_connection(("127.0.0.1", reply.port), timeout=10) as plain:  # plaintext: no answer
+            send_frame(plain, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=0))
+            with pytest.raises((ChannelClosed, ConnectionError, IMergeError)):
+                read_header(plain, 0, "plaintext hello")
+    finally:
+        shard.stop()
+
+
+def test_the_data_channel_enforces_the_worker_identity_of_the_certificate(pki, redis_url):
+    from imerge.wire.datapath import Kind, read_header, read_meta, send_frame
+    from imerge.wire.rpc import ps_pb2
+    from imerge.wire.tls import client_ssl_context
+    from imerge.worker.transport import ShardClient
+
+    shard = tls_shard_and_block(pki, redis_url, tls_worker_identity=True)
+
+    async def token_of_worker_0():
+        client = ShardClient(shard.address, tls_client(pki, "worker-0"), data_path="socket")
+        try:
+            return await client.open_channel(0, 0)
+        finally:
+            await client.close()
+
+    try:
+        reply = asyncio.run(token_of_worker_0())
+        context = client_ssl_context(tls_client(pki, "worker-1"))  # worker 1's certificate, worker 0's token
+        with context.wrap_socket(socket.create_connection(("127.0.0.1", reply.port), timeout=10),
+                                 server_hostname="127.0.0.1") as conn:
+            send_frame(conn, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=0))
+            header = read_header(conn, 0, "hello")
+            assert header.kind == Kind.ERROR
+            error = read_meta(conn, header, ps_pb2.ChannelError, "hello")
+            assert error.error == "PermissionDenied" and "worker-1.imerge.svc" in error.message
     finally:
         shard.stop()
 

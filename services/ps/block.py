@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -42,9 +43,10 @@ from .streams import Row
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """The parameters of a round as every pull sends them: encoded data frames (one copy, shared by all pulls)."""
+    """The parameters of a round as every pull sends them: the payload's bytes (a copy, shared by all pulls,
+    that the next round does not touch); gRPC's encoded data frames are made from them on the first gRPC pull."""
 
-    frames: list[bytes]
+    parts: tuple[bytes, ...]
     numel: int            # the block's elements
     dtype: str = "float32"
     nnz: int = -1         # sparse: the (index, value) pairs; -1: dense
@@ -54,14 +56,17 @@ class Snapshot:
     def sparse(self) -> bool:
         return self.nnz >= 0
 
+    @functools.cached_property
+    def frames(self) -> list[bytes]:
+        return [frame for part in self.parts for frame in data_frames(part, CHUNK_BYTES)]
+
 
 def snapshot_of(param: torch.Tensor, mode: str = "", held: torch.Tensor | None = None) -> Snapshot:
     """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, given what the
     workers hold (``held``, brought up to date), the sparse update (see :func:`sparse_update`)."""
     payload = encode_pull(param, mode, held)
-    parts = payload.parts()
-    frames = [frame for part in parts for frame in data_frames(part, CHUNK_BYTES)]
-    return Snapshot(frames, param.numel(), payload.dtype, payload.nnz if payload.sparse else -1,
+    parts = tuple(bytes(part) for part in payload.parts())
+    return Snapshot(parts, param.numel(), payload.dtype, payload.nnz if payload.sparse else -1,
                     sum(len(part) for part in parts))
 
 
@@ -95,6 +100,7 @@ class BlockState:
         self.sparse = parse_mode(meta.compression).kind == "topk"
         self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters
         self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
+        self._mean: torch.Tensor | None = None   # the round's average of the rows (the steps' gradient)
         self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
         self.round = 0
         self.round_options: RoundOptions | None = None  # what the current round's pushes carry besides data
@@ -165,9 +171,15 @@ class BlockState:
                 mean = torch.zeros(self.meta.numel)
                 for payload in self.sparse_grads:
                     accumulate(mean, payload)
-            else:
-                mean = self.grads[0].clone()
-                for row in self.grads[1:]:
+            else:  # into a buffer kept from round to round (a fresh one costs its page faults every round)
+                if self._mean is None:
+                    self._mean = torch.empty(self.meta.numel)
+                mean, rows = self._mean, self.grads
+                if len(rows) > 1:
+                    torch.add(rows[0], rows[1], out=mean)
+                else:
+                    mean.copy_(rows[0])
+                for row in rows[2:]:
                     mean.add_(row)
             mean.div_(self.meta.num_workers)
             if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale

@@ -11,6 +11,8 @@ class PSConfig(TlsConfig, CommonConfig):
     shard_index: int = option(0, "index of this shard, 0-based")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "gRPC port to listen on (0: any free port)")
+    data_port: int = option(0, "port of the data channel, which carries the bytes of pushes and pulls beside "
+                               "gRPC (0: any free port; -1: none, the workers must use --data-path grpc)")
     advertise: str = option("", "address workers use to reach this shard (default: host:port)")
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers' pushes")
     check_finite: bool = option(True, "reject gradients holding NaN or infinity")
@@ -38,6 +40,7 @@ class PSConfig(TlsConfig, CommonConfig):
         TlsConfig.__post_init__(self)
         require(self.shard_index >= 0, "shard_index", "must be >= 0")
         require(0 <= self.port < 65536, "port", "must be 0..65535")
+        require(-1 <= self.data_port < 65536, "data_port", "must be 0..65535, or -1 for none")
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
         require(self.max_block_numel > 0, "max_block_numel", "must be positive")
         require(self.max_workers > 0, "max_workers", "must be positive")

@@ -8,6 +8,7 @@ indices are in range: a bad one leaves the block as it was.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import torch
 
@@ -36,23 +37,48 @@ def check_encoding(meta: BlockMeta, assign: bool, dtype: str, nnz: int, what: st
         raise InvalidArgument(f"{what}: {nnz} sparse pairs, more than the block's {meta.numel} elements")
 
 
-async def receive_gradient(block: BlockState, worker: int, dtype: str, nnz: int, data: AsyncIterator[bytes],
-                           what: str) -> torch.Tensor:
-    """Receive the worker's payload into its place on the block; return what arrived (the values checked for
-    finiteness)."""
-    if dtype == "float32" and nnz < 0:  # no compression: straight into the row
-        row = block.grads[worker]
-        assembler = ChunkAssembler(row, what)
-        async for chunk in data:
+class PayloadSource(Protocol):
+    """Where a push's payload comes from: a gRPC stream's data chunks, or a data channel's frame."""
+
+    async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
+        """Fill the contiguous CPU tensor ``target`` with the payload (InvalidArgument if its size differs);
+        with ``check_finite``, return whether it is all finite if the source checked it as it read (else
+        None: the caller checks)."""
+
+    async def skip(self) -> None:
+        """Read and drop the payload (a duplicate push)."""
+
+
+class ChunkStream:
+    """A gRPC push's payload: its data chunks, copied into place as they arrive."""
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        self._chunks = chunks
+
+    async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
+        assembler = ChunkAssembler(target, what)
+        async for chunk in self._chunks:
             assembler.feed(chunk)
         assembler.finish()
-        return row
+        return None
+
+    async def skip(self) -> None:
+        async for _ in self._chunks:
+            pass
+
+
+async def receive_gradient(block: BlockState, worker: int, dtype: str, nnz: int, data: PayloadSource,
+                           what: str, check_finite: bool = False) -> tuple[torch.Tensor, bool | None]:
+    """Receive the worker's payload into its place on the block; return what arrived (whose values must be
+    finite) and, with ``check_finite``, whether they are if the source checked it as it read (else None)."""
+    if dtype == "float32" and nnz < 0:  # no compression: straight into the row
+        row = block.grads[worker]
+        return row, await data.read_into(row, what, check_finite)
     receiver = PayloadReceiver(block.meta.numel, dtype, nnz, what)
-    async for chunk in data:
-        receiver.feed(chunk)
-    payload = receiver.finish()
+    await data.read_into(receiver.buffer, what)
+    payload = receiver.finish(fed=False)
     if nnz >= 0:
         block.sparse_grads[worker] = payload
-        return payload.values
+        return payload.values, None
     block.grads[worker].copy_(payload.values)
-    return block.grads[worker]
+    return block.grads[worker], None

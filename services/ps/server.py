@@ -23,34 +23,32 @@ from grpc_health.v1 import health, health_pb2
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, PermissionDenied,
+from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument,
                                 RequestError)
-from imerge.core.identity import worker_ranks
+from imerge.core.identity import require_worker
 from imerge.core.limits import MAX_OPTIONS_CHARS, check_block_ids, check_id, clip
 from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer, report_port
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
-from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
+from imerge.wire.encoding import dtype_name, tensor_meta
 from imerge.wire.frames import serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import status_of
-from imerge.wire.tls import server_credentials
+from imerge.wire.tls import server_credentials, server_ssl_context
 
 from .checkpoint import CheckpointStore
 from .config import PSConfig
+from .datachannel import DataChannel
 from .membership import ShardMembership
-from .rounds import RoundOptions, RoundScalars
+from .payloads import ChunkStream
+from .rounds import RoundScalars
 from .block import Snapshot
 from .state import BlockMeta, Shard
 from .streams import Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
-
-
-def options_of(header: ps_pb2.PushHeader) -> RoundOptions:
-    return RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm)
 
 
 def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
@@ -151,6 +149,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._numels: dict[str, int] = {}
         self._num_workers = 0
         self._holders: list[int] = []  # the shards that hold blocks: those that agree on round scalars
+        self.channel: DataChannel | None = None
 
     async def load_plan(self) -> None:
         """Read the mapping table once: the blocks this shard owns, the job's worker count, the run."""
@@ -209,6 +208,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                   f"{self._num_workers} workers")
 
     @_unary
+    async def OpenChannel(self, request, context):
+        """The data channel's port and the token of (worker, generation) its connections must carry."""
+        what = f"OpenChannel of worker {request.worker}"
+        if self.channel is None:
+            raise FailedPrecondition(f"{what}: shard {self.shard.index} serves no data channel (--data-port -1): "
+                                     "run the workers with --data-path grpc")
+        self._check_identity(context, request.worker, what)
+        self.shard.check_generation(request.generation, what)
+        if request.worker >= self.shard.max_workers:
+            raise InvalidArgument(f"{what}: worker outside 0..{self.shard.max_workers - 1}")
+        return ps_pb2.ChannelReply(port=self.channel.port, token=self.channel.token(request.worker,
+                                                                                    request.generation),
+                                   idle_s=self.config.stream_idle_s, tls=self.channel.tls is not None)
+
+    @_unary
     async def InitBlock(self, request_iterator, context):
         request_iterator = Progressing(request_iterator, self.config.stream_idle_s, "InitBlock")
         spec = await first_part(request_iterator, "spec", "InitBlock")
@@ -228,11 +242,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if not self.config.tls_worker_identity:
             return
         auth = context.auth_context()
-        names = [value.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name")
-                 for value in auth.get(key, [])]
-        if worker not in worker_ranks(names):
-            raise PermissionDenied(f"{what}: names worker {worker}, but the client's certificate names "
-                                   f"{clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
+        require_worker([value.decode(errors="replace") for key in ("x509_subject_alternative_name",
+                                                                   "x509_common_name")
+                        for value in auth.get(key, [])], worker, what)
 
     @_unary
     async def Push(self, request_iterator, context):
@@ -242,11 +254,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
                 self._check_identity(context, header.worker, what)
-                duplicate, pushed = await self.shard.push(header.block_id, header.worker, header.round,
-                                                          dtype_name(header.dtype, what), header.numel,
-                                                          segments.data(), header.generation, header.fence,
-                                                          header.lane, options_of(header), list(header.no_grad),
-                                                          nnz_of(header), stream)
+                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data()), stream)
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal
@@ -264,18 +272,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     async def _send(self, blocks: list[tuple[str, int, Snapshot, tuple[bool, float]]]
                     ) -> AsyncIterator[ps_pb2.TensorChunk]:
-        for block_id, round_, snapshot, (skipped, grad_norm) in blocks:
-            yield ps_pb2.TensorChunk(meta=ps_pb2.TensorMeta(block_id=block_id, dtype=DTYPE_ENUM[snapshot.dtype],
-                                                            numel=snapshot.numel, round=round_, skipped=skipped,
-                                                            grad_norm=grad_norm, **encoding_fields(snapshot.nnz)))
+        for block_id, round_, snapshot, result in blocks:
+            yield ps_pb2.TensorChunk(meta=tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
+                                                      snapshot.nnz, result))
             for frame in snapshot.frames:  # encoded TensorChunk data messages, sent as they are
                 yield frame
             self.shard.counters.bytes_sent += snapshot.nbytes
 
     async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple:
-        round_, snapshot = await self.shard.pull(block_id, request.worker, request.round, timeout,
-                                                 request.generation)
-        return block_id, round_, snapshot, self.shard.block(block_id).snapshot_result  # read with no await between
+        return await self.shard.pull_result(block_id, request.worker, request.round, timeout, request.generation)
 
     @_streaming
     async def Pull(self, request, context):
@@ -368,6 +373,7 @@ class ShardServer:
         self._store: Store | None = None
         self._membership: ShardMembership | None = None
         self._health = health.aio.HealthServicer()
+        self._channel: DataChannel | None = None
         self.shard.checkpoint_every = config.checkpoint_every
 
     async def start(self) -> str:
@@ -392,6 +398,14 @@ class ShardServer:
                               "not this host's; --port 0 picks a free port)")
         await self._server.start()
         report_port(cfg.ports_file, "grpc", port)
+        if cfg.data_port >= 0:
+            servicer.channel = self._channel = DataChannel(self.shard, cfg, asyncio.get_running_loop(),
+                                                           server_ssl_context(cfg) if cfg.tls_server else None)
+            try:
+                report_port(cfg.ports_file, "data", self._channel.start())
+            except OSError as exc:
+                raise ConfigError("--data-port", f"shard {cfg.shard_index} cannot listen on "
+                                                  f"{cfg.host}:{cfg.data_port}: {exc}") from None
         self.metrics = MetricsServer(self.shard.metrics.registry, cfg.metrics_port, f"shard {cfg.shard_index}",
                                      cfg.metrics_address(cfg.host), ports_file=cfg.ports_file)
         self.address = cfg.advertise or f"{cfg.host}:{port}"
@@ -405,8 +419,9 @@ class ShardServer:
             await self._membership.join()
             await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
             self._membership.start()
-        log.info("shard %d serving on %s (%s)", cfg.shard_index, self.address,
-                 ("mutual TLS" if cfg.tls_ca else "TLS") if cfg.tls_server else "plaintext")
+        log.info("shard %d serving on %s (%s)%s", cfg.shard_index, self.address,
+                 ("mutual TLS" if cfg.tls_ca else "TLS") if cfg.tls_server else "plaintext",
+                 f", data channel on port {self._channel.port}" if self._channel is not None else "")
         return self.address
 
     async def drain(self) -> None:
@@ -432,6 +447,9 @@ class ShardServer:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace_s is None else grace_s)
             self._server = None
+        if self._channel is not None:
+            self._channel.stop()
+            self._channel = None
         if self._membership is not None:
             await asyncio.to_thread(self._membership.stop)
             self._membership = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,9 +34,10 @@ from imerge.core.compression import all_finite, parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.limits import check_id, clip
+from imerge.wire.encoding import dtype_name, nnz_of
 
 from .block import BlockMeta, BlockState
-from .payloads import check_encoding, receive_gradient
+from .payloads import PayloadSource, check_encoding, receive_gradient
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
@@ -232,7 +233,7 @@ class Shard:
 
     # -- push -----------------------------------------------------------------
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
-                   data: AsyncIterator[bytes], generation: int = 0, fence: int = 0,
+                   data: PayloadSource, generation: int = 0, fence: int = 0,
                    lane: int = 0, options: RoundOptions = RoundOptions(),
                    no_grad: Sequence[int] = (), nnz: int = -1, stream: Any = None) -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
@@ -253,8 +254,7 @@ class Shard:
         check_encoding(block.meta, options.assign, dtype, nnz, what)
         async with block.rows[worker].held(round_, stream, what):
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
-                async for _ in data:
-                    pass
+                await data.skip()
                 self.counters.duplicate_pushes += 1
                 return True, len(block.pushed)
             if round_ != block.round:
@@ -269,8 +269,9 @@ class Shard:
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
             try:
-                received = await receive_gradient(block, worker, dtype, nnz, data, what)
-                if self.check_finite and not options.loss_scale and not all_finite(received):
+                check = self.check_finite and not options.loss_scale
+                received, finite = await receive_gradient(block, worker, dtype, nnz, data, what, check)
+                if check and not (all_finite(received) if finite is None else finite):
                     raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
             finally:
                 block.receiving.discard(worker)
@@ -278,6 +279,14 @@ class Shard:
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
             return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
+
+    async def push_header(self, header: Any, data: PayloadSource, stream: Any = None) -> tuple[bool, int]:
+        """:meth:`push` of what a ``PushHeader`` message says."""
+        what = f"push of block {header.block_id} by worker {header.worker}"
+        return await self.push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what),
+                               header.numel, data, header.generation, header.fence, header.lane,
+                               RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm),
+                               list(header.no_grad), nnz_of(header), stream)
 
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""
@@ -351,6 +360,12 @@ class Shard:
             raise StaleGeneration(f"{what}: the job moved to generation {block.superseded} while it waited "
                                   f"(it recovered from a checkpoint): rejoin")
         return block.round, block.snapshot
+
+    async def pull_result(self, block_id: str, worker: int, round_: int, timeout_s: float, generation: int = 0
+                          ) -> tuple[str, int, Any, tuple[bool, float]]:
+        """:meth:`pull`, with the round's (step skipped, gradient norm) that the snapshot is of."""
+        new_round, snapshot = await self.pull(block_id, worker, round_, timeout_s, generation)
+        return block_id, new_round, snapshot, self.block(block_id).snapshot_result  # no await between
 
     def export_block(self, block_id: str, generation: int = 0) -> tuple[int, bytes]:
         """(round, the block's parameters and optimizer state as safetensors bytes)."""

@@ -82,7 +82,7 @@ class SyncEngine:
 
     # -- plans ---------------------------------------------------------------------------
     async def _connect(self, plan: Plan) -> list[ShardClient]:
-        return [ShardClient(address, self.config) for address in plan.shard_addresses]
+        return [ShardClient(address, self.config, self.config.data_path) for address in plan.shard_addresses]
 
     @property
     def plan(self) -> Plan:

@@ -27,10 +27,13 @@ from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
 from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
-from imerge.wire.tls import channel_credentials
+from imerge.wire.tls import channel_credentials, client_ssl_context
+
+from .datachannel import SocketDataPath, apply_payload
 
 # (block id, its new round, its meta), as soon as a pulled block is in place
 BlockArrived = Callable[[str, int, Any], None]
+OPEN_CHANNEL_TIMEOUT_S = 30.0
 
 
 def _translated(method: Callable) -> Callable:
@@ -70,11 +73,7 @@ class BlockReceiver:
         self._receiver.feed(data)
 
     def finish(self) -> None:
-        payload = self._receiver.finish()
-        if payload.sparse:
-            self._target[payload.indices.long()] = payload.values.float()
-        else:
-            self._target.copy_(payload.values)
+        apply_payload(self._target, self._receiver.finish())
 
 
 def receiver_for(meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str) -> ChunkAssembler | BlockReceiver:
@@ -84,7 +83,10 @@ def receiver_for(meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str) -> Ch
 
 
 class ShardClient:
-    def __init__(self, address: str, tls: TlsConfig | None = None):
+    """One shard's calls. With ``data_path`` "socket", pushes and pulls travel on the shard's data channel
+    (:mod:`.datachannel`), opened through :meth:`open_channel`; everything else is gRPC."""
+
+    def __init__(self, address: str, tls: TlsConfig | None = None, data_path: str = "grpc"):
         self.address = address
         self._channel = (grpc.aio.secure_channel(address, channel_credentials(tls), options=CHANNEL_OPTIONS)
                          if tls is not None and tls.tls_client
@@ -101,9 +103,20 @@ class ShardClient:
                                                 response_deserializer=tensor_chunks)
         self._fetch = self._channel.unary_stream(method + "Fetch", request_serializer=serialize,
                                                  response_deserializer=tensor_chunks)
+        self._data = (SocketDataPath(address, self.open_channel,
+                                     client_ssl_context(tls) if tls is not None and tls.tls_client else None)
+                      if data_path == "socket" else None)
 
     async def close(self) -> None:
+        if self._data is not None:
+            await self._data.close()
         await self._channel.close()
+
+    @_translated
+    async def open_channel(self, worker: int, generation: int) -> ps_pb2.ChannelReply:
+        """The shard's data channel: its port and this worker's token for ``generation``."""
+        return await self._stub.OpenChannel(ps_pb2.ChannelRequest(worker=worker, generation=generation),
+                                            timeout=OPEN_CHANNEL_TIMEOUT_S)
 
     @_translated
     async def init_block(self, block_id: str, num_workers: int, optimizer: OptimizerSpec,
@@ -128,6 +141,8 @@ class ShardClient:
         """Push several blocks' gradients, each (block id, gradient, round[, PushOptions]), in one stream: a
         header, then the data, per block. A gradient is an fp32 tensor or a compressed :class:`Payload`.
         ``written`` is set once the last data has been handed to gRPC."""
+        if self._data is not None:
+            return await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written, NO_OPTIONS)
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
             for block_id, grad, round_, *rest in blocks:
@@ -193,6 +208,8 @@ class ShardClient:
                         timeout_s: float, generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
         """Wait for ``round_`` of the blocks, writing each block's parameters into its target as soon as the shard
         completes it (``on_block`` is told); return the new rounds. May be issued while the push is in flight."""
+        if self._data is not None:
+            return await self._data.pull_into(targets, worker, round_, timeout_s, generation, on_block)
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
                                      timeout_s=timeout_s, generation=generation)
         call = self._pull(request, timeout=timeout_s + 5.0)

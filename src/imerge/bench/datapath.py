@@ -2,7 +2,9 @@
 
 A communication-only model (4 x Linear(2048, 2048), 67 MB, batch 1) trained by
 W workers and W shards on this host, against DDP with W ranks, strategies
-alternating over ``--rounds``. Reported per strategy: seconds per iteration,
+alternating over ``--rounds`` (by default DDP and both of IMerge's data paths,
+the data channel and gRPC), beside the raw-socket limit of the machine
+(:mod:`imerge.bench.socket_probe`). Reported per strategy: seconds per iteration,
 and for a worker and a shard (DDP: a rank) the payload moved per second and the
 CPU seconds per GB moved. Payload bytes per iteration are the model's (M),
 not socket counters (loopback has none per process): a PS worker sends and
@@ -121,16 +123,19 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
 def run_datapath(config: Any, console: Console) -> dict[str, Any]:
     """Every chosen strategy (default: ddp and imerge), alternating over ``config.rounds``."""
     from imerge.bench.report import write_datapath_report
+    from imerge.bench.socket_probe import probes
     from imerge.core.strategies import STRATEGIES
 
     workers = config.workers or 2
     iters = config.iters or DEFAULT_ITERS
-    chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or ["ddp", "imerge"]
+    chosen = [s.strip() for s in config.strategies.split(",") if s.strip()] or ["ddp", "imerge", "imerge-grpc"]
     unknown = [s for s in chosen if s not in STRATEGIES]
     if unknown:
         raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(STRATEGIES)}")
     out = Path(config.out or f"runs/bench-datapath-{time.strftime('%Y%m%d-%H%M%S')}")
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    console.print("datapath: the raw-socket limit of this machine (Python sendall and recv_into + add_)")
+    limit = probes()
     for round_ in range(config.rounds):
         for strategy in chosen:
             console.print(f"datapath round {round_ + 1}: {strategy}")
@@ -145,7 +150,7 @@ def run_datapath(config: Any, console: Console) -> dict[str, Any]:
     command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
     report = {"scenario": {"model": MODEL, "model_bytes": model_bytes(), "workers": workers, "shards": workers,
                            "iters": iters, "rounds": config.rounds, "network": "loopback"},
-              "command": command, "strategies": merged, "runs": runs}
+              "command": command, "strategies": merged, "runs": runs, "socket_limit": limit}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2))
     write_datapath_report(report, out)

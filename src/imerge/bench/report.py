@@ -190,6 +190,9 @@ def datapath_markdown(report: dict[str, Any]) -> str:
     for name, result in report["strategies"].items():
         lines.append(f"| {name} | " + " | ".join(_cell(result.get(key), fmt, key) for key, _, fmt in DATAPATH_COLUMNS)
                      + " |")
+    for limit in report.get("socket_limit", []):
+        lines.append(f"| raw socket, {limit['frame_bytes'] >> 20} MiB frames | - | - | {limit['gb_per_s']:.2f} | "
+                     f"send {limit['send_cpu_s_per_gb']:.2f} | - | receive {limit['receive_cpu_s_per_gb']:.2f} |")
     if report.get("command"):
         lines += ["", f"Command: `{report['command']}`"]
     return "\n".join(lines) + "\n"

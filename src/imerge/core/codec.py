@@ -72,19 +72,21 @@ class PayloadReceiver:
         itemsize = self._dtype.itemsize
         self._index_bytes = max(nnz, 0) * INDEX_BYTES
         size = self._index_bytes + nnz * itemsize if nnz >= 0 else numel * itemsize
-        self._buffer = torch.empty(size, dtype=torch.uint8)
-        self._assembler = ChunkAssembler(self._buffer, what)
+        self.buffer = torch.empty(size, dtype=torch.uint8)  # what arrives, read straight into it or fed
+        self._assembler = ChunkAssembler(self.buffer, what)
 
     def feed(self, data: bytes) -> None:
         self._assembler.feed(data)
 
-    def finish(self):
+    def finish(self, fed: bool = True):
+        """The payload; ``fed``: its bytes came through :meth:`feed` (else they were written into ``buffer``)."""
         from imerge.core.compression import Payload, check_sparse
 
-        self._assembler.finish()
-        values = self._buffer[self._index_bytes:].view(self._dtype)
+        if fed:
+            self._assembler.finish()
+        values = self.buffer[self._index_bytes:].view(self._dtype)
         if self._nnz < 0:
             return Payload(values)
-        indices = self._buffer[:self._index_bytes].view(torch.int32)
+        indices = self.buffer[:self._index_bytes].view(torch.int32)
         check_sparse(indices, self._numel, self._what)
         return Payload(values, indices, self._numel)

@@ -17,3 +17,23 @@ _WORKER = re.compile(r"worker-(\d+)(?:\.|$)")
 def worker_ranks(names: Iterable[str]) -> set[int]:
     """The worker ranks the certificate names stand for."""
     return {int(match.group(1)) for name in names if (match := _WORKER.match(name))}
+
+
+def require_worker(names: Iterable[str], worker: int, what: str) -> None:
+    """Strict worker identity: refuse ``worker`` unless the client's certificate names it."""
+    from imerge.core.errors import PermissionDenied
+    from imerge.core.limits import clip
+
+    names = list(names)
+    if worker not in worker_ranks(names):
+        raise PermissionDenied(f"{what}: names worker {worker}, but the client's certificate names "
+                               f"{clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
+
+
+def certificate_names(peer: dict | None) -> list[str]:
+    """The DNS names and common names of a certificate as Python's ``ssl`` gives it (``getpeercert()``)."""
+    if not peer:
+        return []
+    names = [value for kind, value in peer.get("subjectAltName", ()) if kind == "DNS"]
+    names += [value for rdn in peer.get("subject", ()) for key, value in rdn if key == "commonName"]
+    return names

@@ -16,6 +16,7 @@ from imerge.core.slots import SLOT_SCOPES, SLOTS
 
 BUFFER_MODES = ("broadcast", "average", "off")  # model buffers: see the worker's model_buffers
 MIB = 1 << 20
+DATA_PATHS = ("socket", "grpc")  # see imerge.wire.datapath
 COMPRESSION_OPTIONS = {"topk_ratio": ("topk", "mixed"), "topk_pull_ratio": ("topk", "mixed"),
                        "mixed_threshold_kib": ("mixed",)}  # option -> the modes it applies to
 
@@ -53,6 +54,9 @@ class ScheduleConfig:
                                   "file (each module's forward and backward time, the push cost): the input of "
                                   "imerge simulate --profile")
     trace_dir: str = option("", "write this worker's timeline as Chrome trace JSON into this folder")
+    data_path: str = option("socket", "how pushes and pulls travel: socket (each shard's data channel: TCP "
+                                      "connections beside gRPC that carry the raw bytes) or grpc (gRPC streams, "
+                                      "where only the shards' gRPC port can be reached)", choices=DATA_PATHS)
     compression: str = option("none", "what travels on the wire (docs/compression.md): none (fp32), fp16 or bf16 "
                                       "(gradients and parameters in that dtype), topk (the --topk-ratio largest "
                                       "gradient elements with error feedback; pulls send the parameters that "

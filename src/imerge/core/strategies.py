@@ -27,6 +27,7 @@ SCHEDULES = tuple(STRATEGIES)  # the strategies without compression
 STRATEGIES.update({f"imerge-{mode}": dict(fusion="cost", priority=True, slots="ack", compression=mode)
                    for mode in ("fp16", "bf16", "topk", "mixed")})
 STRATEGIES["imerge-topk-pull"] = dict(STRATEGIES["imerge-topk"], topk_pull_ratio=0.01)
+STRATEGIES["imerge-grpc"] = dict(STRATEGIES["imerge"], data_path="grpc")  # the data path of gRPC streams
 INCAST = {f"slots-{mode}": dict(fusion="cost", priority=True, slots=mode) for mode in ("off", "fixed", "ack")}
 INCAST["slots-ack-group"] = STRATEGIES["imerge-group"]
 

@@ -27,3 +27,11 @@ def nnz_of(message) -> int:
 def encoding_fields(nnz: int) -> dict:
     """The PushHeader / TensorMeta fields of a payload with ``nnz`` pairs (-1: dense)."""
     return {"encoding": ps_pb2.SPARSE, "nnz": nnz} if nnz >= 0 else {"encoding": ps_pb2.DENSE}
+
+
+def tensor_meta(block_id: str, round_: int, dtype: str, numel: int, nnz: int, result: tuple[bool, float]
+                ) -> ps_pb2.TensorMeta:
+    """What precedes a pulled block's data: its encoding, the round it is of and the round's (skipped, norm)."""
+    skipped, grad_norm = result
+    return ps_pb2.TensorMeta(block_id=block_id, dtype=DTYPE_ENUM[dtype], numel=numel, round=round_,
+                             skipped=skipped, grad_norm=grad_norm, **encoding_fields(nnz))

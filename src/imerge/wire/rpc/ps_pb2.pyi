@@ -250,3 +250,41 @@ class StatsReply(_message.Message):
     rounds_completed: int
     rejected: int
     def __init__(self, shard_index: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockStats, _Mapping]]] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., pushes: _Optional[int] = ..., duplicate_pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class ChannelRequest(_message.Message):
+    __slots__ = ("worker", "generation")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    worker: int
+    generation: int
+    def __init__(self, worker: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ChannelReply(_message.Message):
+    __slots__ = ("port", "token", "idle_s", "tls")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    idle_s: float
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., idle_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class ChannelHello(_message.Message):
+    __slots__ = ("token", "worker", "generation")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    token: bytes
+    worker: int
+    generation: int
+    def __init__(self, token: _Optional[bytes] = ..., worker: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ChannelError(_message.Message):
+    __slots__ = ("error", "message")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    message: str
+    def __init__(self, error: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

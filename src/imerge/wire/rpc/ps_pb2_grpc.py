@@ -34,6 +34,11 @@ class ParameterServerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.OpenChannel = channel.unary_unary(
+                '/imerge.v1.ParameterServer/OpenChannel',
+                request_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelRequest.SerializeToString,
+                response_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelReply.FromString,
+                _registered_method=True)
         self.InitBlock = channel.stream_unary(
                 '/imerge.v1.ParameterServer/InitBlock',
                 request_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.InitBlockChunk.SerializeToString,
@@ -73,6 +78,12 @@ class ParameterServerStub:
 
 class ParameterServerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def OpenChannel(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def InitBlock(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -119,6 +130,11 @@ class ParameterServerServicer:
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'OpenChannel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenChannel,
+                    request_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelRequest.FromString,
+                    response_serializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelReply.SerializeToString,
+            ),
             'InitBlock': grpc.stream_unary_rpc_method_handler(
                     servicer.InitBlock,
                     request_deserializer=imerge_dot_wire_dot_rpc_dot_ps__pb2.InitBlockChunk.FromString,
@@ -164,6 +180,33 @@ def add_ParameterServerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ParameterServer:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def OpenChannel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/imerge.v1.ParameterServer/OpenChannel',
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelRequest.SerializeToString,
+            imerge_dot_wire_dot_rpc_dot_ps__pb2.ChannelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def InitBlock(request_iterator,

@@ -1,0 +1,360 @@
+"""The shard's data channel: pushes and pulls as frames (:mod:`imerge.wire.datapath`) on TCP connections.
+
+A thread per connection reads its frames; a push's payload is read with
+``recv_into`` straight into the worker's gradient row (or a compressed
+payload's buffer), which releases the GIL, so connections receive in parallel.
+What a frame asks of the shard runs on the shard's event loop as the gRPC
+path's calls do (:meth:`Shard.push_header`, :meth:`Shard.pull_result`), with
+every check made before the payload is read: the connection hands its socket
+to that coroutine for the payload (:class:`Handoff`).
+
+A connection must open with a HELLO carrying the token of (worker,
+generation) that ``OpenChannel`` handed out, within ``--stream-idle-s``; a
+connection silent for that long, between frames or within one, is closed
+(within a push: DEADLINE_EXCEEDED, and its row is freed). A refused frame gets
+an ERROR frame naming the error's class, and the connection is closed after
+the shard read (and dropped) what the worker had already written of its call.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import secrets
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from imerge.core.codec import tensor_view
+from imerge.core.compression import all_finite
+from imerge.core.errors import (DeadlineExceeded, Internal, InvalidArgument, PermissionDenied, RequestError,
+                                ResourceExhausted, Superseded, Unavailable)
+from imerge.core.identity import certificate_names, require_worker
+from imerge.core.limits import check_block_ids, clip
+from imerge.wire.datapath import (ChannelClosed, Kind, channel_token, error_meta, expect, read_exact, read_header,
+                                  read_meta, send_frame, skip)
+from imerge.wire.encoding import tensor_meta
+from imerge.wire.rpc import ps_pb2
+
+from .config import PSConfig
+from .state import Shard
+
+log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 1024      # open data connections per shard (workers x calls in flight, with room)
+DRAIN_BYTES = 64 << 20      # what a refused call may still read of what the worker had written
+DRAIN_S = 2.0               # and for at most this long
+
+
+class ChannelStream:
+    """A connection as the push's row sees it: how long it has been silent, and a way to end it."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.last = time.monotonic()
+        self.superseded = ""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
+        count = self.conn.recv_into(buffer, nbytes)
+        self.last = time.monotonic()
+        return count
+
+    def sendall(self, data: Any) -> None:
+        self.conn.sendall(data)
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self.last
+
+    def supersede(self, why: str) -> None:
+        """End the connection: the read it waits in fails, and the push holding the row with it."""
+        self.superseded = why
+        with contextlib.suppress(OSError):
+            self.conn.shutdown(socket.SHUT_RDWR)
+
+
+class Handoff:
+    """The connection's thread reads a payload for the coroutine that applies the frame, once that coroutine
+    has checked the frame and knows where the bytes go."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def read(self, target: memoryview | None, nbytes: int, after: Callable[[], Any] | None = None) -> Any:
+        """On the loop: have ``nbytes`` read into ``target`` (None: read and dropped), then ``after()`` run on the
+        connection's thread (where the bytes are still in its cache); return what ``after`` returned."""
+        done = self._loop.create_future()
+        self._requests.put((target, nbytes, after, done))
+        return await done
+
+    def serve(self, future: concurrent.futures.Future, stream: ChannelStream, what: str) -> Any:
+        """On the connection's thread: answer the coroutine's reads until it is done; return its result."""
+        future.add_done_callback(lambda _: self._requests.put(None))
+        while (request := self._requests.get()) is not None:
+            target, nbytes, after, done = request
+            try:
+                if target is None:
+                    skip(stream, nbytes, what)
+                else:
+                    read_exact(stream, target, what)
+                outcome: Any = after() if after is not None else None
+                failed = False
+            except BaseException as exc:  # noqa: BLE001 - the coroutine raises it
+                outcome, failed = exc, True
+            self._loop.call_soon_threadsafe(_settle, done, outcome, failed)
+        return future.result()
+
+
+def _settle(done: asyncio.Future, outcome: Any, failed: bool) -> None:
+    if done.done():
+        return
+    if failed:
+        done.set_exception(outcome)
+    else:
+        done.set_result(outcome)
+
+
+class SocketPayload:
+    """A push frame's payload, as :class:`~.payloads.PayloadSource`: read by the connection's thread."""
+
+    def __init__(self, handoff: Handoff, stream: ChannelStream, nbytes: int, idle_s: float):
+        self._handoff, self._stream, self._nbytes, self._idle_s = handoff, stream, nbytes, idle_s
+
+    async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
+        view = tensor_view(target)
+        if len(view) != self._nbytes:
+            raise InvalidArgument(f"{what}: the frame carries {self._nbytes} bytes of payload, the block's is "
+                                  f"{len(view)} bytes")
+        return await self._read(view, what, (lambda: all_finite(target)) if check_finite else None)
+
+    async def skip(self) -> None:
+        await self._read(None, "duplicate push")
+
+    async def _read(self, view: memoryview | None, what: str, after: Callable[[], Any] | None = None) -> Any:
+        try:
+            return await self._handoff.read(view, self._nbytes, after)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{what}: the client sent nothing for {self._idle_s:g}s (--stream-idle-s)") \
+                from None
+        except OSError as exc:
+            if self._stream.superseded:
+                raise Superseded(f"{what}: {self._stream.superseded}") from None
+            raise Unavailable(f"{what}: the data connection failed: {exc}") from None
+
+
+class DataChannel:
+    """The shard's data channel: a listening socket, and a thread per connection."""
+
+    def __init__(self, shard: Shard, config: PSConfig, loop: asyncio.AbstractEventLoop,
+                 tls: ssl.SSLContext | None = None):
+        self.shard, self.config, self.loop, self.tls = shard, config, loop, tls
+        self._secret = secrets.token_bytes(32)
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closing = False
+        self.port = 0
+
+    def token(self, worker: int, generation: int) -> bytes:
+        return channel_token(self._secret, worker, generation)
+
+    def start(self) -> int:
+        listener = socket.create_server((self.config.host, self.config.data_port), backlog=256)
+        self._listener, self.port = listener, listener.getsockname()[1]
+        threading.Thread(target=self._accept, name=f"ps{self.shard.index}-data-accept", daemon=True).start()
+        return self.port
+
+    def stop(self) -> None:
+        self._closing = True
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                full = len(self._connections) >= MAX_CONNECTIONS
+                if not full:
+                    self._connections.add(conn)
+            if full:
+                threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"ps{self.shard.index}-data").start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            conn.settimeout(self.config.stream_idle_s)
+            send_frame(conn, Kind.ERROR, error_meta(ResourceExhausted(
+                f"shard {self.shard.index}: {MAX_CONNECTIONS} data connections are open"), ps_pb2.ChannelError))
+        conn.close()
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        raw = conn
+        try:
+            conn.settimeout(self.config.stream_idle_s)  # the TLS handshake and the HELLO too
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+                self._replace(raw, conn)
+            Connection(self, ChannelStream(conn), peer).serve()
+        except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), a write to a gone worker
+            log.info("shard %d: data connection from %s failed: %s", self.shard.index, peer, exc)
+        finally:
+            with self._lock:
+                self._connections.discard(raw)
+                self._connections.discard(conn)
+            conn.close()
+
+    def _replace(self, raw: socket.socket, wrapped: socket.socket) -> None:
+        with self._lock:
+            self._connections.discard(raw)
+            self._connections.add(wrapped)
+
+    def check_hello(self, hello: ps_pb2.ChannelHello, names: list[str] | None) -> None:
+        self.shard.check_generation(hello.generation, f"data connection of worker {hello.worker}")
+        if not secrets.compare_digest(hello.token, self.token(hello.worker, hello.generation)):
+            raise PermissionDenied(f"data connection of worker {hello.worker}: its token is not the one "
+                                   f"OpenChannel gave worker {hello.worker} for generation {hello.generation}")
+        if self.config.tls_worker_identity:
+            require_worker(names or [], hello.worker, "data connection")
+
+
+class Connection:
+    """One data connection: a HELLO, then calls (a push of some blocks, or a pull), one at a time."""
+
+    def __init__(self, channel: DataChannel, stream: ChannelStream, peer: Any):
+        self.channel, self.stream, self.peer = channel, stream, peer
+        self.shard, self.config = channel.shard, channel.config
+        self.max_payload = self.shard.max_block_numel * 8  # a sparse payload: int32 index and value per element
+        self.worker = -1
+
+    def serve(self) -> None:
+        try:
+            self._hello()
+            while True:
+                try:
+                    header = read_header(self.stream, self.max_payload, "data connection")
+                except ChannelClosed as exc:
+                    if exc.clean:
+                        return
+                    raise
+                except TimeoutError:  # idle between calls: the worker opens another when it needs one
+                    return
+                expect(header, Kind.PUSH, Kind.PULL, what="data connection")
+                if header.kind == Kind.PUSH:
+                    self._push(header)
+                else:
+                    self._pull(header)
+        except RequestError as exc:
+            self._refuse(exc)
+        except TimeoutError:
+            self._refuse(DeadlineExceeded(f"data connection of worker {self.worker}: the client sent nothing for "
+                                          f"{self.config.stream_idle_s:g}s within a frame (--stream-idle-s)"))
+        except ChannelClosed as exc:
+            log.info("shard %d: data connection of worker %d: %s", self.shard.index, self.worker, exc)
+        except Exception as exc:  # noqa: BLE001 - one bad connection never harms the others
+            log.exception("shard %d: data connection of worker %d: internal error", self.shard.index, self.worker)
+            self._refuse(Internal(f"internal error: {type(exc).__name__}: {exc}"), counted=False)
+
+    def _hello(self) -> None:
+        header = read_header(self.stream, self.max_payload, "data connection")
+        expect(header, Kind.HELLO, what="data connection's first frame")
+        hello = read_meta(self.stream, header, ps_pb2.ChannelHello, "data connection")
+        names = certificate_names(self.stream.conn.getpeercert()) if self.channel.tls is not None else None
+        self.channel.check_hello(hello, names)
+        self.worker = hello.worker
+        send_frame(self.stream, Kind.WELCOME)
+
+    def _check_worker(self, worker: int, what: str) -> None:
+        if worker != self.worker:
+            raise PermissionDenied(f"{what}: names worker {worker} on worker {self.worker}'s data connection")
+
+    def _run(self, coroutine: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.channel.loop)
+
+    def _push(self, frame: Any) -> None:
+        header = read_meta(self.stream, frame, ps_pb2.PushHeader, "push")
+        what = f"push of block {clip(header.block_id)} by worker {header.worker}"
+        self._check_worker(header.worker, what)
+        handoff = Handoff(self.channel.loop)
+        payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
+        future = self._run(self.shard.push_header(header, payload, self.stream))
+        duplicate, pushed = handoff.serve(future, self.stream, what)
+        send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
+                                                                   pushed=pushed))
+
+    def _pull(self, frame: Any) -> None:
+        request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull")
+        self._check_worker(request.worker, "Pull")
+        check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
+        timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        future = self._run(self._wait_blocks(request, timeout, ready))
+        try:
+            for _ in request.block_ids:
+                try:
+                    item = ready.get(timeout=timeout + 5.0)
+                except queue.Empty:
+                    raise DeadlineExceeded(f"pull by worker {request.worker}: no block within {timeout + 5:g}s") \
+                        from None
+                if isinstance(item, BaseException):
+                    raise item
+                block_id, round_, snapshot, result = item
+                send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
+                                                                snapshot.nnz, result), snapshot.parts)
+                self.shard.counters.bytes_sent += snapshot.nbytes
+            send_frame(self.stream, Kind.END)
+        finally:
+            future.cancel()
+
+    async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float, ready: queue.SimpleQueue) -> None:
+        """Each block's (id, round, snapshot, result) into ``ready`` as soon as its round completes; the first
+        failure ends the pull."""
+        async def one(block_id: str) -> None:
+            try:
+                ready.put(await self.shard.pull_result(block_id, request.worker, request.round, timeout,
+                                                       request.generation))
+            except Exception as exc:  # noqa: BLE001 - the connection's thread raises it
+                ready.put(exc)
+                raise
+
+        waits = [asyncio.ensure_future(one(block_id)) for block_id in request.block_ids]
+        try:
+            await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                if not wait.done():
+                    wait.cancel()
+
+    def _refuse(self, exc: RequestError, counted: bool = True) -> None:
+        """Answer an ERROR frame, read (and drop) what the worker still writes of its call, then let the
+        connection close: the worker reads the refusal, not a reset."""
+        if counted:
+            self.shard.counters.rejected += 1
+            log.warning("rejected on the data channel (%s %s): %s", exc.status, type(exc).__name__,
+                        clip(str(exc), 1000))
+        with contextlib.suppress(OSError):
+            send_frame(self.stream, Kind.ERROR, error_meta(exc, ps_pb2.ChannelError))
+            deadline, drained, scratch = time.monotonic() + DRAIN_S, 0, memoryview(bytearray(1 << 20))
+            while drained < DRAIN_BYTES and (left := deadline - time.monotonic()) > 0:
+                self.stream.conn.settimeout(left)
+                if not (count := self.stream.recv_into(scratch)):
+                    return
+                drained += count

@@ -1,0 +1,290 @@
+"""The worker's data channel to one shard: pushes and pulls as frames (:mod:`imerge.wire.datapath`).
+
+Each call (a push of some blocks, or a pull) takes a connection of its own
+from a pool, runs on a thread of the channel's pool, and writes each payload
+with ``sendall`` straight from the gradient's memory and reads each pulled
+block with ``recv_into`` straight into the parameters (both release the GIL).
+A connection is opened with the port and the (worker, generation) token that
+the shard's ``OpenChannel`` gives (``open_channel``, a gRPC call of
+:mod:`.transport`); one idle for more than half the shard's idle limit is
+closed rather than reused. A call cancelled on the comm loop shuts its
+connection down, which ends the thread's read or write.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import queue
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from imerge.core.codec import PayloadReceiver, tensor_view
+from imerge.core.compression import Payload
+from imerge.core.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
+from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, read_exact, read_header, read_meta,
+                                  send_frame)
+from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
+from imerge.wire.rpc import ps_pb2
+
+OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
+
+
+def apply_payload(target: torch.Tensor, payload: Payload) -> None:
+    """A pulled compressed block into its target: widened, or a sparse update written at its indices (the
+    other elements keep what the worker holds, which is what the shard last sent)."""
+    if payload.sparse:
+        target[payload.indices.long()] = payload.values.float()
+    else:
+        target.copy_(payload.values)
+
+
+class CallThreads:
+    """Daemon threads that run the channel's blocking calls, one more whenever none is idle (the comm loop
+    bounds the calls in flight). Not concurrent.futures: it refuses new work once the interpreter begins to
+    exit, where a model's exit hook still closes the job through its shards."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = self._threads = 0
+
+    def submit(self, function: Callable, *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            spawn = self._idle == 0
+            self._idle -= 0 if spawn else 1
+            self._threads += spawn
+        self._tasks.put((future, function, args))
+        if spawn:
+            threading.Thread(target=self._serve, name=self._name, daemon=True).start()
+        return future
+
+    def _serve(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            future, function, args = task
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller's to raise
+                    future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, 0
+        for _ in range(threads):
+            self._tasks.put(None)
+
+
+@dataclasses.dataclass(eq=False)
+class PooledConnection:
+    sock: socket.socket
+    idle_since: float = 0.0
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def push_header(block_id: str, payload: Payload, round_: int, options: Any, worker: int, generation: int,
+                fence: int, lane: int) -> ps_pb2.PushHeader:
+    return ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=DTYPE_ENUM[payload.dtype],
+                             numel=payload.numel, generation=generation, fence=fence, lane=lane,
+                             hypers=options.hypers, no_grad=options.no_grad, assign=options.assign,
+                             loss_scale=options.loss_scale, max_norm=options.max_norm,
+                             **encoding_fields(payload.nnz if payload.sparse else -1))
+
+
+class SocketDataPath:
+    """Pushes and pulls of one shard on its data channel."""
+
+    def __init__(self, address: str, open_channel: OpenChannel, tls: ssl.SSLContext | None = None):
+        self.address = address
+        self._host = address.rpartition(":")[0].strip("[]")
+        self._open_channel, self._tls = open_channel, tls
+        self._replies: dict[tuple[int, int], ps_pb2.ChannelReply] = {}
+        self._idle: dict[tuple[int, int], list[PooledConnection]] = {}
+        self._busy: set[PooledConnection] = set()
+        self._threads = CallThreads("imerge-data")
+
+    async def close(self) -> None:
+        for connection in [c for pool in self._idle.values() for c in pool] + list(self._busy):
+            connection.abort()
+        self._idle.clear()
+        self._threads.close()
+
+    # -- connections ---------------------------------------------------------------------
+    async def _connection(self, worker: int, generation: int, timeout_s: float) -> PooledConnection:
+        key = (worker, generation)
+        reply = self._replies.get(key)
+        if reply is None:  # a new generation: the old one's connections and token are of no more use
+            for old in [k for k in self._idle if k != key]:
+                for connection in self._idle.pop(old):
+                    connection.abort()
+            self._replies = {key: await self._open_channel(worker, generation)}
+            reply = self._replies[key]
+        pool = self._idle.setdefault(key, [])
+        while pool:
+            connection = pool.pop()
+            if time.monotonic() - connection.idle_since < reply.idle_s / 2:
+                self._busy.add(connection)
+                return connection
+            connection.abort()  # the shard may be closing it: never reused
+        sock = await self._run(self._connect, reply, worker, generation, timeout_s)
+        connection = PooledConnection(sock)
+        self._busy.add(connection)
+        return connection
+
+    def _connect(self, reply: ps_pb2.ChannelReply, worker: int, generation: int, timeout_s: float) -> socket.socket:
+        what = f"data connection to {self._host}:{reply.port}"
+        sock = socket.create_connection((self._host, reply.port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if reply.tls:
+                if self._tls is None:
+                    raise InvalidArgument(f"{what}: the shard's data channel is TLS, but this worker has no "
+                                          "--tls-ca to verify it")
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+            send_frame(sock, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=worker,
+                                                              generation=generation))
+            self._expect(sock, Kind.WELCOME, what)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _release(self, connection: PooledConnection, worker: int, generation: int) -> None:
+        self._busy.discard(connection)
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault((worker, generation), []).append(connection)
+
+    def _expect(self, sock: socket.socket, kind: Kind, what: str) -> Any:
+        """The next frame's header, which must be ``kind`` (an ERROR frame raises the shard's error)."""
+        header = read_header(sock, 0 if kind != Kind.BLOCK else 1 << 62, what)
+        if header.kind == Kind.ERROR:
+            raise error_from_meta(read_meta(sock, header, ps_pb2.ChannelError, what), self.address)
+        expect(header, kind, *((Kind.END,) if kind == Kind.BLOCK else ()), what=what)
+        return header
+
+    async def _run(self, function: Callable, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._threads.submit(self._translated, function, *args))
+
+    def _translated(self, function: Callable, *args: Any) -> Any:
+        try:
+            return function(*args)
+        except RequestError:
+            raise
+        except TimeoutError as exc:
+            raise DeadlineExceeded(f"data channel: no answer in time ({exc})", address=self.address) from None
+        except (ChannelClosed, OSError) as exc:
+            raise Unavailable(f"data channel: {exc}", address=self.address) from None
+
+    async def _call(self, worker: int, generation: int, timeout_s: float, function: Callable, *args: Any) -> Any:
+        """``function(sock, *args)`` on a pooled connection; the connection goes back to the pool only when the
+        call succeeded."""
+        connection = await self._connection(worker, generation, timeout_s)
+        try:
+            connection.sock.settimeout(timeout_s)
+            result = await self._run(function, connection.sock, *args)
+        except BaseException:  # failed or cancelled: the connection ends (a thread still in it fails)
+            self._busy.discard(connection)
+            connection.abort()
+            raise
+        self._release(connection, worker, generation)
+        return result
+
+    # -- calls ---------------------------------------------------------------------------
+    async def push(self, blocks: list[tuple], worker: int, timeout_s: float, generation: int = 0, fence: int = 0,
+                   lane: int = 0, written: asyncio.Event | None = None,
+                   default_options: Any = None) -> ps_pb2.PushReply:
+        """Each block's frame, one after another, then the shard's result of each (see ShardClient.push)."""
+        loop = asyncio.get_running_loop()
+        frames = []
+        for block_id, grad, round_, *rest in blocks:
+            payload = grad if isinstance(grad, Payload) else Payload(grad)
+            frames.append((push_header(block_id, payload, round_, rest[0] if rest else default_options, worker,
+                                       generation, fence, lane), payload.parts()))
+        on_written = (lambda: loop.call_soon_threadsafe(written.set)) if written is not None else None
+        results = await self._call(worker, generation, timeout_s, self._push, frames, on_written)
+        return ps_pb2.PushReply(results=results)
+
+    def _push(self, sock: socket.socket, frames: list, on_written: Callable[[], Any] | None) -> list:
+        for header, parts in frames:
+            send_frame(sock, Kind.PUSH, header, parts)
+        if on_written is not None:
+            on_written()
+        results = []
+        for header, _ in frames:
+            frame = self._expect(sock, Kind.RESULT, f"push of block {header.block_id}")
+            results.append(read_meta(sock, frame, ps_pb2.BlockPushResult, "push"))
+        return results
+
+    async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
+                        generation: int = 0, on_block: Callable | None = None) -> list[int]:
+        """As ShardClient.pull_into: each block in place as soon as the shard sends it, ``on_block`` told on the
+        comm loop as each one arrives (a failure of it fails the pull); the new rounds, in the targets' order."""
+        loop = asyncio.get_running_loop()
+        failures: list[BaseException] = []
+
+        def arrived(item: tuple) -> None:  # on the loop, in the order the blocks came, before the call returns
+            if on_block is not None and not failures:
+                try:
+                    on_block(*item)
+                except Exception as exc:  # noqa: BLE001 - the pull raises it
+                    failures.append(exc)
+
+        request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
+                                     timeout_s=timeout_s, generation=generation)
+        rounds = await self._call(worker, generation, timeout_s + 5.0, self._pull, request, dict(targets),
+                                  lambda item: loop.call_soon_threadsafe(arrived, item))
+        if failures:
+            raise failures[0]
+        return [rounds[block_id] for block_id, _ in targets]
+
+    def _pull(self, sock: socket.socket, request: ps_pb2.PullRequest, targets: dict[str, torch.Tensor],
+              notify: Callable[[Any], Any]) -> dict[str, int]:
+        send_frame(sock, Kind.PULL, request)
+        rounds: dict[str, int] = {}
+        while len(rounds) < len(targets):
+            frame = self._expect(sock, Kind.BLOCK, "pull")
+            if frame.kind == Kind.END:
+                raise InvalidArgument(f"pull: the shard sent {len(rounds)} of {len(targets)} blocks; missing "
+                                      f"{sorted(set(targets) - set(rounds))}", address=self.address)
+            meta = read_meta(sock, frame, ps_pb2.TensorMeta, "pull")
+            self._receive_block(sock, frame.payload_len, meta, targets, rounds)
+            notify((meta.block_id, meta.round, meta))
+        self._expect(sock, Kind.END, "pull")
+        return rounds
+
+    def _receive_block(self, sock: socket.socket, nbytes: int, meta: ps_pb2.TensorMeta,
+                       targets: dict[str, torch.Tensor], rounds: dict[str, int]) -> None:
+        block_id, what = meta.block_id, f"pull: block {meta.block_id}"
+        target = targets.get(block_id)
+        if target is None or block_id in rounds:
+            raise InvalidArgument(f"pull: the shard sent block {block_id!r}, which was not asked for or came twice",
+                                  address=self.address)
+        if meta.numel != target.numel():
+            raise InvalidArgument(f"{what} has {meta.numel} elements, expected {target.numel()}",
+                                  address=self.address)
+        dense = meta.dtype == ps_pb2.FLOAT32 and meta.encoding == ps_pb2.DENSE
+        receiver = None if dense else PayloadReceiver(target.numel(), dtype_name(meta.dtype, what), nnz_of(meta),
+                                                      what)
+        place = tensor_view(target) if dense else tensor_view(receiver.buffer)
+        if nbytes != len(place):
+            raise InvalidArgument(f"{what}: {nbytes} bytes of payload, expected {len(place)}", address=self.address)
+        read_exact(sock, place, what)
+        if receiver is not None:
+            apply_payload(target, receiver.finish(fed=False))
+        rounds[block_id] = meta.round
+

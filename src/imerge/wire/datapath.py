@@ -1,0 +1,186 @@
+"""The data channel's frames: bulk bytes beside gRPC, read straight into their place. Pure: no grpc, no redis.
+
+A frame is a fixed 20-byte header, a protobuf meta and a raw payload::
+
+    magic "IMdc" | kind u8 | flags u8 | reserved u16 (0) | meta length u32 | payload length u64
+
+all little-endian. The meta is the message of the frame's kind (a
+``PushHeader`` for a push, a ``PullRequest``, a ``TensorMeta`` before a pulled
+block's data, ...: the messages of ``proto/``, so that one contract describes
+both data paths); the payload is the tensor's bytes as the block's encoding
+makes them (see :mod:`imerge.core.compression`), which the receiver reads with
+``recv_into`` straight into the gradient row or the parameters. A reader checks
+the header (magic, kind, lengths within their bounds) and parses the meta before
+it reads a byte of the payload; whoever applies the frame checks the payload's
+length against the block before reading it.
+
+A connection carries one call at a time (a push of some blocks, or a pull):
+the worker keeps a pool of them per shard, so that calls never queue behind
+each other on one stream. The first frame of a connection is a HELLO carrying
+the (worker, generation) token that the shard's ``OpenChannel`` handed out.
+
+Anything that moves bytes through :class:`Conn` (a socket, a TLS socket) can
+carry the frames: an RDMA or shared-memory transport would implement the same
+two methods.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from imerge.core.errors import InvalidArgument, RequestError, request_error_classes
+from imerge.wire.channel import MAX_MESSAGE_BYTES
+
+MAGIC = b"IMdc"
+HEADER = struct.Struct("<4sBBHIQ")
+MAX_META_BYTES = MAX_MESSAGE_BYTES  # what one gRPC message may hold: a push header, a pull of many blocks
+TOKEN_BYTES = 16
+_ERRORS = request_error_classes()
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1    # worker -> shard, first frame: ChannelHello
+    WELCOME = 2  # shard -> worker: the hello was accepted (no meta)
+    PUSH = 3     # worker -> shard: PushHeader, then the gradient's payload
+    RESULT = 4   # shard -> worker: BlockPushResult of one PUSH
+    PULL = 5     # worker -> shard: PullRequest
+    BLOCK = 6    # shard -> worker: TensorMeta, then the block's payload (one per block pulled)
+    END = 7      # shard -> worker: a pull's blocks are all sent
+    ERROR = 8    # shard -> worker: ChannelError; the shard closes the connection after it
+
+
+CARRIES_PAYLOAD = frozenset({Kind.PUSH, Kind.BLOCK})
+
+
+class Conn(Protocol):
+    """What carries frames: a connected socket (or a TLS socket)."""
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int: ...
+
+    def sendall(self, data: Any) -> None: ...
+
+
+class ChannelClosed(ConnectionError):
+    """The peer closed the connection (at a frame's boundary: ``clean``; else in the middle of one)."""
+
+    def __init__(self, message: str, clean: bool = False):
+        super().__init__(message)
+        self.clean = clean
+
+
+def read_exact(conn: Conn, view: memoryview, what: str) -> None:
+    """Fill ``view`` from ``conn`` (no copy: the bytes land in ``view``'s memory)."""
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    received, size = 0, len(view)
+    while received < size:
+        count = conn.recv_into(view[received:], size - received)
+        if count == 0:
+            raise ChannelClosed(f"{what}: the connection closed after {received} of {size} bytes")
+        received += count
+
+
+def skip(conn: Conn, nbytes: int, what: str, chunk_bytes: int = 1 << 20) -> None:
+    """Read and drop ``nbytes`` (a payload that is not applied: a duplicate)."""
+    scratch = memoryview(bytearray(min(nbytes, chunk_bytes)))
+    while nbytes > 0:
+        count = min(nbytes, len(scratch))
+        read_exact(conn, scratch[:count], what)
+        nbytes -= count
+
+
+class FrameHeader:
+    """A frame's header, checked: known kind, lengths within their bounds."""
+
+    __slots__ = ("kind", "flags", "meta_len", "payload_len")
+
+    def __init__(self, kind: Kind, meta_len: int, payload_len: int, flags: int = 0):
+        self.kind, self.meta_len, self.payload_len, self.flags = kind, meta_len, payload_len, flags
+
+    def encode(self) -> bytes:
+        return HEADER.pack(MAGIC, self.kind, self.flags, 0, self.meta_len, self.payload_len)
+
+    @classmethod
+    def decode(cls, raw: bytes | memoryview, max_payload: int) -> "FrameHeader":
+        magic, kind, flags, reserved, meta_len, payload_len = HEADER.unpack(raw)
+        if magic != MAGIC or reserved:
+            raise InvalidArgument(f"data channel: not a frame (header {bytes(raw[:8]).hex()}...): the peer does not "
+                                  "speak IMerge's data channel")
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise InvalidArgument(f"data channel: unknown frame kind {kind}") from None
+        if meta_len > MAX_META_BYTES:
+            raise InvalidArgument(f"data channel: {kind.name} frame's meta of {meta_len} bytes is more than "
+                                  f"{MAX_META_BYTES}")
+        if kind not in CARRIES_PAYLOAD and payload_len:
+            raise InvalidArgument(f"data channel: a {kind.name} frame carries no payload, this one declares "
+                                  f"{payload_len} bytes")
+        if payload_len > max_payload:
+            raise InvalidArgument(f"data channel: {kind.name} frame declares {payload_len} bytes of payload, more "
+                                  f"than the {max_payload} of the largest block")
+        return cls(kind, meta_len, payload_len, flags)
+
+
+def read_header(conn: Conn, max_payload: int, what: str) -> FrameHeader:
+    """The next frame's header; :class:`ChannelClosed` (``clean``) when the peer closed between frames."""
+    raw = bytearray(HEADER.size)
+    view = memoryview(raw)
+    first = conn.recv_into(view, HEADER.size)
+    if first == 0:
+        raise ChannelClosed(f"{what}: the connection closed", clean=True)
+    if first < HEADER.size:
+        read_exact(conn, view[first:], what)
+    return FrameHeader.decode(raw, max_payload)
+
+
+def read_meta(conn: Conn, header: FrameHeader, message_type: Any, what: str) -> Any:
+    """The frame's meta, parsed as ``message_type`` (InvalidArgument if it is not one)."""
+    raw = bytearray(header.meta_len)
+    read_exact(conn, memoryview(raw), what)
+    message = message_type()
+    try:
+        message.ParseFromString(bytes(raw))
+    except Exception as exc:  # protobuf's DecodeError, or a RuntimeWarning-free failure of a nested message
+        raise InvalidArgument(f"{what}: the {header.kind.name} frame's meta is not a valid "
+                              f"{message_type.DESCRIPTOR.full_name}: {exc}") from None
+    return message
+
+
+def expect(header: FrameHeader, *kinds: Kind, what: str) -> None:
+    if header.kind not in kinds:
+        raise InvalidArgument(f"{what}: a {header.kind.name} frame where {' or '.join(k.name for k in kinds)} "
+                              "was due")
+
+
+def send_frame(conn: Conn, kind: Kind, meta: Any = None, parts: Sequence[Any] = (), flags: int = 0) -> None:
+    """One frame: the header and meta in one write, each payload part written from its own memory."""
+    encoded = meta.SerializeToString() if meta is not None else b""
+    views = [memoryview(part).cast("B") for part in parts]
+    payload_len = sum(len(view) for view in views)
+    head = FrameHeader(kind, len(encoded), payload_len, flags).encode() + encoded
+    if payload_len and payload_len <= 64 << 10:  # small: one write (one segment on the wire)
+        conn.sendall(head + b"".join(views))
+        return
+    conn.sendall(head)
+    for view in views:
+        conn.sendall(view)
+
+
+def channel_token(secret: bytes, worker: int, generation: int) -> bytes:
+    """The token a worker's connection must carry in ``generation``: bound to both, unforgeable without the
+    shard's secret."""
+    return hmac.new(secret, f"{worker}:{generation}".encode(), hashlib.sha256).digest()[:TOKEN_BYTES]
+
+
+def error_meta(exc: RequestError, message_type: Any) -> Any:
+    return message_type(error=type(exc).__name__, message=str(exc))
+
+
+def error_from_meta(meta: Any, address: str) -> RequestError:
+    """The error an ERROR frame stands for, as the class the shard raised."""
+    cls = _ERRORS.get(meta.error, RequestError)
+    return cls(meta.message or meta.error, address=address)

@@ -1,0 +1,363 @@
+"""The data channel: what the gRPC data path promises holds on it too.
+
+A real shard process (``imerge ps --no-register``) and raw sockets that send frames no worker would: each is
+refused with an ERROR frame naming the error's class, before a byte of its payload is read, and applies nothing;
+an idle connection is closed; a stalled push is superseded by the retry of its row; the channel is TLS (never
+plaintext) when the shard serves TLS, with the worker identity of the client certificate enforced; the worker's
+client (:class:`imerge.worker.transport.ShardClient` with ``data_path="socket"``) pushes and pulls bit-exactly.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from imerge.core.errors import FailedPrecondition, FutureGeneration, NotFound
+from imerge.wire.datapath import HEADER, MAGIC, Kind, read_header, read_meta, send_frame
+from imerge.wire.rpc import ps_pb2
+from imerge.worker.transport import ShardClient
+from test_request_bounds import SGD, ShardProcess
+
+NUMEL = 1000
+WORKERS = 2
+
+
+class Raw:
+    """A raw data connection to a shard: frames as the test writes them."""
+
+    def __init__(self, shard: ShardProcess, worker: int = 0, generation: int = 0, token: bytes | None = None,
+                 hello: bool = True):
+        reply = shard.stub.OpenChannel(ps_pb2.ChannelRequest(worker=worker, generation=generation), timeout=10)
+        self.sock = socket.create_connection(("127.0.0.1", reply.port), timeout=10)
+        if hello:
+            send_frame(self.sock, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token if token is None else token,
+                                                                  worker=worker, generation=generation))
+
+    def answer(self, timeout_s: float = 10) -> tuple[Kind, object]:
+        """The next frame's kind and meta (ERROR: (error class name, message))."""
+        self.sock.settimeout(timeout_s)
+        header = read_header(self.sock, 1 << 40, "test")
+        meta_type = {Kind.ERROR: ps_pb2.ChannelError, Kind.RESULT: ps_pb2.BlockPushResult,
+                     Kind.BLOCK: ps_pb2.TensorMeta}.get(header.kind)
+        meta = read_meta(self.sock, header, meta_type, "test") if meta_type else None
+        if header.kind == Kind.ERROR:
+            return header.kind, (meta.error, meta.message)
+        return header.kind, meta
+
+    def closed(self, timeout_s: float = 10) -> bool:
+        """Whether the shard closed the connection (reads reach the end)."""
+        self.sock.settimeout(timeout_s)
+        try:
+            while self.sock.recv(1 << 16):
+                pass
+        except ConnectionError:
+            pass
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+BLOCK = "b"  # the block of the running test (each test makes its own on the module's shard)
+
+
+def push_header(worker: int = 0, round_: int = 0, **fields) -> ps_pb2.PushHeader:
+    return ps_pb2.PushHeader(**{"block_id": BLOCK, "worker": worker, "round": round_, "dtype": ps_pb2.FLOAT32,
+                                "numel": NUMEL, **fields})
+
+
+def gradient(value: float) -> bytes:
+    return np.full(NUMEL, value, "<f4").tobytes()
+
+
+@pytest.fixture(scope="module")
+def shard_process(tmp_path_factory):
+    process = ShardProcess(tmp_path_factory.mktemp("shard"), "--stream-idle-s", "2")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def shard(shard_process, request):
+    """The module's shard, with a block of this test's own."""
+    global BLOCK
+    BLOCK = f"b-{request.node.name}"[:200]
+    spec = ps_pb2.BlockSpec(block_id=BLOCK, dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=WORKERS, optimizer=SGD)
+    shard_process.stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                                       ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+    return shard_process
+
+
+def block_stats(shard: ShardProcess) -> ps_pb2.BlockStats:
+    return next(b for b in shard.stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks if b.block_id == BLOCK)
+
+
+def pushed(shard: ShardProcess) -> int:
+    return block_stats(shard).pushed
+
+
+def test_the_workers_client_pushes_and_pulls_on_the_channel_bit_exactly(shard):
+    """Two workers push through ShardClient(data_path="socket"); the pull returns SGD's step of the mean."""
+    grads = [torch.randn(NUMEL, generator=torch.Generator().manual_seed(w)) for w in range(WORKERS)]
+    before = shard.stub.Stats(ps_pb2.StatsRequest(), timeout=10)
+
+    async def run(worker: int) -> torch.Tensor:
+        client = ShardClient(shard.address, data_path="socket")
+        target = torch.empty(NUMEL)
+        try:
+            reply = await client.push([(BLOCK, grads[worker], 0)], worker, timeout_s=10)
+            assert not reply.results[0].duplicate
+            arrived = []
+            rounds = await client.pull_into([(BLOCK, target)], worker, 0, 10,
+                                            on_block=lambda *block: arrived.append(block[:2]))
+            assert rounds == [1] and arrived == [(BLOCK, 1)]
+            again = await client.push([(BLOCK, grads[worker], 0)], worker, timeout_s=10)  # a retry: a duplicate
+            assert again.results[0].duplicate
+        finally:
+            await client.close()
+        return target
+
+    async def both():
+        return await asyncio.gather(run(0), run(1))
+
+    results = asyncio.run(both())
+    mean = grads[0].clone().add_(grads[1]).div_(WORKERS)
+    expected = torch.zeros(NUMEL).add_(mean, alpha=-0.1)
+    for result in results:
+        assert torch.equal(result, expected)
+    after = shard.stub.Stats(ps_pb2.StatsRequest(), timeout=10)
+    assert block_stats(shard).round == 1 and after.duplicate_pushes - before.duplicate_pushes == 2
+    assert after.bytes_received - before.bytes_received == WORKERS * NUMEL * 4
+    assert after.bytes_sent - before.bytes_sent == WORKERS * NUMEL * 4
+
+
+def test_a_connection_without_its_token_is_refused_at_the_hello(shard):
+    raw = Raw(shard, worker=1, token=b"\0" * 16)
+    assert raw.answer() == (Kind.ERROR, ("PermissionDenied", "data connection of worker 1: its token is not the one "
+                                                             "OpenChannel gave worker 1 for generation 0"))
+    assert raw.closed()
+    stolen = shard.stub.OpenChannel(ps_pb2.ChannelRequest(worker=0), timeout=10).token
+    other = Raw(shard, worker=1, token=stolen)  # worker 0's token does not open worker 1's connection
+    assert other.answer()[1][0] == "PermissionDenied"
+
+
+def test_a_hello_of_another_generation_is_refused(shard):
+    with pytest.raises(Exception, match="generation 3"):
+        Raw(shard, generation=3)  # OpenChannel itself refuses a generation the shard is not at
+    reply = shard.stub.OpenChannel(ps_pb2.ChannelRequest(worker=0), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", reply.port), timeout=10)
+    send_frame(sock, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=0, generation=3))
+    header = read_header(sock, 0, "test")
+    assert header.kind == Kind.ERROR
+    error = read_meta(sock, header, ps_pb2.ChannelError, "test")
+    assert error.error == "FutureGeneration" and "generation 3" in error.message
+
+
+def test_the_first_frame_must_be_a_hello(shard):
+    raw = Raw(shard, hello=False)
+    send_frame(raw.sock, Kind.PUSH, push_header(), [gradient(1.0)])
+    kind, (error, message) = raw.answer()
+    assert (kind, error) == (Kind.ERROR, "InvalidArgument") and "HELLO" in message
+    assert pushed(shard) == 0
+
+
+REFUSALS = {  # the push's fields, the class that refuses it, and a phrase of the message; its payload is never sent
+    "a block the shard does not hold": (dict(block_id="nope"), "NotFound", "not on shard"),
+    "a numel that is not the block's": (dict(numel=NUMEL + 1), "InvalidArgument", f"got {NUMEL + 1} elements"),
+    "another worker's row": (dict(worker=1), "PermissionDenied", "worker 0's data connection"),
+    "a round that is not the block's": (dict(round_=5), "FailedPrecondition", "current round is 0"),
+    "an unknown dtype": (dict(dtype=7), "InvalidArgument", "unsupported dtype 7"),
+    "a generation the shard is not at": (dict(generation=4), "FutureGeneration", "has not restored generation 4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_push_frame_is_checked_before_its_payload_is_read(shard, case):
+    """Only the header and meta go out, declaring the block's payload: the ERROR comes without the payload."""
+    fields, error, phrase = REFUSALS[case]
+    raw = Raw(shard)
+    assert raw.answer()[0] == Kind.WELCOME
+    meta = push_header(**fields).SerializeToString()
+    raw.sock.sendall(HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta)
+    kind, (got, message) = raw.answer(timeout_s=5)
+    assert (kind, got) == (Kind.ERROR, error) and phrase in message, message
+    assert raw.closed() and pushed(shard) == 0
+
+
+@pytest.mark.parametrize("case", ["bad magic", "unknown kind", "meta too long", "payload larger than any block",
+                                  "payload on a pull", "meta not a PushHeader", "length not the block's"])
+def test_a_malformed_frame_closes_the_channel_with_a_clear_error_and_applies_nothing(shard, case):
+    raw = Raw(shard)
+    assert raw.answer()[0] == Kind.WELCOME
+    meta = push_header().SerializeToString()
+    frame = {"bad magic": HEADER.pack(b"HTTP", Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta,
+             "unknown kind": HEADER.pack(MAGIC, 99, 0, 0, 0, 0),
+             "meta too long": HEADER.pack(MAGIC, Kind.PUSH, 0, 0, 1 << 30, 0),
+             "payload larger than any block": HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), 1 << 60) + meta,
+             "payload on a pull": HEADER.pack(MAGIC, Kind.PULL, 0, 0, 0, 4),
+             "meta not a PushHeader": HEADER.pack(MAGIC, Kind.PUSH, 0, 0, 3, 0) + b"\xff\xff\xff",
+             "length not the block's": HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4 - 4) + meta,
+             }[case]
+    raw.sock.sendall(frame)
+    kind, (error, message) = raw.answer(timeout_s=5)
+    assert (kind, error) == (Kind.ERROR, "InvalidArgument"), message
+    assert raw.closed() and pushed(shard) == 0
+
+
+def test_a_gradient_with_nan_is_refused_and_changes_nothing(shard):
+    raw = Raw(shard)
+    assert raw.answer()[0] == Kind.WELCOME
+    send_frame(raw.sock, Kind.PUSH, push_header(), [np.full(NUMEL, np.nan, "<f4").tobytes()])
+    kind, (error, message) = raw.answer()
+    assert (kind, error) == (Kind.ERROR, "InvalidArgument") and "NaN" in message
+    good = Raw(shard)
+    assert good.answer()[0] == Kind.WELCOME
+    send_frame(good.sock, Kind.PUSH, push_header(), [gradient(1.0)])
+    kind, result = good.answer()
+    assert kind == Kind.RESULT and result.pushed == 1 and not result.duplicate
+
+
+def test_a_silent_connection_is_closed_and_a_push_stalled_within_its_payload_frees_its_row(shard):
+    """--stream-idle-s 2: a connection that sends nothing after its hello is closed; a push that stops after
+    half its payload ends with DEADLINE_EXCEEDED, and the worker's next push is counted."""
+    idle = Raw(shard)
+    assert idle.answer()[0] == Kind.WELCOME
+    started = time.monotonic()
+    assert idle.closed(timeout_s=10) and time.monotonic() - started < 6
+    stalled = Raw(shard)
+    assert stalled.answer()[0] == Kind.WELCOME
+    meta = push_header().SerializeToString()
+    stalled.sock.sendall(HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta + gradient(1.0)[:2000])
+    kind, (error, message) = stalled.answer(timeout_s=10)
+    assert (kind, error) == (Kind.ERROR, "DeadlineExceeded") and "--stream-idle-s" in message
+    assert pushed(shard) == 0
+    retry = Raw(shard)
+    assert retry.answer()[0] == Kind.WELCOME
+    send_frame(retry.sock, Kind.PUSH, push_header(), [gradient(2.0)])
+    assert retry.answer()[1].pushed == 1
+
+
+def test_a_newer_push_of_the_row_supersedes_a_stalled_one_at_once(shard):
+    stalled = Raw(shard)
+    assert stalled.answer()[0] == Kind.WELCOME
+    meta = push_header().SerializeToString()
+    stalled.sock.sendall(HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta + gradient(1.0)[:2000])
+    time.sleep(0.3)
+    retry = Raw(shard)
+    assert retry.answer()[0] == Kind.WELCOME
+    started = time.monotonic()
+    send_frame(retry.sock, Kind.PUSH, push_header(), [gradient(2.0)])
+    kind, result = retry.answer()
+    assert kind == Kind.RESULT and result.pushed == 1 and time.monotonic() - started < 1.9  # not the idle limit
+    assert stalled.closed()
+
+
+def test_a_pull_on_the_channel_waits_for_the_round_and_names_what_is_missing(shard):
+    raw = Raw(shard)
+    assert raw.answer()[0] == Kind.WELCOME
+    send_frame(raw.sock, Kind.PULL, ps_pb2.PullRequest(block_ids=[BLOCK], worker=0, round=0, timeout_s=0.5))
+    kind, (error, message) = raw.answer()
+    assert (kind, error) == (Kind.ERROR, "DeadlineExceeded") and "workers [0, 1] have not pushed" in message
+    again = Raw(shard)
+    assert again.answer()[0] == Kind.WELCOME
+    send_frame(again.sock, Kind.PULL, ps_pb2.PullRequest(block_ids=[BLOCK, BLOCK], worker=0, round=0))
+    kind, (error, message) = again.answer()
+    assert (kind, error) == (Kind.ERROR, "InvalidArgument") and "asked for twice" in message
+
+
+def test_the_client_turns_a_refusal_into_the_shards_error_class(shard):
+    async def run():
+        client = ShardClient(shard.address, data_path="socket")
+        try:
+            with pytest.raises(FailedPrecondition, match="current round is 0") as refused:
+                await client.push([(BLOCK, torch.ones(NUMEL), 3)], 0, timeout_s=10)
+            assert refused.value.address == shard.address
+            with pytest.raises(NotFound):
+                await client.pull_into([("nope", torch.empty(NUMEL))], 0, 0, 1)
+            with pytest.raises(FutureGeneration, match="generation 7"):
+                await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10, generation=7)
+            reply = await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)  # the client still works
+            assert reply.results[0].pushed == 1
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_pull_ends_its_connection_and_the_client_goes_on(shard):
+    async def run():
+        client = ShardClient(shard.address, data_path="socket")
+        try:
+            waiting = asyncio.ensure_future(client.pull_into([(BLOCK, torch.empty(NUMEL))], 0, 0, 30))
+            await asyncio.sleep(0.3)
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            reply = await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)
+            assert reply.results[0].pushed == 1
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(run(), 30))
+
+
+# -- fuzzing: frames a worker would never send --------------------------------------------------------------
+EXAMPLES = 200
+kinds = st.one_of(st.sampled_from(list(Kind)), st.integers(0, 255))
+metas = st.one_of(st.binary(max_size=40), st.builds(lambda h: h.SerializeToString(), st.builds(
+    ps_pb2.PushHeader, block_id=st.sampled_from(["fuzz", "", "x" * 300]), worker=st.integers(0, 3),
+    round=st.integers(0, 2), dtype=st.integers(0, 5), numel=st.sampled_from([NUMEL, 0, 2**40]),
+    generation=st.integers(0, 2), fence=st.integers(0, 3), lane=st.integers(0, 2))),
+    st.builds(lambda p: p.SerializeToString(), st.builds(ps_pb2.PullRequest, block_ids=st.lists(
+        st.sampled_from(["fuzz", "c", ""]), max_size=3), worker=st.integers(0, 2), round=st.integers(0, 2),
+        timeout_s=st.just(0.05))))
+payloads = st.one_of(st.binary(max_size=64), st.just(gradient(1.0)), st.just(gradient(float("nan"))))
+
+
+@pytest.mark.timeout(600)
+def test_fuzzed_frames_get_an_error_frame_or_a_close_and_the_shard_goes_on(shard):
+    from test_fuzz import process_figures
+
+    spec = ps_pb2.BlockSpec(block_id="fuzz", dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=WORKERS, optimizer=SGD)
+    shard.stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                               ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+    steady = process_figures(shard.process.pid)
+    answers: dict[str, int] = {}
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(kinds, metas, payloads, st.booleans())
+    def frame(kind, meta, payload, honest_length):
+        raw = Raw(shard, worker=0)
+        try:
+            assert raw.answer()[0] == Kind.WELCOME
+            declared = len(payload) if honest_length else NUMEL * 4
+            raw.sock.sendall(struct.pack("<4sBBHIQ", MAGIC, kind, 0, 0, len(meta), declared) + meta + payload)
+            raw.sock.shutdown(socket.SHUT_WR)  # what is not there is never coming
+            try:
+                got, meta_of = raw.answer(timeout_s=5)
+            except ConnectionError:
+                got, meta_of = "closed", None
+            name = got.name if isinstance(got, Kind) else got
+            if got == Kind.ERROR:
+                name = meta_of[0]
+                assert meta_of[0] in {"InvalidArgument", "NotFound", "FailedPrecondition", "PermissionDenied",
+                                      "DeadlineExceeded", "FutureGeneration", "StaleGeneration", "Fenced"}, meta_of
+            answers[name] = answers.get(name, 0) + 1
+        finally:
+            raw.close()
+
+    frame()
+    assert shard.process.poll() is None
+    assert answers.get("InvalidArgument", 0) > EXAMPLES // 4, answers
+    time.sleep(1.0)  # the connections' threads end
+    after = process_figures(shard.process.pid)
+    assert after["threads"] <= steady["threads"] + 2 and after["fds"] <= steady["fds"] + 4, (steady, after)
+    assert after["rss_kib"] - steady["rss_kib"] < 50 * 1024
