@@ -30,6 +30,12 @@ def test_a_shard_port_in_use_is_one_line_naming_the_option(busy_port):
     assert "--port" in line and f":{busy_port}" in line and "in use" in line
 
 
+def test_a_data_port_in_use_is_one_line_naming_the_option(busy_port):
+    line = one_line_error(["ps", "--no-register", "--host", "0.0.0.0", "--port", "0", "--data-port",
+                           str(busy_port)])
+    assert "--data-port" in line and f":{busy_port}" in line and "in use" in line
+
+
 def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
     line = one_line_error(["ps", "--no-register", "--port", "0", "--metrics-port", str(busy_port)])
     assert "--metrics-port" in line and "Address already in use" in line
@@ -42,6 +48,9 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
     (["launch", "--topk-ratio", "2"], "--topk-ratio"),
     (["launch", "--topk-pull-ratio", "0.1"], "--topk-pull-ratio: has no effect with --compression none"),
     (["worker", "--compression", "topk", "--mixed-threshold-kib", "8"], "only with mixed"),
+    (["worker", "--data-path", "rdma"], "--data-path"),
+    (["ps", "--data-port", "-2"], "--data-port: must be 0..65535, or -1 for none"),
+    (["ps", "--threads", "-1"], "--threads: must be >= 0"),
 ])
 def test_command_line_mistakes_are_one_line(args, message, monkeypatch, capsys):
     from helpers import run_cli

@@ -18,6 +18,9 @@ class PSConfig(TlsConfig, CommonConfig):
     check_finite: bool = option(True, "reject gradients holding NaN or infinity")
     max_block_numel: int = option(1 << 28, "largest block, in elements, the shard accepts")
     max_workers: int = option(4096, "largest number of workers a block may declare")
+    threads: int = option(0, "threads of the shard's arithmetic: blocks aggregated and stepped at once, and torch's "
+                             "threads within one such step (0: torch's own count, from OMP_NUM_THREADS or the "
+                             "cores, and 2 blocks at once); the data channel reads on a thread per connection")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     register: bool = option(True, "register this shard's address in the coordinator's store")
     checkpoint_dir: str = option("", "folder of this job's checkpoints (shard-{i}/ under it); empty: none, "
@@ -45,6 +48,7 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.max_block_numel > 0, "max_block_numel", "must be positive")
         require(self.max_workers > 0, "max_workers", "must be positive")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        require(self.threads >= 0, "threads", "must be >= 0 (0: torch's own count)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "
                                                               "stays valid while the next is written)")

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2
 
 from imerge.control.messages import FIRST_PLAN
@@ -366,7 +367,7 @@ class ShardServer:
         self.config = config
         self.shard = Shard(config.shard_index, check_finite=config.check_finite,
                            max_block_numel=config.max_block_numel, max_workers=config.max_workers,
-                           link_mbps=config.link_mbps)
+                           link_mbps=config.link_mbps, threads=config.threads)
         self.address = ""
         self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
@@ -463,6 +464,8 @@ class ShardServer:
 
 async def serve(config: PSConfig) -> int:
     """Run a shard until SIGTERM or SIGINT, then stop gracefully."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

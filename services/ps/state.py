@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 class Shard:
     def __init__(self, index: int, *, check_finite: bool = True, max_block_numel: int = 1 << 28,
-                 max_workers: int = 4096, link_mbps: float = 10000.0):
+                 max_workers: int = 4096, link_mbps: float = 10000.0, threads: int = 0):
         self.index = index
         self.check_finite = check_finite
         self.max_block_numel = max_block_numel
@@ -55,7 +55,7 @@ class Shard:
         self.blocks: dict[str, BlockState] = {}
         self.counters = ShardCounters()
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
-        self._executor = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"ps{index}-step")
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads or 2, thread_name_prefix=f"ps{index}-step")
         self._tasks: set[asyncio.Task] = set()
         self.generation = 0
         self.expected: set[str] | None = None  # the blocks the mapping table gives this shard

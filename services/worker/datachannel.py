@@ -114,7 +114,7 @@ class SocketDataPath:
         self._host = address.rpartition(":")[0].strip("[]")
         self._open_channel, self._tls = open_channel, tls
         self._replies: dict[tuple[int, int], ps_pb2.ChannelReply] = {}
-        self._idle: dict[tuple[int, int], list[PooledConnection]] = {}
+        self._idle: dict[tuple[int, int, str], list[PooledConnection]] = {}  # (worker, generation, call)
         self._busy: set[PooledConnection] = set()
         self._threads = CallThreads("imerge-data")
 
@@ -125,16 +125,18 @@ class SocketDataPath:
         self._threads.close()
 
     # -- connections ---------------------------------------------------------------------
-    async def _connection(self, worker: int, generation: int, timeout_s: float) -> PooledConnection:
+    async def _connection(self, worker: int, generation: int, kind: str, timeout_s: float) -> PooledConnection:
+        """An idle connection of the pool of ``kind`` (pushes and pulls keep their own: a connection that only
+        sends keeps the congestion window it grew), else a new one."""
         key = (worker, generation)
         reply = self._replies.get(key)
         if reply is None:  # a new generation: the old one's connections and token are of no more use
-            for old in [k for k in self._idle if k != key]:
+            for old in [k for k in self._idle if k[:2] != key]:
                 for connection in self._idle.pop(old):
                     connection.abort()
             self._replies = {key: await self._open_channel(worker, generation)}
             reply = self._replies[key]
-        pool = self._idle.setdefault(key, [])
+        pool = self._idle.setdefault((worker, generation, kind), [])
         while pool:
             connection = pool.pop()
             if time.monotonic() - connection.idle_since < reply.idle_s / 2:
@@ -164,10 +166,10 @@ class SocketDataPath:
             raise
         return sock
 
-    def _release(self, connection: PooledConnection, worker: int, generation: int) -> None:
+    def _release(self, connection: PooledConnection, worker: int, generation: int, kind: str) -> None:
         self._busy.discard(connection)
         connection.idle_since = time.monotonic()
-        self._idle.setdefault((worker, generation), []).append(connection)
+        self._idle.setdefault((worker, generation, kind), []).append(connection)
 
     def _expect(self, sock: socket.socket, kind: Kind, what: str) -> Any:
         """The next frame's header, which must be ``kind`` (an ERROR frame raises the shard's error)."""
@@ -193,7 +195,8 @@ class SocketDataPath:
     async def _call(self, worker: int, generation: int, timeout_s: float, function: Callable, *args: Any) -> Any:
         """``function(sock, *args)`` on a pooled connection; the connection goes back to the pool only when the
         call succeeded."""
-        connection = await self._connection(worker, generation, timeout_s)
+        kind = function.__name__
+        connection = await self._connection(worker, generation, kind, timeout_s)
         try:
             connection.sock.settimeout(timeout_s)
             result = await self._run(function, connection.sock, *args)
@@ -201,7 +204,7 @@ class SocketDataPath:
             self._busy.discard(connection)
             connection.abort()
             raise
-        self._release(connection, worker, generation)
+        self._release(connection, worker, generation, kind)
         return result
 
     # -- calls ---------------------------------------------------------------------------

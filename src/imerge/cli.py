@@ -257,10 +257,18 @@ EXAMPLES = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose mistakes (an unknown flag, a value not among the choices) are one line, not a page of
+    usage before it."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command line; with ``only``, the other roles' options are left out (they are listed by name)."""
-    parser = argparse.ArgumentParser(prog="imerge", description="IMerge: communication-scheduled PS training")
-    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE")
+    parser = OneLineParser(prog="imerge", description="IMerge: communication-scheduled PS training")
+    roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE", parser_class=OneLineParser)
     subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (help_text, runner) in ROLES.items():
         configs = _configs(name) if only in (None, name) else ()

@@ -53,7 +53,8 @@ SCENARIOS = {
     "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
     "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
     # the strategies whose paths differ on a real network (the slot variants and T > 1 are checked in-process)
-    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12, strategies=("ddp", "imerge", "imerge-topk")),
+    "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12,
+                     strategies=("ddp", "imerge", "imerge-grpc", "imerge-topk")),
 }
 
 
