@@ -58,7 +58,7 @@ class LocalCluster:
     def close(self) -> None:
         if self.coordinator is not None:
             self.coordinator.stop()
-            self._thread.join(15)
+            self._thread.join(5)  # a daemon: one still waiting for a worker that never came is left behind
         for shard in self.shards:
             shard.stop()
 
