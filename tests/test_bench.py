@@ -11,7 +11,7 @@ import pytest
 
 from imerge.bench.runner import SCENARIOS
 
-STRATEGIES = tuple(s for s in SCENARIOS["tiny"].strategies if s != "imerge-grpc")  # its path: test_datapath
+STRATEGIES = tuple(s for s in SCENARIOS["tiny"].strategies if s != "imerge")  # the data channel: test_datapath
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                 reason="the testbed needs root and iproute2")
@@ -39,4 +39,4 @@ def test_tiny_scenario_reports_every_strategy_and_field(tmp_path):
     assert all(f"| {name} |" in table for name in STRATEGIES)
     for plot in ("iteration_time.png", "timeline.png", "link_utilization.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG", plot
-    assert "| imerge |" in result.stdout
+    assert f"| {STRATEGIES[1]} |" in result.stdout

@@ -101,3 +101,17 @@ def test_each_worker_process_of_a_node_reports_its_ports_in_a_file_of_its_own():
     envs = [child_env(worker, JobConfig(), local) for local in (0, 1)]
     assert [e["IMERGE_PORTS_FILE"] for e in envs] == ["/run/ports/worker.json", "/run/ports/worker.local1.json"]
     assert [e["IMERGE_RANK"] for e in envs] == ["2", "3"]
+
+
+def test_the_launcher_checks_the_optimizer_without_importing_torchs_compiler():
+    """Building an optimizer imports torch._dynamo (2 s of CPU) at its first add_param_group; the launcher only
+    checks the job's optimizer, so it skips that (a script's process keeps torch's behaviour)."""
+    probe = ("import sys, torch\n"
+             "from imerge.core.optim import OptimizerSpec, check_without_dynamo\n"
+             "if sys.argv[1] == 'skip':\n"
+             "    check_without_dynamo()\n"
+             "OptimizerSpec('adamw', lr=0.1, weight_decay=0.1).validate()\n"
+             "print('torch._dynamo' in sys.modules)\n")
+    imported = {mode: subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
+                                     timeout=120).stdout.strip() for mode in ("skip", "keep")}
+    assert imported == {"skip": "False", "keep": "True"}

@@ -314,6 +314,45 @@ def test_a_cancelled_pull_ends_its_connection_and_the_client_goes_on(shard):
     asyncio.run(asyncio.wait_for(run(), 30))
 
 
+def test_connections_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place():
+    """--max-data-connections 2: a third connection gets RESOURCE_EXHAUSTED naming the option and is closed; once
+    one of the two closes, the next connection is served."""
+    import types
+
+    import grpc
+
+    from imerge.ps.config import PSConfig
+    from imerge.ps.server import ThreadedShard
+    from imerge.wire.rpc import ps_pb2_grpc
+
+    threaded = ThreadedShard(PSConfig(register=False, max_data_connections=2, metrics_port=-1))
+    channel = grpc.insecure_channel(threaded.address)
+    shard = types.SimpleNamespace(stub=ps_pb2_grpc.ParameterServerStub(channel))
+    try:
+        first, second, third = Raw(shard), Raw(shard), Raw(shard)
+        assert third.answer() == (Kind.ERROR, ("ResourceExhausted", "shard 0: 2 data connections are open "
+                                                                    "(--max-data-connections)"))
+        assert third.closed()
+        first.close()
+        deadline = time.monotonic() + 10
+        while True:  # the shard sees the close on the connection's thread
+            fourth = Raw(shard)
+            kind, meta = fourth.answer()
+            if kind == Kind.WELCOME or time.monotonic() > deadline:
+                break
+            assert meta[0] == "ResourceExhausted"
+            fourth.close()
+            time.sleep(0.05)
+        assert kind == Kind.WELCOME
+        send_frame(fourth.sock, Kind.PULL, ps_pb2.PullRequest(block_ids=["nope"], worker=0, round=0))
+        assert fourth.answer()[1][0] == "NotFound"  # served: the block is unknown
+        fourth.close()
+        second.close()
+    finally:
+        channel.close()
+        threaded.stop()
+
+
 # -- fuzzing: frames a worker would never send --------------------------------------------------------------
 EXAMPLES = 200
 kinds = st.one_of(st.sampled_from(list(Kind)), st.integers(0, 255))

@@ -73,6 +73,13 @@ def test_equivalence_with_single_process(cluster, name):
     check_equivalence(cluster, name)
 
 
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_equivalence_on_grpcs_data_path(cluster, name):
+    """--data-path grpc (the bytes on gRPC streams, for networks where only the service port is open) is as exact
+    as the data channel, the default."""
+    check_equivalence(cluster, name, data_path="grpc")
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

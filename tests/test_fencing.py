@@ -1,6 +1,7 @@
 """Generations and fencing tokens: nothing of an older generation or of a late flag holder is applied."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,15 +13,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 import imerge
 from imerge.control.messages import FailureReport, Flag
 from imerge.control.store import Store
+from imerge.core.errors import StaleGeneration
 from imerge.core.optim import OptimizerSpec
 from imerge.workloads.models import build_model
 from imerge.ps.checkpoint import CheckpointStore
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.ops.top import scrape
+from imerge.worker.transport import ShardClient
 
 from helpers import raw_push as push
 
@@ -75,21 +79,36 @@ def test_a_recovery_fails_waiting_pulls_and_rejects_the_old_generation(cluster, 
             except grpc.RpcError as exc:
                 outcome["error"] = (exc.code(), exc.details())
 
-    waiting = threading.Thread(target=pull)
+    def pull_on_the_channel():  # the data channel's pull waits the same way and fails the same way
+        async def run():
+            client = ShardClient(address, data_path="socket")
+            try:
+                await client.pull_into([(block.block_id, torch.empty(block.numel))], 0, 0, 30)
+            except StaleGeneration as exc:
+                outcome["channel"] = str(exc)
+            finally:
+                await client.close()
+
+        asyncio.run(run())
+
+    waiting, on_channel = threading.Thread(target=pull), threading.Thread(target=pull_on_the_channel)
     waiting.start()
-    time.sleep(0.5)  # the pull waits for worker 1
+    on_channel.start()
+    time.sleep(0.5)  # the pulls wait for worker 1
     store = Store(c.redis_url, c.job)
     store.report_failure(FailureReport(0, "worker 1", "simulated"))
     store.wait_restored(1, 0, 30)
     run = store.generation_event(0).run
     assert CheckpointStore(tmp_path, shard=0, run=run).rounds() == [0]  # stamped with this run of the job
     waiting.join(30)
+    on_channel.join(30)
     code, details = outcome["error"]
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "moved to generation 1" in details
+    assert "moved to generation 1" in outcome["channel"]
     assert push(address, block.block_id, block.numel, 1, 0, 0, 0) == (
         "FAILED_PRECONDITION", f"push of block {block.block_id} by worker 1 for round 0: generation 0 is stale; "
                                "the job is at generation 1 (it recovered from a checkpoint): rejoin")
-    assert counter(metrics, "imerge_shard_stale_generation_requests_total") == 2
+    assert counter(metrics, "imerge_shard_stale_generation_requests_total") == 3
     assert push(address, block.block_id, block.numel, 1, 0, 1, 0) == ("OK", "")
     restored = {b.block_id: b for b in stats(address).blocks}[block.block_id]
     assert restored.round == 0 and restored.pushed == 1  # worker 0's push of generation 0 is gone

@@ -310,7 +310,8 @@ def test_under_torchrun_its_rank_decides_over_the_pods(cluster, tmp_path):
     script = ("import os, torch, imerge\n"
               "model = imerge.distribute(torch.nn.Linear(4, 2), imerge.OptimizerSpec('sgd', lr=0.1))\n"
               "model(torch.ones(1, 4)).sum().backward()\n"
-              "print('joined as', model.config.rank, 'of', model.config.world_size, flush=True)\n")
+              "line = f'joined as {model.config.rank} of {model.config.world_size}\\n'\n"
+              "os.write(1, line.encode())\n")  # one write each: two processes share the pipe
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}, "IMERGE_JOB": c.job,
            "IMERGE_REDIS_URL": c.redis_url, "IMERGE_RANK": "0", "IMERGE_WORLD_SIZE": "2"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

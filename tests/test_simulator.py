@@ -17,7 +17,9 @@ from imerge.sim.profiles import ModelProfile, UnitProfile, measured, synthetic
 from imerge.sim.psjob import PSJob
 from imerge.sim.runner import simulate_one, strategy_schedule
 
-QUIET = Constants(latency_s=0.0, ring_latency_s=0.0, flag_rtt_s=0.0, incast_efficiency=1.0)
+FREE_DATA_PATHS = dict(shard_cpu_per_byte=0.0, worker_cpu_per_byte=0.0, grpc_shard_cpu_per_byte=0.0,
+                       grpc_worker_cpu_per_byte=0.0, ddp_cpu_per_byte=0.0)
+QUIET = Constants(latency_s=0.0, ring_latency_s=0.0, flag_rtt_s=0.0, incast_efficiency=1.0, **FREE_DATA_PATHS)
 
 
 def finish_times(flows: list[tuple[float, list[tuple[Link, float]]]], cores: float = 0.0) -> list[float]:
@@ -87,6 +89,38 @@ def test_the_cpu_of_a_compressed_push_follows_its_wire_bytes_its_fp32_bytes_and_
     selection = seconds("imerge-topk", topk_cpu_per_byte=1e-8)  # and the link's few milliseconds
     assert selection == pytest.approx(2 * profile.nbytes * 1e-8, rel=0.05)  # each worker's push: one core
     assert seconds("imerge-topk-pull", topk_cpu_per_byte=1e-8) == pytest.approx(1.5 * selection, rel=0.05)
+
+
+def test_a_process_spends_its_cpu_per_byte_on_its_cores_across_all_its_flows():
+    """On real hosts: a worker's pushes and pulls share its data path's cores; a shard's cores serve every
+    worker's flows (4 workers: 4 times the bytes, 4 times the time); more cores, proportionally faster."""
+    profile = one_layer(1 << 22)  # 16 MB, no compute, links far faster than any CPU: the CPU is the iteration
+    nbytes, cost = profile.nbytes, 1e-9
+
+    def seconds(name: str, workers: int, shard_cores: float = 0.0, worker_cores: float = 0.0, **costs) -> float:
+        cluster = Cluster(workers, 1, 10_000.0, 10_000.0, shard_cores=shard_cores, worker_cores=worker_cores)
+        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, **costs), 6)["median_iteration_s"]
+
+    assert seconds("ps-naive", 1, worker_cores=1, worker_cpu_per_byte=cost) == pytest.approx(2 * nbytes * cost, rel=0.02)
+    assert seconds("ps-naive", 1, worker_cores=2, worker_cpu_per_byte=cost) == pytest.approx(nbytes * cost, rel=0.02)
+    one = seconds("ps-naive", 1, shard_cores=1, shard_cpu_per_byte=cost)
+    assert one == pytest.approx(2 * nbytes * cost, rel=0.02)
+    assert seconds("ps-naive", 4, shard_cores=1, shard_cpu_per_byte=cost) == pytest.approx(4 * one, rel=0.02)
+    assert seconds("ps-naive", 4, shard_cores=4, shard_cpu_per_byte=cost) == pytest.approx(one, rel=0.02)
+    assert seconds("ps-naive", 4, shard_cores=0, shard_cpu_per_byte=cost) < 0.02 * one  # 0 cores: not counted
+    # gRPC's data path pays its own costs; DDP's ring its own, on each byte it sends and each it receives
+    assert seconds("imerge-grpc", 1, shard_cores=1, shard_cpu_per_byte=cost, grpc_shard_cpu_per_byte=3 * cost) \
+        == pytest.approx(3 * seconds("imerge", 1, shard_cores=1, shard_cpu_per_byte=cost), rel=0.05)
+    ring = seconds("ddp", 4, worker_cores=1, ddp_cpu_per_byte=cost)
+    assert ring == pytest.approx(2 * 1.5 * nbytes * cost, rel=0.02)
+    with pytest.raises(ConfigError, match="a data path's cores must be >= 0"):
+        Cluster(2, 2, shard_cores=-1)
+
+
+def test_shared_cores_leave_the_per_process_costs_to_the_testbed_calibration():
+    profile = one_layer(1 << 22)
+    testbed = dataclasses.replace(QUIET, cores=8.0, shard_cpu_per_byte=1e-6, worker_cpu_per_byte=1e-6)
+    assert simulate_one("ps-naive", profile, Cluster(2, 1, 10_000.0, 10_000.0), testbed, 6)["median_iteration_s"] < 0.01
 
 
 def one_layer(numel: int, forward_s: float = 0.0, backward_s: float = 0.0) -> ModelProfile:
@@ -272,3 +306,40 @@ def test_a_calibration_with_shared_cores_but_without_a_cpu_cost_is_refused_namin
         Constants.read(path)
     path.write_text(json.dumps(dict(old, cores=0.0)))  # without shared cores the CPU costs do not apply
     assert Constants.read(path).ring_cpu_per_byte == 0.0
+
+
+def test_the_cores_sweep_recommends_the_fewest_cores_within_5_percent_of_the_free_time():
+    from imerge.core.schedule_config import ScheduleConfig
+    from imerge.sim.cores import cores_markdown, recommend
+    from imerge.sim.projections import Task, run_task
+    from imerge.sim.runner import SimConfig
+
+    def row(strategy: str, shard: float, worker: float, seconds: float, sweep: str = "cores") -> dict:
+        return {"sweep": sweep, "model": "resnet50-like", "workers": 32, "shards": 16, "link_gbit": 25.0,
+                "strategy": strategy, "shard_cores": shard, "worker_cores": worker, "mean_iteration_s": seconds,
+                "ratio_to_bound": seconds / 0.1}
+
+    rows = [row("imerge", 0, 0, 0.10), row("imerge", 1, 1, 0.90)]
+    rows += [row("imerge", c, 0, 0.10 * max(1.0, 8 / c)) for c in (1, 2, 4, 8, 16, 32, 64)]  # 8 cores reach it
+    rows += [row("imerge", 0, c, 0.10 * (1 + 1 / c)) for c in (1, 2, 4, 8, 16, 32)]  # 32: 3% over; 16: 6%
+    rows += [row("ddp", 0, 0, 0.08)] + [row("ddp", 0, c, 0.2) for c in (1, 2, 4, 8, 16, 32)]  # never reached
+    chosen = recommend(rows)
+    assert chosen[("resnet50-like", 32, 25.0, "imerge")] == (8.0, 32.0)
+    assert chosen[("resnet50-like", 32, 25.0, "ddp")] == (0.0, 32.0)
+    table = "\n".join(cores_markdown(rows + [row("imerge", 8, 32, 0.104, "cores-both")], ["resnet50-like"]))
+    assert "| resnet50-like | 32 | 25 | imerge | 8 | 32 | 1.00 | 9.00 | 1.04 |" in table
+    assert "| resnet50-like | 32 | 25 | ddp | - | 32+ | 0.80 | 2.00 | - |" in table
+    # one real task of the sweep: a shard host of one core is the limit of ResNet-50 at 25 Gbit/s
+    config = SimConfig(iters=4)
+    free, one = (run_task(Task("cores", "resnet50-like", 32, 16, 25.0, "imerge", shard_cores=c), config,
+                          ScheduleConfig(), Constants()) for c in (0.0, 1.0))
+    assert one["mean_iteration_s"] > 2 * free["mean_iteration_s"]
+
+
+def test_projections_name_an_unknown_sweep(capsys, tmp_path, monkeypatch):
+    from imerge.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "projections", "--sweeps", "bound,warp"]) == 2
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
+    assert "sweeps: warp not in bound, incast, period, cores" in capsys.readouterr().err

@@ -13,6 +13,8 @@ class PSConfig(TlsConfig, CommonConfig):
     port: int = option(0, "gRPC port to listen on (0: any free port)")
     data_port: int = option(0, "port of the data channel, which carries the bytes of pushes and pulls beside "
                                "gRPC (0: any free port; -1: none, the workers must use --data-path grpc)")
+    max_data_connections: int = option(1024, "data connections open at once (workers x calls in flight, with "
+                                             "room); one more is refused with RESOURCE_EXHAUSTED")
     advertise: str = option("", "address workers use to reach this shard (default: host:port)")
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers' pushes")
     check_finite: bool = option(True, "reject gradients holding NaN or infinity")
@@ -48,6 +50,7 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.max_block_numel > 0, "max_block_numel", "must be positive")
         require(self.max_workers > 0, "max_workers", "must be positive")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
+        require(1 <= self.max_data_connections <= 1 << 16, "max_data_connections", "must lie in 1..65536")
         require(self.threads >= 0, "threads", "must be >= 0 (0: torch's own count)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "

@@ -47,7 +47,6 @@ from .config import PSConfig
 from .state import Shard
 
 log = logging.getLogger(__name__)
-MAX_CONNECTIONS = 1024      # open data connections per shard (workers x calls in flight, with room)
 DRAIN_BYTES = 64 << 20      # what a refused call may still read of what the worker had written
 DRAIN_S = 2.0               # and for at most this long
 
@@ -189,7 +188,7 @@ class DataChannel:
             except OSError:
                 return
             with self._lock:
-                full = len(self._connections) >= MAX_CONNECTIONS
+                full = len(self._connections) >= self.config.max_data_connections
                 if not full:
                     self._connections.add(conn)
             if full:
@@ -202,7 +201,8 @@ class DataChannel:
         with contextlib.suppress(OSError):
             conn.settimeout(self.config.stream_idle_s)
             send_frame(conn, Kind.ERROR, error_meta(ResourceExhausted(
-                f"shard {self.shard.index}: {MAX_CONNECTIONS} data connections are open"), ps_pb2.ChannelError))
+                f"shard {self.shard.index}: {self.config.max_data_connections} data connections are open "
+                f"(--max-data-connections)"), ps_pb2.ChannelError))
         conn.close()
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:

@@ -13,8 +13,10 @@ built once the job runs, or a spec passed beside a torch optimizer.
 
 The watch is a wrapper of ``torch.optim.Optimizer.__init__`` (installed the
 first time a model is distributed) that tells every watching model of a new
-optimizer over its parameters; optimizers built before ``imerge.distribute``
-are found among the live objects once, when the watch starts.
+optimizer over its parameters, and keeps every live optimizer in a weak set;
+the optimizers built before that are found among the live objects once, when
+the wrapper is installed (a scan of every object: the process's first
+``imerge.distribute`` pays it, the next ones read the set).
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ from imerge.core.errors import UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 
 _watches: weakref.WeakSet["OptimizerWatch"] = weakref.WeakSet()
+_live: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # every optimizer of the process, no proxy
 _lock = threading.Lock()
 
 
 def _param_ids(optimizer: torch.optim.Optimizer) -> set[int]:
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+    """(Empty for one whose __init__ has not run yet, as another thread builds it.)"""
+    return {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"]}
 
 
 def _describe(optimizer: torch.optim.Optimizer) -> str:
@@ -58,14 +62,17 @@ class OptimizerWatch:
     def _existing(self) -> list[torch.optim.Optimizer]:
         """Live optimizers over these parameters, built before the watch started (garbage not yet collected
         excluded)."""
-        found = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and not _is_proxy(o)
-                 and _param_ids(o) & self.param_ids]
+        found = self._over_these()
         if [o for o in found if o is not self.given]:
             del found
-            gc.collect()
-            found = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and not _is_proxy(o)
-                     and _param_ids(o) & self.param_ids]
+            gc.collect()  # an optimizer in a collectable cycle leaves the weak set
+            found = self._over_these()
         return found
+
+    def _over_these(self) -> list[torch.optim.Optimizer]:
+        with _lock:
+            live = list(_live)
+        return [o for o in live if _param_ids(o) & self.param_ids]
 
     def _add(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self.given or any(ref() is optimizer for ref in self._built):
@@ -116,12 +123,15 @@ def _install() -> None:
         if _is_proxy(self):
             return
         with _lock:
+            _live.add(self)
             watches = list(_watches)
         for watch in watches:
             watch.built(self)
 
     __init__.imerge_watch = True  # type: ignore[attr-defined]
-    torch.optim.Optimizer.__init__ = __init__
+    with _lock:  # the optimizers built before the wrapper: found once among every live object
+        _live.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and not _is_proxy(o))
+        torch.optim.Optimizer.__init__ = __init__
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:

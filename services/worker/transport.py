@@ -23,13 +23,13 @@ from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
 from imerge.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME
-from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
+from imerge.wire.encoding import dtype_name, nnz_of
 from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials, client_ssl_context
 
-from .datachannel import SocketDataPath, apply_payload
+from .datachannel import SocketDataPath, apply_payload, push_header
 
 # (block id, its new round, its meta), as soon as a pulled block is in place
 BlockArrived = Callable[[str, int, Any], None]
@@ -148,11 +148,8 @@ class ShardClient:
             for block_id, grad, round_, *rest in blocks:
                 options = rest[0] if rest else NO_OPTIONS
                 payload = grad if isinstance(grad, Payload) else Payload(grad)
-                yield ps_pb2.PushChunk(header=ps_pb2.PushHeader(
-                    block_id=block_id, worker=worker, round=round_, dtype=DTYPE_ENUM[payload.dtype],
-                    numel=payload.numel, generation=generation, fence=fence, lane=lane, hypers=options.hypers,
-                    no_grad=options.no_grad, assign=options.assign, loss_scale=options.loss_scale,
-                    max_norm=options.max_norm, **encoding_fields(payload.nnz if payload.sparse else -1)))
+                yield ps_pb2.PushChunk(header=push_header(block_id, payload, round_, options, worker, generation,
+                                                          fence, lane))
                 for part in payload.parts():
                     for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
                         yield frame

@@ -306,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     if split_given:
         split = argv.index("--")
         argv, command = argv[:split], argv[split + 1:]
+    if argv and argv[0] in ("launch", "testbed", "bench", "worker"):  # IMerge's processes that never compile
+        from imerge.core.optim import check_without_dynamo
+
+        check_without_dynamo()
     try:
         parser, subparsers = build_parser(argv[0] if argv and argv[0] in ROLES else "")
         args = parser.parse_args(argv)

@@ -121,7 +121,7 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
 
 
 def run_datapath(config: Any, console: Console) -> dict[str, Any]:
-    """Every chosen strategy (default: ddp and imerge), alternating over ``config.rounds``."""
+    """Every chosen strategy (default: ddp and both of IMerge's data paths), alternating over ``config.rounds``."""
     from imerge.bench.report import write_datapath_report
     from imerge.bench.socket_probe import probes
     from imerge.core.strategies import STRATEGIES

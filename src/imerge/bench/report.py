@@ -60,7 +60,9 @@ def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
 
 
 def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
-    chosen = next((n for n in ("imerge", "slots-ack", "wfbp") if n in report["strategies"]), None)
+    traced = [name for name, result in report["strategies"].items()  # a strategy whose workers wrote traces
+              if result.get("trace_dir") and any(Path(result["trace_dir"]).glob("worker*.json"))]
+    chosen = next((n for n in ("imerge", "slots-ack", "wfbp") if n in traced), traced[0] if traced else None)
     if chosen is None:
         return
     trace_dir = Path(report["strategies"][chosen]["trace_dir"])

@@ -39,6 +39,22 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
 OPTIMIZERS = tuple(sorted(set(optimizer_classes()) - set(REFUSED)))
 
 
+def check_without_dynamo() -> None:
+    """Let this process build optimizers (to check a spec's arguments) without importing ``torch._dynamo``, 2 s
+    of CPU: torch.optim wraps ``add_param_group``, ``zero_grad`` and the state-dict methods in
+    ``torch._disable_dynamo``, which imports it at their first call to keep them out of torch.compile's graphs.
+    Marking each wrapped function as its own disabled form skips that. Only for IMerge's own processes, which
+    never compile (``imerge launch``, ``testbed`` and ``bench``, which check the job's options before starting
+    its roles, and ``imerge worker``: the built-in job, or the parent of a script's process); never in a
+    training script's process. A torch that caches differently just imports
+    it as before."""
+    for cls in (torch.optim.Optimizer, *optimizer_classes().values()):
+        for value in vars(cls).values():
+            wrapped, code = getattr(value, "__wrapped__", None), getattr(value, "__code__", None)
+            if wrapped is not None and code is not None and code.co_filename.endswith("_compile.py"):
+                setattr(wrapped, "__dynamo_disable", wrapped)
+
+
 def _frozen(value: Any) -> Any:
     """A hashable, JSON-stable form of a keyword argument (lists become tuples)."""
     if isinstance(value, (list, tuple)):

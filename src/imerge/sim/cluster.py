@@ -22,6 +22,8 @@ class Cluster:
     shard_gbit: float = 10.0
     queue_kb: float = 0.0  # the switch port queue in front of a host (0: deep enough never to drop)
     mtu: int = 9000
+    shard_cores: float = 1.0   # cores a shard host's data path uses: its shard processes (or --threads); 0: free
+    worker_cores: float = 1.0  # cores a worker's data path uses (its data connections' threads); 0: free
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.shards < 1:
@@ -30,6 +32,8 @@ class Cluster:
             raise ConfigError("link_gbit", "link rates must be positive")
         if self.queue_kb < 0 or self.mtu < 576:
             raise ConfigError("queue_kb", "the queue must be >= 0 kB and the MTU at least 576")
+        if not (0 <= self.shard_cores < math.inf and 0 <= self.worker_cores < math.inf):
+            raise ConfigError("shard_cores", "a data path's cores must be >= 0 (0: its CPU is not counted)")
 
     @property
     def incast_senders(self) -> float:
@@ -58,7 +62,21 @@ class Constants:
     #                                 pull with --topk-pull-ratio (imerge bench compression measures it)
     compute_cores: float = 1.0      # with shared cores: the cores a worker's forward and backward keep busy
     step_s_per_byte: float = 0.0    # an optimizer step per parameter byte (shards; DDP's and T > 1's local steps)
-    host_gbit: float = 0.0          # the most one host's data path moves (0: only the link limits it)
+    host_gbit: float = 0.0          # the most one flow of a host's data path moves (0: only the link limits it)
+    # On real hosts (cores = 0), every process's data path spends CPU on each byte it sends or receives, across
+    # all its flows, on the cores the cluster gives it (``shard_cores``, ``worker_cores``): core seconds per
+    # byte, as `imerge bench datapath` measured them (commit 227e693: the data channel, gRPC's path, gloo).
+    shard_cpu_per_byte: float = 1.24e-9       # a shard process, --data-path socket
+    worker_cpu_per_byte: float = 0.87e-9      # a worker process, --data-path socket
+    grpc_shard_cpu_per_byte: float = 1.88e-9  # the same on gRPC's data path (--data-path grpc)
+    grpc_worker_cpu_per_byte: float = 1.39e-9
+    ddp_cpu_per_byte: float = 1.04e-9         # a DDP worker's gloo ring, per byte it sends or receives
+
+    def data_path_costs(self, data_path: str) -> tuple[float, float]:
+        """(shard, worker) core seconds per byte on real hosts for ``data_path`` (socket or grpc)."""
+        if data_path == "grpc":
+            return self.grpc_shard_cpu_per_byte, self.grpc_worker_cpu_per_byte
+        return self.shard_cpu_per_byte, self.worker_cpu_per_byte
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)

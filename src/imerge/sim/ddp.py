@@ -19,7 +19,7 @@ import simpy
 from imerge.core.planning import BYTES_PER_ELEMENT, fuse_size, make_units
 
 from .cluster import GBIT, Cluster, Constants
-from .fluid import Fabric, Link
+from .fluid import Fabric, Link, data_path
 from .profiles import ModelProfile
 
 BUCKET_CAP = 25 << 20
@@ -44,6 +44,8 @@ class DDPJob:
         self.bucket_bytes = [sum(unit_bytes[u] for u in bucket) for bucket in self.buckets]
         self.starts: list[float] = []
         self.host_cap = constants.host_gbit * GBIT if constants.host_gbit else math.inf
+        # on real hosts a worker's ring costs CPU on each byte it sends and each it receives (weight 2)
+        self.cpu = data_path("w.cpu", 0.0 if constants.cores else cluster.worker_cores, constants.ddp_cpu_per_byte)
 
     def run(self) -> dict:
         self.env.process(self._train())
@@ -81,6 +83,7 @@ class DDPJob:
         workers = self.cluster.workers
         if workers == 1:
             return
-        yield self.fabric.transfer([ring_bytes(nbytes, workers)], [(self.uplink, 1.0), (self.downlink, 1.0)],
+        links = [(self.uplink, 1.0), (self.downlink, 1.0), *((link, 2.0) for link in self.cpu)]
+        yield self.fabric.transfer([ring_bytes(nbytes, workers)], links,
                                    count=workers, cap=self.host_cap, cpu_per_byte=self.k.ring_cpu_per_byte)
         yield self.env.timeout(2 * (workers - 1) * self.k.ring_latency_s)

@@ -22,7 +22,10 @@ computation needs its cores while it runs, a transfer ``cpu_per_byte`` core
 seconds per byte (a PS's gRPC streams and DDP's gloo ring each their own);
 when the demand exceeds the cores, every consumer slows in the same
 proportion (processor sharing). Without one, a computation takes its
-seconds and transfers cost no processor.
+seconds and transfers cost no processor, except through a process's data
+path (:func:`data_path`): a link of ``cores / cpu_per_byte`` bytes per second
+that every flow the process sends or receives crosses, so that the process's
+cores are shared by all its flows, not given to each.
 
 Rates change only when a flow starts or ends; a segment's end within a flow
 costs one heap operation.
@@ -77,6 +80,12 @@ class Flow:
             for link, weight in self.links:
                 link.busy += moved * weight
         self.stamp = now
+
+
+def data_path(name: str, cores: float, cpu_per_byte: float) -> tuple[Link, ...]:
+    """One process's data path as a link of the bytes per second its cores can send or receive (none when its CPU
+    is not counted: no cores given, or free bytes)."""
+    return (Link(name, cores / cpu_per_byte),) if cores and cpu_per_byte else ()
 
 
 class Fabric:

@@ -51,7 +51,8 @@ def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
     from .projections import BOUND_STRATEGIES, INCAST_QUEUE_KB, LINKS_GBIT, PERIODS
 
     plt, rows, written = _pyplot(), report["rows"], []
-    for model in SYNTHETIC:
+    swept = {row["sweep"] for row in rows}
+    for model in SYNTHETIC if "bound" in swept else ():
         figure, axes = plt.subplots(1, len(LINKS_GBIT), figsize=(13, 3.8), sharey=True)
         for axis, link in zip(axes, LINKS_GBIT):
             for strategy in BOUND_STRATEGIES:
@@ -68,24 +69,26 @@ def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
         axes[-1].legend(fontsize=8)
         figure.suptitle(f"Simulated: {model}, where each strategy sits against its bound")
         written.append(_save(figure, out / f"scaling-bound-{model}.png", plt))
-    written.append(_by_model(
-        plt, lambda model: [(label, [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0,
-                                                            strategy="imerge")
-                                     if r["shards"] == max(1, r["workers"] // fraction)], "ratio_to_bound")
-                            for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W"))],
-        "imerge: mean s/it over its bound", "Simulated: imerge at 25 Gbit/s, by shard count",
-        out / "scaling-shards.png", log_y=True))
-    written.append(_by_model(
-        plt, lambda model: [(strategy, _series(rows, sweep="incast", model=model, strategy=strategy),
-                             "mean_iteration_s") for strategy in ("imerge-noslots", "imerge", "imerge-fixed")],
-        "mean s/it", f"Simulated: shard port queue {INCAST_QUEUE_KB:g} kB, S = W/4, 25 Gbit/s: slots against incast",
-        out / "scaling-incast.png"))
-    written.append(_by_model(
-        plt, lambda model: [(f"T = {period} ({period - 1} local steps between syncs)",
-                             _series(rows, sweep="period", model=model, period=period), "mean_iteration_s")
-                            for period in PERIODS],
-        "mean s/it", "Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness for time",
-        out / "scaling-period.png", legend_size=7))
+    plots = {
+        "bound": (lambda model: [(label, [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0,
+                                                             strategy="imerge")
+                                          if r["shards"] == max(1, r["workers"] // fraction)], "ratio_to_bound")
+                                 for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W"))],
+                  "imerge: mean s/it over its bound", "Simulated: imerge at 25 Gbit/s, by shard count",
+                  "scaling-shards.png", dict(log_y=True)),
+        "incast": (lambda model: [(strategy, _series(rows, sweep="incast", model=model, strategy=strategy),
+                                   "mean_iteration_s") for strategy in ("imerge-noslots", "imerge", "imerge-fixed")],
+                   "mean s/it", f"Simulated: shard port queue {INCAST_QUEUE_KB:g} kB, S = W/4, 25 Gbit/s: slots "
+                                "against incast", "scaling-incast.png", {}),
+        "period": (lambda model: [(f"T = {period} ({period - 1} local steps between syncs)",
+                                   _series(rows, sweep="period", model=model, period=period), "mean_iteration_s")
+                                  for period in PERIODS],
+                   "mean s/it", "Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness "
+                                "for time", "scaling-period.png", dict(legend_size=7)),
+    }
+    for sweep, (series, ylabel, title, name, options) in plots.items():
+        if sweep in swept:
+            written.append(_by_model(plt, series, ylabel, title, out / name, **options))
     return written
 
 

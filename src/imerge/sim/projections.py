@@ -1,13 +1,17 @@
 """``imerge simulate projections``: the scaling study of ``docs/scaling.md``, with its plots.
 
-Three sweeps, each over the standard architectures (:data:`profiles.SYNTHETIC`):
+Four sweeps, each over the standard architectures (:data:`profiles.SYNTHETIC`):
 
 * **bound**: every strategy at W = 8 .. 1,024 workers, S = W/4, W/2 and W
   shards, 10, 25 and 100 Gbit/s links: the iteration time and its ratio to the
   strategy's bound (DDP does not depend on S);
 * **incast**: shard port queues of a few packets, with and without slots;
 * **period**: T = 1, 2, 4 and 8: bytes per iteration against the local steps
-  between syncs (staleness).
+  between syncs (staleness);
+* **cores**: how many cores each data path needs (:mod:`.cores`).
+
+The first three leave the data paths' CPU uncounted (as if every process had the
+cores it needs); the fourth says how many that is.
 
 Simulations run in a process pool (one per core); each is deterministic.
 """
@@ -23,8 +27,9 @@ from typing import Any
 from imerge.core.schedule_config import ScheduleConfig
 
 from .cluster import Cluster, Constants
+from .cores import both_tasks, cores_markdown, cores_tasks
 from .profiles import SYNTHETIC
-from .runner import SimConfig, bounds, simulate_one
+from .runner import SWEEPS, SimConfig, bounds, simulate_one
 
 SIZES = (8, 32, 128, 512, 1024)
 SHARDS_PER_WORKER = (0.25, 0.5, 1.0)
@@ -45,10 +50,12 @@ class Task:
     strategy: str
     queue_kb: float = 0.0
     period: int = 1
+    shard_cores: float = 0.0   # 0: the data path's CPU is not counted
+    worker_cores: float = 0.0
 
 
-def tasks(models: tuple[str, ...]) -> list[Task]:
-    jobs = []
+def tasks(models: tuple[str, ...], sweeps: tuple[str, ...] = SWEEPS) -> list[Task]:
+    jobs = cores_tasks(Task, models, LINKS_GBIT) if "cores" in sweeps else []
     for model in models:
         for workers in SIZES:
             for link in LINKS_GBIT:
@@ -59,12 +66,13 @@ def tasks(models: tuple[str, ...]) -> list[Task]:
             jobs += [Task("incast", model, workers, max(1, workers // 4), 25.0, s, INCAST_QUEUE_KB)
                      for s in INCAST_STRATEGIES]
             jobs += [Task("period", model, workers, max(1, workers // 2), 25.0, "imerge", period=t) for t in PERIODS]
-    return jobs
+    return [job for job in jobs if job.sweep in sweeps]
 
 
 def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Constants) -> dict[str, Any]:
     profile = dataclasses.replace(config, model=task.model, profile="").load_profile()
-    cluster = Cluster(task.workers, task.shards, task.link_gbit, task.link_gbit, task.queue_kb, config.mtu)
+    cluster = Cluster(task.workers, task.shards, task.link_gbit, task.link_gbit, task.queue_kb, config.mtu,
+                      task.shard_cores, task.worker_cores)
     if task.period > 1:  # the strategy's preset leaves the period as the base says
         base = dataclasses.replace(base, interleave_period=task.period)
     result = simulate_one(task.strategy, profile, cluster, constants, config.iters, base)
@@ -79,21 +87,29 @@ def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Con
 def run_projections(config: SimConfig, base: ScheduleConfig, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
     constants = config.constants()
     models = tuple(SYNTHETIC)
-    todo = tasks(models)
+    todo = tasks(models, config.sweeps_chosen())
     say(f"{len(todo)} simulations, {config.iters} iterations each, on {os.cpu_count()} processes")
-    rows = []
     with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1) as pool:
-        futures = [pool.submit(run_task, task, config, base, constants) for task in todo]
-        for index, future in enumerate(futures):
-            rows.append(future.result())
-            if (index + 1) % 100 == 0:
-                say(f"  {index + 1} / {len(todo)}")
+        rows = _run_all(pool, todo, config, base, constants, say)
+        if "cores" in config.sweeps_chosen():  # then each case at the cores recommended for both roles
+            rows += _run_all(pool, both_tasks(Task, rows), config, base, constants, say)
     report = {"iters": config.iters, "batch_size": config.batch_size, "device_tflops": config.device_tflops,
               "constants": dataclasses.asdict(constants), "rows": rows}
     from .plots import plot_projections
 
     report["plots"] = plot_projections(report, out)
     return report
+
+
+def _run_all(pool: concurrent.futures.Executor, todo: list[Task], config: SimConfig, base: ScheduleConfig,
+             constants: Constants, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    futures = [pool.submit(run_task, task, config, base, constants) for task in todo]
+    rows = []
+    for index, future in enumerate(futures):
+        rows.append(future.result())
+        if (index + 1) % 100 == 0:
+            say(f"  {index + 1} / {len(todo)}")
+    return rows
 
 
 def _row(rows: list[dict], **match: Any) -> dict | None:
@@ -105,9 +121,10 @@ def _row(rows: list[dict], **match: Any) -> dict | None:
 
 def projections_markdown(report: dict[str, Any]) -> str:
     rows = report["rows"]
+    swept = {row["sweep"] for row in rows}
     lines = [f"Standard architectures, batch {report['batch_size']} per worker at {report['device_tflops']:g} "
              f"TFLOP/s; {report['iters']} iterations simulated each.", ""]
-    for model in SYNTHETIC:
+    for model in SYNTHETIC if "bound" in swept else ():
         first = _row(rows, model=model)
         lines += [f"### {model} ({first['model_bytes'] / 1e6:.0f} MB, compute {first['compute_s'] * 1e3:.1f} ms)", "",
                   "x bound (mean s/it over the strategy's bound); S = W/2; each cell: 10 / 25 / 100 Gbit/s.", "",
@@ -121,17 +138,29 @@ def projections_markdown(report: dict[str, Any]) -> str:
                 cells.append(" / ".join(f"{v['ratio_to_bound']:.2f}" for v in values if v))
             lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["### Incast: shard port queue %g kB, S = W/4, 25 Gbit/s (mean s/it)" % INCAST_QUEUE_KB, "",
-              "| model | strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
+    if "incast" in swept:
+        lines += _incast_lines(rows)
+    if "period" in swept:
+        lines += _period_lines(rows)
+    return "\n".join(lines + cores_markdown(rows, SYNTHETIC)) + "\n"
+
+
+def _incast_lines(rows: list[dict]) -> list[str]:
+    lines = ["### Incast: shard port queue %g kB, S = W/4, 25 Gbit/s (mean s/it)" % INCAST_QUEUE_KB, "",
+             "| model | strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
     for model in SYNTHETIC:
         for strategy in INCAST_STRATEGIES:
             cells = [_row(rows, sweep="incast", model=model, workers=w, strategy=strategy) for w in SIZES]
             lines.append(f"| {model} | {strategy} | " + " | ".join(f"{c['mean_iteration_s']:.3f}" for c in cells) + " |")
-    lines += ["", "### Interleave period T: S = W/2, 25 Gbit/s (mean s/it; MB per worker and iteration)", "",
-              "| model | T | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
+    return lines + [""]
+
+
+def _period_lines(rows: list[dict]) -> list[str]:
+    lines = ["### Interleave period T: S = W/2, 25 Gbit/s (mean s/it; MB per worker and iteration)", "",
+             "| model | T | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
     for model in SYNTHETIC:
         for period in PERIODS:
             cells = [_row(rows, sweep="period", model=model, workers=w, period=period) for w in SIZES]
             lines.append(f"| {model} | {period} | " + " | ".join(
                 f"{c['mean_iteration_s']:.3f} ({c['bytes_per_iteration'] / 1e6:.0f} MB)" for c in cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines + [""]

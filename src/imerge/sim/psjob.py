@@ -44,7 +44,7 @@ from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.slots import FixedSlots, effective_policy, resolve_width
 
 from .cluster import GBIT, Cluster, Constants
-from .fluid import Fabric, Link
+from .fluid import Fabric, Link, data_path
 from .profiles import ModelProfile
 
 FIRST_PLAN, COST_PLAN = 1, 2  # as the coordinator numbers them
@@ -72,6 +72,7 @@ class ShardClass:
     rep: int
     uplink: Link
     downlink: Link
+    cpu: tuple[Link, ...]  # its data path's cores (on real hosts), one link or none
     arrivals: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
     waiting: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
     answers: dict[int, list] = dataclasses.field(default_factory=dict)  # worker class -> blocks to send, in order
@@ -84,6 +85,7 @@ class WorkerClass:
     count: int
     uplink: Link
     downlink: Link
+    cpu: tuple[Link, ...]
     queue: CommQueue
     wake: simpy.Event
     plan: Plan | None = None
@@ -107,6 +109,8 @@ class PSJob:
         self.env = simpy.Environment()
         self.fabric = Fabric(self.env, constants.cores)
         self.host_cap = constants.host_gbit * GBIT if constants.host_gbit else math.inf
+        shared_cores = bool(constants.cores)  # the testbed: cpu_per_byte on shared cores instead
+        self.shard_cpu, self.worker_cpu = (0.0, 0.0) if shared_cores else constants.data_path_costs(schedule.data_path)
         width = resolve_width(schedule.slot_scope, schedule.slot_width, cluster.shards)
         self.policy = effective_policy(schedule.slots, width, cluster.workers)
         self.width = width
@@ -153,7 +157,8 @@ class PSJob:
         for index, group in enumerate(members.values()):
             rep = max(group, key=lambda s: (sum(vectors[s]), -s))  # the busiest: the iteration waits for it
             classes.append(ShardClass(index, group, rep, self._link(f"ps{rep}.up", rate),
-                                      self._link(f"ps{rep}.down", rate, incast=True)))
+                                      self._link(f"ps{rep}.down", rate, incast=True),
+                                      data_path(f"ps{rep}.cpu", self.cluster.shard_cores, self.shard_cpu)))
             for shard in group:
                 class_of[shard] = index
         return classes, class_of
@@ -174,7 +179,9 @@ class PSJob:
             fixed = FixedSlots(None, bandwidth_bps=self.schedule.slot_bandwidth_mbps * 1e6 / 8, owner=f"w{rank}",
                                lease_s=1.0, timeout_s=1.0, generation=0) if self.policy == "fixed" else None
             classes.append(WorkerClass(index, rank, count, self._link(f"w{rank}.up", rate),
-                                       self._link(f"w{rank}.down", rate), CommQueue(self.schedule.priority),
+                                       self._link(f"w{rank}.down", rate),
+                                       data_path(f"w{rank}.cpu", self.cluster.worker_cores, self.worker_cpu),
+                                       CommQueue(self.schedule.priority),
                                        self.env.event(), self.first_plan, fixed=fixed))
         return classes
 
@@ -472,7 +479,8 @@ class PSJob:
             self._arrive(shard, index, sync.rounds[index])
 
         sizes = [self.push_bytes(i) for _, i in batch]
-        yield self.fabric.transfer(sizes, [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count)],
+        yield self.fabric.transfer(sizes, [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count),
+                                           *self._cpu_links(worker, shard)],
                                    count=worker.count * len(shard.shards), cap=self.host_cap,
                                    cpu_per_byte=self._cpu_per_byte(batch, sizes), on_segment=arrived)
         if written is not None:
@@ -495,6 +503,11 @@ class PSJob:
             sync.pushes_left -= 1
             if sync.pushes_left == 0:
                 sync.push_done.succeed()
+
+    @staticmethod
+    def _cpu_links(worker: WorkerClass, shard: ShardClass) -> list[tuple[Link, float]]:
+        """The data paths a push or pull between the two crosses, weighted as their links are."""
+        return [(link, len(shard.shards)) for link in worker.cpu] + [(link, worker.count) for link in shard.cpu]
 
     # -- the shards -----------------------------------------------------------------------------------------
     def _expect_pull(self, shard: ShardClass, worker: WorkerClass, sync: Sync, index: int) -> None:
@@ -531,7 +544,8 @@ class PSJob:
                 self.env.process(self._arrived(sync, index))
 
             sizes = [self.pull_bytes(i) for _, i in batch]
-            yield self.fabric.transfer(sizes, [(shard.uplink, worker.count), (worker.downlink, len(shard.shards))],
+            yield self.fabric.transfer(sizes, [(shard.uplink, worker.count), (worker.downlink, len(shard.shards)),
+                                               *self._cpu_links(worker, shard)],
                                        count=worker.count * len(shard.shards), cap=self.host_cap,
                                        cpu_per_byte=self._cpu_per_byte(batch, sizes), on_segment=arrived)
             del channel[:len(batch)]

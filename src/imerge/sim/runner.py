@@ -23,6 +23,7 @@ from .ddp import DDPJob, ring_bytes
 from .profiles import MEASURED, SYNTHETIC, ModelProfile, measured, synthetic
 
 PRESETS = {**STRATEGIES, **INCAST}  # every named strategy: the benchmark's and B3's slot variants
+SWEEPS = ("bound", "incast", "period", "cores")  # imerge simulate projections
 TARGETS = ("job", *[name for name in SCENARIOS if name != "tiny"], "projections", "calibrate")
 
 
@@ -41,6 +42,9 @@ class SimConfig:
     shard_gbit: float = option(0.0, "every shard's link, Gbit/s (0: --link-gbit)")
     queue_kb: float = option(0.0, "the switch port queue in front of each shard, kB (0: deep, no incast loss)")
     mtu: int = option(9000, "packet size, bytes (with --queue-kb: packets a queue holds)")
+    shard_cores: float = option(1.0, "cores each shard host's data path uses: its shard processes or threads, each "
+                                     "spending the measured CPU per byte (0: the data path's CPU is not counted)")
+    worker_cores: float = option(1.0, "cores each worker's data path uses (0: its CPU is not counted)")
     iters: int = option(30, "iterations simulated (the first few are warm-up and profile, not timed)")
     strategies: str = option("", "comma-separated strategies (default: every one without compression)")
     calibration: str = option("", "constants fitted on a testbed (imerge bench ... --calibrate, or imerge simulate "
@@ -48,6 +52,7 @@ class SimConfig:
     measured: str = option("", "B1..B4: the results.json of imerge bench to put beside the prediction")
     runs: str = option("", "calibrate: comma-separated results.json files of imerge bench to fit the constants to "
                            "(PATH#1+2: only the runs at 1 and 2 workers)")
+    sweeps: str = option("", f"projections: comma-separated sweeps of {', '.join(SWEEPS)} (default: all)")
     out: str = option("", "output folder (default: runs/simulate-<target>-<time>)")
 
     def __post_init__(self) -> None:
@@ -60,11 +65,21 @@ class SimConfig:
         require(self.shard_gbit >= 0, "shard_gbit", "must be >= 0 (0: --link-gbit)")
         require(self.queue_kb >= 0, "queue_kb", "must be >= 0")
         require(576 <= self.mtu <= 65000, "mtu", "must lie in 576..65000")
+        require(0 <= self.shard_cores <= 4096, "shard_cores", "must lie in 0..4096 (0: not counted)")
+        require(0 <= self.worker_cores <= 4096, "worker_cores", "must lie in 0..4096 (0: not counted)")
         require(self.iters >= 3, "iters", "must be at least 3")
         require(not self.profile or Path(self.profile).is_file(), "profile", f"{self.profile}: no such file")
         require(not self.calibration or Path(self.calibration).is_file(), "calibration",
                 f"{self.calibration}: no such file")
         require(not self.measured or Path(self.measured).is_file(), "measured", f"{self.measured}: no such file")
+        self.sweeps_chosen()
+
+    def sweeps_chosen(self) -> tuple[str, ...]:
+        names = tuple(s.strip() for s in self.sweeps.split(",") if s.strip()) or SWEEPS
+        unknown = [n for n in names if n not in SWEEPS]
+        if unknown:
+            raise ConfigError("sweeps", f"{', '.join(unknown)} not in {', '.join(SWEEPS)}")
+        return names
 
     def chosen(self, default: tuple[str, ...] = SCHEDULES) -> list[str]:
         names = [s.strip() for s in self.strategies.split(",") if s.strip()] or list(default)
@@ -87,7 +102,7 @@ class SimConfig:
 
     def cluster(self) -> Cluster:
         return Cluster(self.workers, self.shards or self.workers, self.link_gbit, self.shard_gbit or self.link_gbit,
-                       self.queue_kb, self.mtu)
+                       self.queue_kb, self.mtu, self.shard_cores, self.worker_cores)
 
     def constants(self, default: Constants = Constants()) -> Constants:
         return Constants.read(self.calibration) if self.calibration else default
@@ -158,6 +173,8 @@ def markdown(report: dict[str, Any]) -> str:
     cluster = report["cluster"]
     lines = [f"{report['model']} ({report['model_bytes'] / 1e6:.1f} MB), {cluster['workers']} workers, "
              f"{cluster['shards']} shards, links {cluster['worker_gbit']:g} Gbit/s (shards {cluster['shard_gbit']:g})"
+             + (f", data path cores: shard host {cluster['shard_cores']:g}, worker {cluster['worker_cores']:g}"
+                if not report["constants"]["cores"] else "")
              + (f", shard port queue {cluster['queue_kb']:g} kB" if cluster["queue_kb"] else "")
              + f"; compute {report['compute_s']:.3f} s per iteration; {report['iters']} iterations simulated.", "",
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
