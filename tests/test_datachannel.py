@@ -218,14 +218,16 @@ def test_a_malformed_frame_closes_the_channel_with_a_clear_error_and_applies_not
 
 
 def test_a_gradient_with_nan_is_refused_and_changes_nothing(shard):
+    """Not even the fence: a refused push carrying the largest token leaves the lane's fence where it was, so
+    the honest holder's push (token 1) still counts."""
     raw = Raw(shard)
     assert raw.answer()[0] == Kind.WELCOME
-    send_frame(raw.sock, Kind.PUSH, push_header(), [np.full(NUMEL, np.nan, "<f4").tobytes()])
+    send_frame(raw.sock, Kind.PUSH, push_header(fence=2**64 - 1), [np.full(NUMEL, np.nan, "<f4").tobytes()])
     kind, (error, message) = raw.answer()
     assert (kind, error) == (Kind.ERROR, "InvalidArgument") and "NaN" in message
     good = Raw(shard)
     assert good.answer()[0] == Kind.WELCOME
-    send_frame(good.sock, Kind.PUSH, push_header(), [gradient(1.0)])
+    send_frame(good.sock, Kind.PUSH, push_header(fence=1), [gradient(1.0)])
     kind, result = good.answer()
     assert kind == Kind.RESULT and result.pushed == 1 and not result.duplicate
 

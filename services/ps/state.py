@@ -265,7 +265,6 @@ class Shard:
                 self.counters.fenced_pushes += 1
                 raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
                              f"{newest} already seen in lane {lane} (the lease passed to another holder)")
-            block.fence[lane] = max(newest, fence)
             block.receiving.add(worker)
             self.metrics.pushes_in_flight.inc()
             try:
@@ -278,6 +277,7 @@ class Shard:
                 self.metrics.pushes_in_flight.dec()
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
+            block.fence[lane] = max(block.fence.get(lane, 0), fence)  # only a push that counts moves the fence
             return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
 
     async def push_header(self, header: Any, data: PayloadSource, stream: Any = None) -> tuple[bool, int]:
