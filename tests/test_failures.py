@@ -151,3 +151,38 @@ def test_a_finished_job_is_refused_and_fresh_starts_its_name_afresh(redis_url):
         assert store.finished_at() is None and store.done_ranks() == set()
     finally:
         store.close()
+
+
+def test_forged_reports_are_logged_and_ignored_and_the_job_finishes(cluster, caplog):
+    """A worker's Redis user may write the report queues: a done-rank that is not a rank or not of this job, and
+    failure reports that do not decode, are each logged and ignored; the coordinator goes on and the job ends
+    when its real workers are done (before: a ValueError traceback ended the coordinator)."""
+    import json
+    import logging
+
+    import redis
+
+    c = cluster(2, 1)
+    store = Store(c.redis_url, c.job)
+    raw = redis.Redis.from_url(c.redis_url, decode_responses=True)
+    raw.rpush(store._key("done", "queue"), "x", "7", "-1")  # noqa: SLF001 - the attack writes the raw key
+    raw.rpush(store._key("failures", "queue"), "not json",  # noqa: SLF001
+              json.dumps({"generation": "x", "who": "worker 0", "reason": "forged"}),
+              json.dumps({"generation": 0, "who": 1, "reason": "forged"}))
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    models = [build_model("digits-cnn") for _ in range(2)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], SGD, c.worker_config(rank))
+        for _ in range(3):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        model.close()
+
+    with caplog.at_level(logging.WARNING, logger="imerge.coordinator"):
+        c.run_workers(body)
+        c._thread.join(30)  # noqa: SLF001 - the coordinator's thread ends when every worker is done
+    assert c.coordinator_result == [0]
+    ignored = [r.getMessage() for r in caplog.records if "was ignored" in r.getMessage()]
+    assert len(ignored) == 6, ignored
+    assert any("not a rank: 'x'" in m for m in ignored) and any("worker 7 finished" in m for m in ignored)
+    assert store.generation() == 0  # no forged failure started a recovery

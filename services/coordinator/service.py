@@ -19,7 +19,7 @@ import time
 import uuid
 
 from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease,
-                                     LayoutSubmission, PlanPublished, Profile, WorkerDone)
+                                     LayoutSubmission, Malformed, PlanPublished, Profile, WorkerDone)
 from imerge.control.store import Store
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
@@ -157,7 +157,12 @@ class Coordinator:
             if self._store_failing_since is not None or time.monotonic() - asked > 0.5 + REDIS_STALL_S:
                 self._redis_back_at = time.monotonic()  # Redis was away: heartbeats lapsed through no fault
             self._store_failing_since = None
-            if isinstance(report, WorkerDone):
+            if isinstance(report, Malformed):
+                log.warning("a report in the %s queue was ignored: %s", report.queue, report.why)
+            elif isinstance(report, WorkerDone) and not 0 <= report.rank < cfg.num_workers:
+                log.warning("a report that worker %d finished was ignored: the job has workers 0..%d",
+                            report.rank, cfg.num_workers - 1)
+            elif isinstance(report, WorkerDone):
                 done.add(report.rank)
                 log.info("worker %d finished (%d/%d)", report.rank, len(done), cfg.num_workers)
             elif report is not None:

@@ -153,11 +153,35 @@ class FailureReport(Message):
         return f"{self.who}: {self.reason}"
 
 
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "FailureReport":
+        report = cls(**raw)
+        if type(report.generation) is not int or report.generation < 0:  # noqa: E721 - bool is not a generation
+            raise TypeError(f"generation must be an integer >= 0, got {report.generation!r}")
+        if not isinstance(report.who, str) or not isinstance(report.reason, str) or type(report.fatal) is not bool:
+            raise TypeError("who and reason must be strings and fatal a boolean")
+        return report
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkerDone:
-    """Worker ``rank`` finished its job."""
+    """Worker ``rank`` finished its job (the store holds the rank's decimal digits)."""
 
     rank: int
+
+    @classmethod
+    def decode(cls, text: str) -> "WorkerDone":
+        if not (text.isascii() and text.isdigit() and len(text) <= 9):
+            raise StoreError(f"malformed WorkerDone message in the store: not a rank: {text[:200]!r}")
+        return cls(int(text))
+
+
+@dataclasses.dataclass(frozen=True)
+class Malformed:
+    """A report that did not decode (written by a buggy or hostile client): what it said and why it was refused."""
+
+    queue: str
+    why: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ from imerge.core.errors import GenerationChanged, JobTaken, StoreError, WaitTime
 
 from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant,
                        GenerationEvent, JobLease, LayoutSubmission, Loaded, PlanPublished, Profile, Restored,
-                       WorkerDone, WorkerInfo, WorkerPosition)
+                       Malformed, WorkerDone, WorkerInfo, WorkerPosition)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -647,12 +647,15 @@ class Store:
         self._redis.rpush(self._key("failures", "queue"), report.encode())
 
     @_translated
-    def pop_report(self, timeout_s: float) -> WorkerDone | FailureReport | None:
-        """The next report (a worker finished, or a process saw a failure), or None within ``timeout_s``."""
+    def pop_report(self, timeout_s: float) -> WorkerDone | FailureReport | Malformed | None:
+        """The next report (a worker finished, or a process saw a failure), or None within ``timeout_s``; one
+        that does not decode comes back as :class:`Malformed` (a worker's Redis user may write these queues)."""
         item = self._redis.blpop([self._key("failures", "queue"), self._key("done", "queue")],
                                  timeout=_slice(timeout_s))
         if item is None:
             return None
-        if item[0] == self._key("done", "queue"):
-            return WorkerDone(int(item[1]))
-        return FailureReport.decode(item[1])
+        done = item[0] == self._key("done", "queue")
+        try:
+            return WorkerDone.decode(item[1]) if done else FailureReport.decode(item[1])
+        except StoreError as exc:
+            return Malformed("done" if done else "failures", str(exc))
