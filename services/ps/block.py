@@ -32,7 +32,7 @@ import torch
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.errors import FailedPrecondition, InvalidArgument
-from imerge.core.optim import OptimizerSpec, apply_hypers, parse_hypers, scalar_hypers
+from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage
@@ -221,7 +221,7 @@ class BlockState:
             raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
         options.check(what)
         if self.round_options is None:
-            parse_hypers(self.hypers, options.hypers)
+            self.meta.optimizer.check_hypers(self.hypers, options.hypers, what)
             return
         disagreement = options.disagreement(self.round_options)
         if disagreement:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import signal
 import threading
@@ -27,7 +26,8 @@ from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument,
                                 RequestError)
 from imerge.core.identity import require_worker
-from imerge.core.limits import MAX_OPTIONS_CHARS, check_block_ids, check_id, clip
+from imerge.core.limits import check_block_ids, check_id, clip
+from imerge.core.optim_args import parse_json_object
 from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer, report_port
@@ -53,16 +53,9 @@ PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream 
 
 
 def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
-    if len(spec.options_json) > MAX_OPTIONS_CHARS:
-        raise InvalidArgument(f"optimizer options: {len(spec.options_json)} characters of JSON, more than "
-                              f"{MAX_OPTIONS_CHARS}")
-    try:
-        options = json.loads(spec.options_json or "{}")
-    except ValueError as exc:
-        raise InvalidArgument(f"optimizer options are not JSON: {exc}") from None
-    if not isinstance(options, dict) or "groups" in options:
-        raise InvalidArgument(f"optimizer options must be a JSON object of keyword arguments, got "
-                              f"{spec.options_json[:200]!r}")
+    options = parse_json_object(spec.options_json, "optimizer options")
+    if "groups" in options:
+        raise InvalidArgument("optimizer options: a block's optimizer is one parameter group (no \"groups\")")
     return OptimizerSpec(spec.name, **options)
 
 

@@ -187,7 +187,7 @@ class Shard:
         if not 0 < meta.num_workers <= self.max_workers:
             raise InvalidArgument(f"block {meta.block_id}: num_workers {meta.num_workers} "
                                   f"outside 1..{self.max_workers}")
-        meta.optimizer.validate()
+        meta.optimizer.validate(step=True)  # the shard steps it anyway: what the step refuses is refused now
         try:
             parse_mode(meta.compression)
         except InvalidArgument as exc:

@@ -94,8 +94,10 @@ class Progressing:
 
     def supersede(self, why: str) -> None:
         """End the stream: at once if it waits for a message, else at its next wait."""
+        if self._superseded:  # another waiter ended it already (its timeout may have expired meanwhile)
+            return
         self._superseded = why
-        if self._timeout is not None:
+        if self._timeout is not None and not self._timeout.expired():
             self._timeout.reschedule(asyncio.get_running_loop().time())
 
     def _check(self) -> None:

@@ -14,7 +14,6 @@ scheduler's ``lr``, ``momentum``, ``betas``) travel with each round's pushes as
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +22,8 @@ import torch
 
 from imerge.core.config import env_name, parse_value
 from imerge.core.errors import InvalidArgument
+from imerge.core.limits import clip
+from imerge.core.optim_args import checked_arguments, checked_hypers, parse_json_object, trial_problem
 
 REFUSED = {"lbfgs": "needs a closure that re-evaluates the model", "sparseadam": "needs sparse gradients",
            "muon": "works on each parameter's matrix shape, which a shard's flat pieces do not keep",
@@ -141,17 +142,28 @@ class OptimizerSpec:
             raise InvalidArgument("build one parameter group at a time (OptimizerSpec.group)")
         try:
             return cls(list(params), **self.kwargs)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidArgument(f"invalid optimizer {self!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - torch's checks raise TypeError, ValueError, IndexError, ...
+            raise InvalidArgument(f"invalid optimizer {self!r}: {type(exc).__name__}: {exc}") from None
 
-    def validate(self) -> "OptimizerSpec":
-        """Return self, or raise InvalidArgument naming the bad name, argument or value."""
+    def validate(self, step: bool = False) -> "OptimizerSpec":
+        """Return self, or raise InvalidArgument naming the bad name, argument or value (with ``step``, also
+        what the optimizer's first step refuses: see :mod:`imerge.core.optim_args`)."""
         for index in range(self.num_groups):
             spec = self.group(index)
             if not (isinstance(spec.kwargs["lr"], (int, float)) and spec.kwargs["lr"] > 0):
                 raise InvalidArgument(f"invalid optimizer: lr must be a positive number, got {spec.kwargs['lr']!r}")
-            spec.build([torch.nn.Parameter(torch.zeros(1))])
+            checked_arguments(spec.optimizer_class(), spec.kwargs, "invalid optimizer", step)
         return self
+
+    def check_hypers(self, initial: Mapping[str, Any], delta_json: str, what: str) -> dict[str, Scalar]:
+        """The hyperparameters a round's ``delta_json`` sets, checked as :func:`parse_hypers` does and then by
+        building and stepping this (single-group) optimizer with them, so that the shard's step cannot raise."""
+        parsed = parse_hypers(initial, delta_json, what)
+        if parsed:
+            problem = trial_problem(self.optimizer_class(), tuple(sorted({**self.kwargs, **parsed}.items())))
+            if problem:
+                raise InvalidArgument(f"{what}: hyperparameters {clip(delta_json, 200)}: {problem}")
+        return parsed
 
     def defaults(self) -> dict[str, Any]:
         """Every hyperparameter of the optimizer, its class defaults overridden by this spec (group 0)."""
@@ -213,28 +225,12 @@ def hyper_delta(current: Mapping[str, Scalar], initial: Mapping[str, Scalar]) ->
     return json.dumps(delta, sort_keys=True) if delta else ""
 
 
-def parse_hypers(initial: Mapping[str, Any], delta_json: str) -> dict[str, Scalar]:
-    """The hyperparameters ``delta_json`` sets; InvalidArgument names an unknown key or a value of the wrong kind."""
-    try:
-        delta = json.loads(delta_json) if delta_json else {}
-    except ValueError as exc:
-        raise InvalidArgument(f"hyperparameters {delta_json[:200]!r} are not JSON: {exc}") from None
-    if not isinstance(delta, dict):
-        raise InvalidArgument(f"hyperparameters {delta_json[:200]!r} are not a JSON object")
-    parsed: dict[str, Scalar] = {}
-    for key, value in delta.items():
-        if key not in initial:
-            raise InvalidArgument(f"hyperparameter {key!r} is not one of the optimizer's: {sorted(initial)}")
-        value = _frozen(value)
-        numbers = value if isinstance(value, tuple) else (value,)
-        if type(value) is not type(initial[key]) and not all(isinstance(v, (int, float)) for v in numbers):
-            raise InvalidArgument(f"hyperparameter {key!r}: {value!r} is not like {initial[key]!r}")
-        if not all(isinstance(v, bool) or math.isfinite(v) for v in numbers):
-            raise InvalidArgument(f"hyperparameter {key!r} is not finite: {value!r}")
-        if key == "lr" and value < 0:
-            raise InvalidArgument(f"learning rate {value!r} is negative")
-        parsed[key] = value
-    return parsed
+def parse_hypers(initial: Mapping[str, Any], delta_json: str, what: str = "push") -> dict[str, Scalar]:
+    """The hyperparameters ``delta_json`` sets; InvalidArgument names an unknown key, a value of the wrong kind,
+    a flag that changed, or JSON too large or too deep (see :mod:`imerge.core.optim_args`)."""
+    if not delta_json:
+        return {}
+    return checked_hypers(initial, parse_json_object(delta_json, f"{what}: hyperparameters"), what)
 
 
 def apply_hypers(optimizer: torch.optim.Optimizer, initial: Mapping[str, Any], delta_json: str) -> None:
