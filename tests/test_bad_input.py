@@ -205,17 +205,26 @@ def test_bad_init_requests(stub):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "worker 9 outside 0..1" in details
 
 
-def test_duplicate_push_is_acknowledged_and_counted_once(stub):
+def test_a_retry_is_acknowledged_once_and_a_second_writer_is_refused_naming_both(stub):
+    """A retry carries the bytes that were counted: acknowledged as a duplicate. A push of a counted row with other
+    bytes is a second client pushing as that worker: ALREADY_EXISTS naming both clients, counted, nothing applied."""
     init(stub, workers=2, optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 1.0}'))
     assert push(stub, worker=0, data=floats(np.full(NUMEL, 2.0))).pushed == 1
-    reply = push(stub, worker=0, data=floats(np.full(NUMEL, 100.0)))
+    reply = push(stub, worker=0, data=floats(np.full(NUMEL, 2.0)))
     assert reply.duplicate and reply.pushed == 1
+    code, details = status_of(lambda: push(stub, worker=0, data=floats(np.full(NUMEL, 100.0))))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    assert "two clients push as worker 0" in details and details.count("ipv") == 2  # both clients' addresses
     push(stub, worker=1, data=floats(np.full(NUMEL, 4.0)))
     chunks = pull(stub, worker=0)
     assert chunks[0].meta.round == 1
     params = np.frombuffer(b"".join(c.data for c in chunks[1:]), dtype="<f4")
     np.testing.assert_array_equal(params, np.full(NUMEL, -3.0, dtype=np.float32))  # 0 - 1.0 * (2 + 4) / 2
-    assert push(stub, worker=1, round_=0).duplicate  # a late repeat of the completed round
+    assert push(stub, worker=1, round_=0, data=floats(np.full(NUMEL, 4.0))).duplicate  # a late retry
+    code, details = status_of(lambda: push(stub, worker=1, round_=0))  # a late second writer
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "round 0" in details
+    stats = stub.Stats(ps_pb2.StatsRequest())
+    assert (stats.pushes, stats.duplicate_pushes, stats.blocks[0].round) == (2, 2, 1)
 
 
 def test_pull_timeout_names_missing_workers(stub):

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imerge.core.errors import FailedPrecondition, FutureGeneration, NotFound
+from imerge.core.errors import AlreadyExists, FailedPrecondition, FutureGeneration, NotFound
 from imerge.wire.datapath import HEADER, MAGIC, Kind, read_header, read_meta, send_frame
 from imerge.wire.rpc import ps_pb2
 from imerge.worker.transport import ShardClient
@@ -126,6 +126,9 @@ def test_the_workers_client_pushes_and_pulls_on_the_channel_bit_exactly(shard):
             assert rounds == [1] and arrived == [(BLOCK, 1)]
             again = await client.push([(BLOCK, grads[worker], 0)], worker, timeout_s=10)  # a retry: a duplicate
             assert again.results[0].duplicate
+            with pytest.raises(AlreadyExists, match=f"data connection from 127.0.0.1:.*two clients push as worker "
+                                                    f"{worker}"):  # other bytes: a second writer, refused
+                await client.push([(BLOCK, grads[worker] + 1, 0)], worker, timeout_s=10)
         finally:
             await client.close()
         return target

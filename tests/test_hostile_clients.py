@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 import time
 
 import grpc
@@ -179,3 +181,48 @@ def test_a_holder_superseded_twice_in_consecutive_loop_turns_ends_with_supersede
 
     (outcome,) = asyncio.run(scenario())
     assert isinstance(outcome, Superseded) and "a newer push waited" in str(outcome)
+
+
+@pytest.mark.timeout(240)
+def test_a_client_pushing_as_every_worker_makes_the_job_fail_naming_it_or_changes_nothing(cluster):
+    """Without worker identity, a client polls the shards and pushes zeros as every worker for each block's current
+    round. Where it comes first its push is counted, and the real worker's push of that row is a second writer:
+    refused, and the job fails within 30 s naming it. Before, the real pushes were acknowledged as duplicates and
+    dropped: the job ended with a different model and no error."""
+    import test_equivalence as eq
+
+    data = eq.batches()
+    c = cluster(eq.WORKERS, eq.SHARDS)
+    stop, counted = threading.Event(), []
+
+    def attack() -> None:
+        stubs = [ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(address)) for address in c.addresses]
+        while not stop.is_set():
+            for stub in stubs:
+                with contextlib.suppress(grpc.RpcError):
+                    for block in stub.Stats(ps_pb2.StatsRequest(), timeout=5).blocks:
+                        for worker in range(block.num_workers):
+                            header = ps_pb2.PushHeader(block_id=block.block_id, worker=worker, round=block.round,
+                                                       dtype=ps_pb2.FLOAT32, numel=block.numel)
+                            with contextlib.suppress(grpc.RpcError):
+                                reply = stub.Push(iter([ps_pb2.PushChunk(header=header), ps_pb2.PushChunk(
+                                    data=bytes(4 * block.numel))]), timeout=5)
+                                if not reply.results[0].duplicate:
+                                    counted.append((block.block_id, worker, block.round))
+            time.sleep(0.001)
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    started = time.monotonic()
+    failure = None
+    try:
+        eq.distributed_run(c, eq.OPTIMIZERS["sgd"], data)
+    except Exception as exc:  # noqa: BLE001 - what the job said
+        failure = exc
+    finally:
+        stop.set()
+        attacker.join(30)
+    assert counted, "the attack never came first: the test proves nothing"
+    assert failure is not None, "rows the attacker filled were trained on, silently"
+    assert "two clients push as worker" in str(failure), repr(failure)
+    assert time.monotonic() - started < 30

@@ -110,6 +110,7 @@ class BlockState:
         self.pushed: set[int] = set()
         self.receiving: set[int] = set()
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
+        self.row_sources: list[tuple[int, str] | None] = [None] * meta.num_workers  # (round, client) last counted
         self.snapshot = snapshot_of(self.flat, meta.compression)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push

@@ -295,7 +295,8 @@ class Connection:
         self._check_worker(header.worker, what)
         handoff = Handoff(self.channel.loop)
         payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
-        future = self._run(self.shard.push_header(header, payload, self.stream))
+        source = f"data connection from {self.peer[0]}:{self.peer[1]}"
+        future = self._run(self.shard.push_header(header, payload, self.stream, source))
         duplicate, pushed = handoff.serve(future, self.stream, what)
         send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                                    pushed=pushed))

@@ -27,6 +27,7 @@ class ShardCounters:
     rounds_completed: int = 0
     rejected: int = 0
     fenced_pushes: int = 0
+    second_writers: int = 0
     stale_generation: int = 0
     checkpoints_written: int = 0
     checkpoint_failures: int = 0
@@ -43,6 +44,9 @@ COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("rejected", "imerge_shard_rejected_requests", "Requests answered with an error status"),
     ("fenced_pushes", "imerge_shard_fenced_pushes", "Pushes rejected because their slot flag's fencing token "
                                                     "was older than one the block had seen (a late holder)"),
+    ("second_writers", "imerge_shard_second_writer_pushes", "Pushes refused because the row they name already "
+                                                            "holds different data of that round (two clients push "
+                                                            "as one worker)"),
     ("stale_generation", "imerge_shard_stale_generation_requests", "Requests of an older job generation, "
                                                                     "rejected and never applied"),
     ("checkpoints_written", "imerge_shard_checkpoints", "Checkpoints written completely"),

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from imerge.core.codec import ChunkAssembler, PayloadReceiver
-from imerge.core.compression import WIRE_DTYPES, expected_encoding
+from imerge.core.compression import WIRE_DTYPES, Payload, expected_encoding
 from imerge.core.errors import InvalidArgument
 
 from .block import BlockMeta, BlockState
@@ -82,3 +82,28 @@ async def receive_gradient(block: BlockState, worker: int, dtype: str, nnz: int,
         return payload.values, None
     block.grads[worker].copy_(payload.values)
     return block.grads[worker], None
+
+
+async def receive_copy(block: BlockState, dtype: str, nnz: int, data: PayloadSource, what: str) -> Payload:
+    """The payload as the block would keep it (dense: widened to fp32), received aside, the block untouched."""
+    if dtype == "float32" and nnz < 0:
+        values = torch.empty(block.meta.numel)
+        await data.read_into(values, what)
+        return Payload(values)
+    receiver = PayloadReceiver(block.meta.numel, dtype, nnz, what)
+    await data.read_into(receiver.buffer, what)
+    payload = receiver.finish(fed=False)
+    return payload if nnz >= 0 else Payload(payload.values.float())
+
+
+def same_payload(block: BlockState, worker: int, payload: Payload) -> bool:
+    """Whether the worker's row holds ``payload``, bit for bit (NaN included)."""
+    if payload.sparse:
+        kept = block.sparse_grads[worker]
+        return kept is not None and _same_bits(kept.indices, payload.indices) and _same_bits(kept.values,
+                                                                                              payload.values)
+    return _same_bits(block.grads[worker], payload.values)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -248,7 +248,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
                 self._check_identity(context, header.worker, what)
-                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data()), stream)
+                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data()), stream,
+                                                                  context.peer())
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal

@@ -37,7 +37,7 @@ from imerge.core.limits import check_id, clip
 from imerge.wire.encoding import dtype_name, nnz_of
 
 from .block import BlockMeta, BlockState
-from .payloads import PayloadSource, check_encoding, receive_gradient
+from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradient, same_payload
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
@@ -235,12 +235,15 @@ class Shard:
     async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
                    data: PayloadSource, generation: int = 0, fence: int = 0,
                    lane: int = 0, options: RoundOptions = RoundOptions(),
-                   no_grad: Sequence[int] = (), nnz: int = -1, stream: Any = None) -> tuple[bool, int]:
+                   no_grad: Sequence[int] = (), nnz: int = -1, stream: Any = None,
+                   source: str = "") -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed
         push never blocks or spoils a good one; a repeat of a counted push is
-        drained and acknowledged as a duplicate. ``dtype`` and ``nnz`` (-1: dense) are the payload's encoding,
+        acknowledged as a duplicate if it carries the same bytes (a retry), and refused with AlreadyExists if it
+        does not (a second writer: two clients push as one worker; ``source``, the client's address, names both).
+        ``dtype`` and ``nnz`` (-1: dense) are the payload's encoding,
         which must be the one the block's compression mode makes (dense fp32 for an assignment). ``stream``
         (a :class:`~.streams.Progressing`) is superseded when a newer push of the same worker comes for the row.
         """
@@ -254,7 +257,7 @@ class Shard:
         check_encoding(block.meta, options.assign, dtype, nnz, what)
         async with block.rows[worker].held(round_, stream, what):
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
-                await data.skip()
+                await self._check_retry(block, worker, round_, dtype, nnz, data, what, source)
                 self.counters.duplicate_pushes += 1
                 return True, len(block.pushed)
             if round_ != block.round:
@@ -266,6 +269,7 @@ class Shard:
                 raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
                              f"{newest} already seen in lane {lane} (the lease passed to another holder)")
             block.receiving.add(worker)
+            block.row_sources[worker] = None  # the row is overwritten: it no longer holds the round counted before
             self.metrics.pushes_in_flight.inc()
             try:
                 check = self.check_finite and not options.loss_scale
@@ -278,15 +282,33 @@ class Shard:
             block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
             block.count_round_options(options, no_grad)
             block.fence[lane] = max(block.fence.get(lane, 0), fence)  # only a push that counts moves the fence
+            block.row_sources[worker] = (round_, source)
             return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
 
-    async def push_header(self, header: Any, data: PayloadSource, stream: Any = None) -> tuple[bool, int]:
+    async def _check_retry(self, block: BlockState, worker: int, round_: int, dtype: str, nnz: int,
+                           data: PayloadSource, what: str, source: str) -> None:
+        """A push of a row already counted: a retry must carry the bytes that were counted."""
+        counted_round, counted_source = block.row_sources[worker] or (-1, "")
+        if counted_round != round_:  # the row no longer holds that round (restored since): nothing to compare
+            await data.skip()
+            return
+        if same_payload(block, worker, await receive_copy(block, dtype, nnz, data, what)):
+            return
+        self.counters.second_writers += 1
+        message = (f"{what} from {source or 'a client'}: worker {worker}'s row of that round already holds "
+                   f"different data, pushed by {counted_source or 'another client'}: two clients push as worker "
+                   f"{worker} (a retry carries the same bytes); the push that came first was counted")
+        log.error("shard %d: second writer: %s", self.index, message)
+        raise AlreadyExists(message)
+
+    async def push_header(self, header: Any, data: PayloadSource, stream: Any = None,
+                          source: str = "") -> tuple[bool, int]:
         """:meth:`push` of what a ``PushHeader`` message says."""
         what = f"push of block {header.block_id} by worker {header.worker}"
         return await self.push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what),
                                header.numel, data, header.generation, header.fence, header.lane,
                                RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm),
-                               list(header.no_grad), nnz_of(header), stream)
+                               list(header.no_grad), nnz_of(header), stream, source)
 
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""
