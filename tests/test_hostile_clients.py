@@ -36,11 +36,12 @@ def floats(values) -> bytes:
     return np.asarray(values, dtype="<f4").tobytes()
 
 
-def init(stub, block_id: str, options_json: str, name: str = "adam", workers: int = 1):
-    spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=workers,
+def init(stub, block_id: str, options_json: str, name: str = "adam", workers: int = 1, numel: int = NUMEL):
+    spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=numel, num_workers=workers,
                             optimizer=ps_pb2.OptimizerSpec(name=name, options_json=options_json))
-    return stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec), ps_pb2.InitBlockChunk(data=floats(np.zeros(NUMEL)))]),
-                          timeout=30)
+    data = [ps_pb2.InitBlockChunk(data=floats(np.zeros(min(numel - start, 1 << 18))))
+            for start in range(0, numel, 1 << 18)]
+    return stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec), *data]), timeout=30)
 
 
 def push_messages(block_id: str, worker: int = 0, round_: int = 0, value: float = 1.0, **header):
@@ -226,3 +227,134 @@ def test_a_client_pushing_as_every_worker_makes_the_job_fail_naming_it_or_change
     assert failure is not None, "rows the attacker filled were trained on, silently"
     assert "two clients push as worker" in str(failure), repr(failure)
     assert time.monotonic() - started < 30
+
+
+def export(stub, block_id: str) -> bytes:
+    chunks = list(stub.Export(ps_pb2.ExportRequest(block_ids=[block_id]), timeout=10))
+    return b"".join(c.data for c in chunks if c.WhichOneof("part") == "data")
+
+
+def state_chunks(block_id: str, data: bytes, nbytes: int | None = None):
+    yield ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id=block_id, nbytes=len(data) if nbytes is None
+                                                            else nbytes))
+    for start in range(0, len(data), 1 << 20):
+        yield ps_pb2.BlockStateChunk(data=data[start:start + (1 << 20)])
+
+
+def safetensors_of(tensors: dict, metadata: dict | None = None) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata=metadata)
+
+
+def test_an_import_is_bounded_by_its_block_and_checked_whole_before_anything_is_applied(stub):
+    """Before, an Import collected whatever it declared (up to 4 GiB) before it looked the block up, accepted an
+    empty stream, a 2-D parameter, metadata and state the optimizer does not keep, and applied each block as it
+    completed: a bad second block left the first one changed."""
+    import torch
+
+    init(stub, "a", '{"lr": 0.1}')
+    init(stub, "b", '{"lr": 0.1}')
+    for block in ("a", "b"):  # a step: Adam's state exists
+        stub.Push(iter(push_messages(block)), timeout=10)
+        list(stub.Pull(ps_pb2.PullRequest(block_ids=[block], worker=0, round=0), timeout=10))
+    before = {block: export(stub, block) for block in ("a", "b")}
+    flat = torch.full((NUMEL,), 3.0)
+    moments = {"state/0/exp_avg": torch.zeros(NUMEL), "state/0/exp_avg_sq": torch.zeros(NUMEL),
+               "state/0/step": torch.tensor(1.0)}
+    good = safetensors_of({"param": flat, **moments})
+    cases = {
+        "declares 1 GiB": (lambda: stub.Import(state_chunks("a", b"x" * 16, 1 << 30), timeout=10),
+                           "more than its state can take"),
+        "unknown block": (lambda: stub.Import(state_chunks("nope", b"x" * 16, 1 << 30), timeout=10), "'nope'"),
+        "empty stream": (lambda: stub.Import(iter([]), timeout=10), "empty stream"),
+        "2-D parameter": (lambda: stub.Import(state_chunks("a", safetensors_of(
+            {"param": flat.reshape(8, 8), **moments})), timeout=10), "flat tensor"),
+        "metadata": (lambda: stub.Import(state_chunks("a", safetensors_of(
+            {"param": flat, **moments}, {"x": "y" * 1000})), timeout=10), "__metadata__"),
+        "foreign state": (lambda: stub.Import(state_chunks("a", safetensors_of(
+            {"param": flat, "state/0/momentum_buffer": torch.zeros(NUMEL)})), timeout=10), "momentum_buffer"),
+        "half the state": (lambda: stub.Import(state_chunks("a", safetensors_of(
+            {"param": flat, "state/0/exp_avg": torch.zeros(NUMEL)})), timeout=10), "not all of"),
+        "a bad second block": (lambda: stub.Import(iter([*state_chunks("a", good), *state_chunks(
+            "b", good[:-8])]), timeout=10), "block b"),
+        "a block twice": (lambda: stub.Import(iter([*state_chunks("a", good), *state_chunks("a", good)]),
+                                              timeout=10), "named twice"),
+    }
+    for case, (call, named) in cases.items():
+        code, details = refusal(call)
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (case, code, details)
+        assert named in details, (case, details)
+        assert {block: export(stub, block) for block in ("a", "b")} == before, f"{case} changed a block"
+    assert list(stub.Import(state_chunks("a", good), timeout=10).block_ids) == ["a"]
+    assert np.array_equal(params(stub, "a"), np.full(NUMEL, 3.0, "<f4"))
+
+
+@pytest.mark.timeout(60)
+def test_unread_exports_and_parked_pulls_are_bounded(redis_url):
+    """Each Export a client does not read holds the block state it is sending: at most four at once. A pull's
+    wait is cut to --max-pull-timeout-s whatever it asks for, and one connection parks at most 256 block waits
+    (16 per block the shard holds, at least 256)."""
+    shard = ThreadedShard(PSConfig(redis_url=redis_url, job="hostile", register=False, pull_timeout_s=1.0,
+                                   max_pull_timeout_s=2.0))
+    try:
+        with grpc.insecure_channel(shard.address) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            init(stub, "b", '{"lr": 0.1}', workers=2, numel=1 << 22)  # 16 MiB: more than gRPC's windows hold
+            unread = [stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=30) for _ in range(4)]
+            for call in unread:
+                next(call)  # under way, the rest not read
+            code, details = refusal(lambda: stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=10))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4" in details
+            for call in unread:
+                call.cancel()
+            time.sleep(0.2)
+            assert export(stub, "b")  # the slots came back
+
+            started = time.monotonic()
+            code, details = refusal(lambda: list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0,
+                                                                              timeout_s=1e9), timeout=30)))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "timed out after 2s" in details
+            assert time.monotonic() - started < 5
+            parked = [stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0, timeout_s=30), timeout=30)
+                      for _ in range(256)]
+            deadline = time.monotonic() + 20
+            while True:  # until the shard has parked all of them, then one more is refused
+                try:
+                    list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0, timeout_s=0.2),
+                                   timeout=10))
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        assert "at most 256" in exc.details()
+                        break
+                    assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert time.monotonic() < deadline, "a 257th parked pull was never refused"
+            for call in parked:
+                call.cancel()
+    finally:
+        shard.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_import_outside_imerge_load_is_refused_and_changes_nothing(cluster):
+    """A shard of a job accepts an Import only while worker 0 runs imerge.load, which announces it in the store.
+    Before, any client could Export, edit and Import the job's model between two rounds, and it trained on."""
+    import torch
+
+    import imerge
+    from imerge.core.optim import OptimizerSpec
+
+    c = cluster(1, 1)
+    model = imerge.distribute(torch.nn.Linear(4, 2), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    try:
+        model(torch.ones(3, 4)).sum().backward()
+        model.synchronize()
+        with grpc.insecure_channel(c.addresses[0]) as channel:
+            stub = ps_pb2_grpc.ParameterServerStub(channel)
+            block = stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks[0].block_id
+            state = export(stub, block)
+            code, details = refusal(lambda: stub.Import(state_chunks(block, state), timeout=10))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "no imerge.load" in details
+            assert export(stub, block) == state
+    finally:
+        model.close()

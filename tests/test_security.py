@@ -136,6 +136,49 @@ def test_a_certificate_for_worker_0_cannot_push_or_pull_as_worker_1_in_strict_mo
         shard.stop()
 
 
+def test_only_worker_0_moves_whole_states_in_strict_mode(pki, redis_url):
+    """Export and Import carry every parameter and the optimizer state (imerge.save and imerge.load, run by worker
+    0). Worker 1's certificate is refused both, and its Import changes nothing; worker 0's goes through."""
+    import grpc
+    import numpy as np
+
+    from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
+
+    shard = tls_shard_and_block(pki, redis_url, tls_worker_identity=True)
+    read = lambda path: open(path, "rb").read()  # noqa: E731
+
+    def stub_of(name: str):
+        cert, key = pki[name]
+        channel = grpc.secure_channel(shard.address, grpc.ssl_channel_credentials(read(pki["ca"]), read(key),
+                                                                                  read(cert)))
+        return channel, ps_pb2_grpc.ParameterServerStub(channel)
+
+    def export(stub) -> bytes:
+        chunks = list(stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=10))
+        return b"".join(c.data for c in chunks if c.WhichOneof("part") == "data")
+
+    def import_(stub, data: bytes):
+        return stub.Import(iter([ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id="b", nbytes=len(data))),
+                                 ps_pb2.BlockStateChunk(data=data)]), timeout=10)
+
+    try:
+        (channel0, worker0), (channel1, worker1) = stub_of("worker-0"), stub_of("worker-1")
+        state = export(worker0)
+        changed = state[:-16] + np.full(4, 7.0, "<f4").tobytes()  # the parameters are the file's last bytes
+        for call in (lambda: export(worker1), lambda: import_(worker1, changed)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "only worker 0 loads and saves the job's state" in refused.value.details()
+        assert export(worker0) == state  # worker 1's import changed nothing
+        assert list(import_(worker0, changed).block_ids) == ["b"]
+        assert export(worker0) == changed
+        channel0.close()
+        channel1.close()
+    finally:
+        shard.stop()
+
+
 def tls_shard_and_block(pki, redis_url, **options) -> ThreadedShard:
     import numpy as np
 

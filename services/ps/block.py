@@ -96,6 +96,7 @@ class BlockState:
         self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
         self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
         self.optimizer = meta.optimizer.build(self.pieces)
+        self.state_layout = meta.optimizer.state_layout()  # what an import's optimizer state must hold
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
         self.sparse = parse_mode(meta.compression).kind == "topk"
         self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters

@@ -17,6 +17,7 @@ class PSConfig(TlsConfig, CommonConfig):
                                              "room); one more is refused with RESOURCE_EXHAUSTED")
     advertise: str = option("", "address workers use to reach this shard (default: host:port)")
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers' pushes")
+    max_pull_timeout_s: float = option(600.0, "longest wait a pull may ask for (a longer timeout_s is cut to this)")
     check_finite: bool = option(True, "reject gradients holding NaN or infinity")
     max_block_numel: int = option(1 << 28, "largest block, in elements, the shard accepts")
     max_workers: int = option(4096, "largest number of workers a block may declare")
@@ -47,6 +48,8 @@ class PSConfig(TlsConfig, CommonConfig):
         require(0 <= self.port < 65536, "port", "must be 0..65535")
         require(-1 <= self.data_port < 65536, "data_port", "must be 0..65535, or -1 for none")
         require(self.pull_timeout_s > 0, "pull_timeout_s", "must be positive")
+        require(self.max_pull_timeout_s >= self.pull_timeout_s, "max_pull_timeout_s", "must be at least "
+                "--pull-timeout-s")
         require(self.max_block_numel > 0, "max_block_numel", "must be positive")
         require(self.max_workers > 0, "max_workers", "must be positive")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
@@ -61,3 +64,7 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.checkpoint_failures >= 0, "checkpoint_failures", "must be >= 0")
         require(self.stream_idle_s > 0, "stream_idle_s", "must be positive")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
+
+    def pull_wait(self, requested_s: float) -> float:
+        """How long a pull that asks for ``requested_s`` (0: the default) waits."""
+        return min(requested_s if requested_s > 0 else self.pull_timeout_s, self.max_pull_timeout_s)

@@ -305,7 +305,7 @@ class Connection:
         request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull")
         self._check_worker(request.worker, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
-        timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
+        timeout = self.config.pull_wait(request.timeout_s)
         ready: queue.SimpleQueue = queue.SimpleQueue()
         future = self._run(self._wait_blocks(request, timeout, ready))
         try:

@@ -8,6 +8,7 @@ INTERNAL with the error logged, so one bad request never harms the others.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -23,10 +24,10 @@ from grpc_health.v1 import health, health_pb2
 from imerge.control.messages import FIRST_PLAN
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument,
-                                RequestError)
-from imerge.core.identity import require_worker
-from imerge.core.limits import check_block_ids, check_id, clip
+from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
+                                ResourceExhausted)
+from imerge.core.identity import require_loader, require_worker
+from imerge.core.limits import MAX_EXPORTS, MIN_PARKED_PULLS, PARKED_PULLS_PER_BLOCK, check_block_ids, clip
 from imerge.core.optim_args import parse_json_object
 from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
@@ -46,7 +47,8 @@ from .payloads import ChunkStream
 from .rounds import RoundScalars
 from .block import Snapshot
 from .state import BlockMeta, Shard
-from .streams import Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact
+from .streams import (Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact,
+                      receive_states)
 
 log = logging.getLogger(__name__)
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
@@ -133,6 +135,18 @@ def _streaming(method: Callable) -> Callable:
     return wrapper
 
 
+def _certificate_names(context: grpc.aio.ServicerContext) -> list[str]:
+    auth = context.auth_context()
+    return [value.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name")
+            for value in auth.get(key, [])]
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for message in rest:
+        yield message
+
+
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def __init__(self, shard: Shard, config: PSConfig, store: Any = None):
         self.shard = shard
@@ -144,6 +158,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._num_workers = 0
         self._holders: list[int] = []  # the shards that hold blocks: those that agree on round scalars
         self.channel: DataChannel | None = None
+        self._parked: collections.Counter[str] = collections.Counter()  # connection -> block waits of its pulls
+        self._exports = 0  # Export calls in flight
 
     async def load_plan(self) -> None:
         """Read the mapping table once: the blocks this shard owns, the job's worker count, the run."""
@@ -233,12 +249,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def _check_identity(self, context: grpc.aio.ServicerContext, worker: int, what: str) -> None:
         """Strict worker identity: the client's certificate must name ``worker``."""
-        if not self.config.tls_worker_identity:
-            return
-        auth = context.auth_context()
-        require_worker([value.decode(errors="replace") for key in ("x509_subject_alternative_name",
-                                                                   "x509_common_name")
-                        for value in auth.get(key, [])], worker, what)
+        if self.config.tls_worker_identity:
+            require_worker(_certificate_names(context), worker, what)
 
     @_unary
     async def Push(self, request_iterator, context):
@@ -259,7 +271,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.PushReply(results=results)
 
     def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:
-        timeout = request.timeout_s if request.timeout_s > 0 else self.config.pull_timeout_s
+        timeout = self.config.pull_wait(request.timeout_s)
         remaining = context.time_remaining()
         if remaining is not None:  # answer with our own message before the caller's deadline
             timeout = min(timeout, max(remaining - 0.2, 0.01))
@@ -283,6 +295,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         self._check_identity(context, request.worker, "Pull")
         timeout = self._pull_timeout(request, context)
+        peer, parked = context.peer(), len(request.block_ids)
+        most = max(PARKED_PULLS_PER_BLOCK * len(self.shard.blocks), MIN_PARKED_PULLS)
+        if self._parked[peer] + parked > most:
+            raise ResourceExhausted(f"Pull: {self._parked[peer]} block waits are parked on this connection already "
+                                    f"(at most {most})")
+        self._parked[peer] += parked
         waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
         pending = list(waits)
         try:
@@ -293,6 +311,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 async for chunk in self._send([wait.result() for wait in ready]):
                     yield chunk
         finally:  # the first failure is the answer; the others are dropped, not logged as never retrieved
+            self._parked[peer] -= parked
+            if not self._parked[peer]:
+                del self._parked[peer]
             for wait in waits:
                 if not wait.done():
                     wait.cancel()
@@ -308,7 +329,20 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_streaming
     async def Export(self, request, context):
+        """Only worker 0 (imerge.save); at most MAX_EXPORTS at once, since a reply the client does not read holds
+        the block's state it is sending."""
         check_block_ids(request.block_ids, len(self.shard.blocks), "Export")
+        self._check_loader(context, "Export")
+        if self._exports >= MAX_EXPORTS:
+            raise ResourceExhausted(f"Export: {self._exports} exports are in flight already (at most {MAX_EXPORTS})")
+        self._exports += 1
+        try:
+            async for chunk in self._export(request):
+                yield chunk
+        finally:
+            self._exports -= 1
+
+    async def _export(self, request: ps_pb2.ExportRequest) -> AsyncIterator[ps_pb2.BlockStateChunk]:
         for block_id in request.block_ids:
             round_, data = self.shard.export_block(block_id, request.generation)
             yield ps_pb2.BlockStateChunk(meta=ps_pb2.BlockStateMeta(block_id=block_id, round=round_,
@@ -319,29 +353,31 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary
     async def Import(self, request_iterator, context):
-        imported, meta, parts, received = [], None, [], 0
-        async for chunk in Progressing(request_iterator, self.config.stream_idle_s, "Import"):
-            if chunk.WhichOneof("part") == "meta":
-                if meta is not None:
-                    raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
-                meta, parts, received = chunk.meta, [], 0
-                check_id(meta.block_id, "Import")
-                if meta.nbytes > (self.shard.max_block_numel * 4) * 4 + (1 << 20):
-                    raise InvalidArgument(f"Import: block {meta.block_id}: {meta.nbytes} bytes is too large")
-            elif meta is None:
-                raise InvalidArgument("Import: data before a block's meta")
-            else:
-                parts.append(chunk.data)
-                received += len(chunk.data)
-                if received > meta.nbytes:
-                    raise InvalidArgument(f"Import: block {meta.block_id}: more than {meta.nbytes} bytes")
-            if meta is not None and received == meta.nbytes:
-                await self.shard.import_block(meta.block_id, b"".join(parts), meta.generation)
-                imported.append(meta.block_id)
-                meta = None
-        if meta is not None:
-            raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
-        return ps_pb2.ImportReply(block_ids=imported)
+        """Only worker 0, during an imerge.load it announced; every block's state is bounded when its meta arrives
+        and checked whole before any is applied, all at once."""
+        self._check_loader(context, "Import")
+        stream = Progressing(request_iterator, self.config.stream_idle_s, "Import")
+        first = await anext(stream, None)
+        if first is None:
+            raise InvalidArgument("Import: empty stream (no block's state)")
+        if first.WhichOneof("part") != "meta":
+            raise InvalidArgument("Import: data before a block's meta")
+        await self._check_load_expected(first.meta.generation)
+        generation, states = await receive_states(_prepend(first, stream), self.shard.import_bound)
+        self.shard.import_blocks(states, generation)
+        return ps_pb2.ImportReply(block_ids=list(states))
+
+    def _check_loader(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        if self.config.tls_worker_identity:
+            require_loader(_certificate_names(context), what)
+
+    async def _check_load_expected(self, generation: int) -> None:
+        """An Import comes only while worker 0 runs imerge.load: it announces the load in the store first."""
+        if self.store is None:
+            return
+        if not await asyncio.to_thread(self.store.loading, generation):
+            raise FailedPrecondition(f"Import: no imerge.load of generation {generation} is in progress (worker 0 "
+                                     "announces one before it imports): a state is imported only by imerge.load")
 
     @_unary
     async def Stats(self, request, context):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from imerge.core.blockstate import block_state_bytes, parse_block_state
+from imerge.core.blockstate import block_state_bytes, parse_block_state, state_bytes_bound
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite, parse_mode, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
@@ -395,20 +395,33 @@ class Shard:
         image = self.block(block_id).image()
         return self.block(block_id).round, block_state_bytes(image.param, image.state)
 
-    async def import_block(self, block_id: str, data: bytes, generation: int = 0) -> None:
-        """Replace the block's parameters and optimizer state, at a round no worker has pushed yet."""
-        what = f"import of block {block_id}"
-        self.check_generation(generation, what)
+    def import_bound(self, block_id: str, generation: int) -> int:
+        """The most bytes an Import of ``block_id`` may carry (NotFound, StaleGeneration before any is read)."""
+        self.check_generation(generation, f"import of block {clip(block_id)}")
         block = self.block(block_id)
-        param, state = parse_block_state(data, block.meta.numel, block.meta.pieces, what)
-        async with block.changed:
-            if block.pushed or block.receiving:
-                raise FailedPrecondition(f"{what}: workers {sorted(block.pushed | block.receiving)} already pushed "
-                                         f"round {block.round}: load at the same point of the loop on every worker")
+        return state_bytes_bound(block.meta.numel, len(block.meta.pieces), block.state_layout)
+
+    def import_blocks(self, states: dict[str, bytes], generation: int) -> None:
+        """Replace the blocks' parameters and optimizer state, all or none: every state is checked against its
+        block, and no worker may have pushed any of the blocks' current rounds, before the first is applied."""
+        self.check_generation(generation, f"import of blocks {sorted(states)}")
+        parsed = {}
+        for block_id, data in states.items():
+            block = self.block(block_id)
+            parsed[block_id] = parse_block_state(data, block.meta.numel, block.meta.pieces,
+                                                 f"import of block {block_id}", block.state_layout)
+        busy = {block_id: sorted(self.blocks[block_id].pushed | self.blocks[block_id].receiving) for block_id in states
+                if self.blocks[block_id].pushed or self.blocks[block_id].receiving}
+        if busy:
+            raise FailedPrecondition(f"import: workers already pushed the current round of blocks {busy}: load at "
+                                     "the same point of the loop on every worker")
+        for block_id, (param, state) in parsed.items():  # no await from the checks to the last block: atomic
+            block = self.blocks[block_id]
             with torch.no_grad():
                 block.flat.copy_(param)
             block.load_state(state)
             block.snapshot = block.reset_held()
+        log.info("shard %d: imported the state of blocks %s", self.index, sorted(states))
 
     def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
         self.check_generation(generation, f"fetch of block {block_id}")

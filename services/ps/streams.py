@@ -19,7 +19,7 @@ from imerge.core.codec import ChunkAssembler
 from imerge.wire.frames import deserializer
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Superseded
-from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S
+from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
 
 
 class Undecodable:
@@ -139,6 +139,42 @@ async def receive_exact(chunks: AsyncIterator[bytes], numel: int, what: str) -> 
         assembler.feed(data)
     assembler.finish()
     return tensor
+
+
+async def receive_states(stream: AsyncIterator[Any], bound: Callable[[str, int], int]) -> tuple[int, dict[str, bytes]]:
+    """An Import stream's (generation, block id -> state bytes). Each block is named once, with the generation of
+    the others, and declares at most ``bound(block_id, generation)`` bytes (which raises for an unknown block),
+    all checked when its meta arrives, before a byte of its data is kept."""
+    states: dict[str, bytes] = {}
+    meta, parts, received, generation = None, [], 0, None
+    async for chunk in stream:
+        if chunk.WhichOneof("part") == "meta":
+            if meta is not None:
+                raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
+            meta, parts, received = chunk.meta, [], 0
+            check_id(meta.block_id, "Import")
+            if meta.block_id in states:
+                raise InvalidArgument(f"Import: block {clip(meta.block_id)} is named twice")
+            if generation is not None and meta.generation != generation:
+                raise InvalidArgument(f"Import: generations {generation} and {meta.generation} in one stream")
+            generation, most = meta.generation, bound(meta.block_id, meta.generation)
+            if meta.nbytes > most:
+                raise InvalidArgument(f"Import: block {meta.block_id}: {meta.nbytes} bytes, more than its state "
+                                      f"can take ({most})")
+        elif meta is None:
+            raise InvalidArgument("Import: data before a block's meta")
+        else:
+            parts.append(chunk.data)
+            received += len(chunk.data)
+            if received > meta.nbytes:
+                raise InvalidArgument(f"Import: block {meta.block_id}: more than {meta.nbytes} bytes")
+        if meta is not None and received == meta.nbytes:
+            states[meta.block_id], meta = b"".join(parts), None
+    if meta is not None:
+        raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
+    if not states:
+        raise InvalidArgument("Import: empty stream (no block's state)")
+    return generation, states
 
 
 class Segments:

@@ -144,8 +144,8 @@ class SyncEngine:
                               "the shards to accept the initial parameters")
                 if optimizer_state:
                     check_optimizer_state(self, optimizer_state, "the optimizer's loaded state")
-                    self.loop.run(self.import_states(block_states(self, optimizer_state)), cfg.rpc_timeout_s * 4,
-                                  "the shards to import the optimizer's loaded state")
+                    self.load_states(block_states(self, optimizer_state), cfg.rpc_timeout_s * 4,
+                                     "the shards to import the optimizer's loaded state")
             except Exception as exc:
                 self.store.announce_blocks_ready(self.plan.version, BlocksReady(
                     f"worker 0 could not initialize the blocks: {exc}"))
@@ -189,6 +189,14 @@ class SyncEngine:
                                                                                 self.generation)
                                          for shard, ids in by_shard.items()))
         return {block_id: data for reply in replies for block_id, data in reply.items()}
+
+    def load_states(self, states: dict[str, bytes], timeout_s: float, what: str) -> None:
+        """Import ``states`` (worker 0), announced in the store first: a shard takes an Import only then."""
+        self.store.announce_loading(self.generation, timeout_s + 5.0)
+        try:
+            self.loop.run(self.import_states(states), timeout_s, what)
+        finally:
+            self.store.end_loading()
 
     async def import_states(self, states: dict[str, bytes]) -> None:
         by_shard: dict[int, dict[str, bytes]] = {}

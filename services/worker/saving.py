@@ -133,8 +133,8 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
                     name, _, state_name = key[6:].rpartition("/")
                     optim.setdefault(name, {})[state_name] = value
             check_optimizer_state(engine, optim, path)
-            engine.loop.run(engine.import_states(block_states(engine, optim)), config.wait_timeout_s,
-                            "the shards to import the loaded state")
+            engine.load_states(block_states(engine, optim), config.wait_timeout_s, "the shards to import the loaded "
+                               "state")
         except IMergeError as exc:
             engine.store.announce_loaded(engine.generation, sequence, Loaded(f"worker 0 could not load {path}: {exc}"))
             raise

@@ -28,6 +28,8 @@ key                         type     meaning
 ``event:{name}:value``      string   the event's payload
 ``done:queue``              list     ranks, pushed when a worker finished its job
 ``done``                    hash     rank -> 1 once the worker finished (read by a restarted coordinator)
+``loading``                 string   the generation worker 0 imports an imerge.load's state into, while it does
+                                     (a shard accepts an Import only then); expires
 ``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
 ``profile:queue``           list     a token, pushed when the profile is submitted
 ``flag:{v}:{g}:{s}``        string   holder token of the slot flag of group g's pushes to shard s (plan v,
@@ -132,7 +134,8 @@ ROLE_WRITES = {
     "coordinator": ("*",),
     "ps": ("shards", "shards:queue", "shard:*", "checkpoints", "failures:queue", "scalars:*", _LATCHES,
            "event:restored:*"),
-    "worker": ("workers", "worker:*", "layout:*", "layouts:queue", "done", "done:queue", "positions", "profile",
+    "worker": ("workers", "worker:*", "layout:*", "layouts:queue", "done", "done:queue", "positions", "loading",
+               "profile",
                "profile:queue", "buffers:*", "flag:*", "flags:stats", "failures:queue", _LATCHES,
                "event:blocks-ready:*", "event:loaded:*"),
 }
@@ -414,6 +417,21 @@ class Store:
         return Profile.decode(self._redis.get(self._key("profile")) or "")
 
     # -- imerge.load ------------------------------------------------------------
+    @_translated
+    def announce_loading(self, generation: int, ttl_s: float) -> None:
+        """Worker 0 is about to import an imerge.load's state into the shards of ``generation``: until
+        :meth:`end_loading` (or ``ttl_s``), a shard accepts an Import of that generation (:meth:`loading`)."""
+        self._redis.set(self._key("loading"), str(generation), px=max(int(ttl_s * 1000), 1))
+
+    @_translated
+    def end_loading(self) -> None:
+        self._redis.delete(self._key("loading"))
+
+    @_translated
+    def loading(self, generation: int) -> bool:
+        """Whether worker 0 announced an import of ``generation`` and has not ended it."""
+        return self._redis.get(self._key("loading")) == str(generation)
+
     @_translated
     def announce_loaded(self, generation: int, sequence: int, message: Loaded) -> None:
         """Worker 0 imported the ``sequence``-th imerge.load of ``generation`` into the shards (or failed)."""

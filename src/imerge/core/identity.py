@@ -4,7 +4,9 @@ With mutual TLS a shard knows the name in each client's certificate. A
 worker's certificate names its rank: a DNS subject alternative name or the
 common name ``worker-<rank>``, alone or as the first label of a longer name
 (``worker-3.imerge.svc``). In strict mode (``--tls-worker-identity``) a shard
-refuses a push or a pull that names another worker id.
+refuses a push or a pull that names another worker id, and an Import or Export
+(the whole state of blocks, moved by ``imerge.load`` and ``imerge.save``) from
+any certificate but worker 0's.
 """
 from __future__ import annotations
 
@@ -28,6 +30,17 @@ def require_worker(names: Iterable[str], worker: int, what: str) -> None:
     if worker not in worker_ranks(names):
         raise PermissionDenied(f"{what}: names worker {worker}, but the client's certificate names "
                                f"{clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
+
+
+def require_loader(names: Iterable[str], what: str) -> None:
+    """Strict worker identity: only worker 0 (the one that runs imerge.load and imerge.save) moves whole states."""
+    from imerge.core.errors import PermissionDenied
+    from imerge.core.limits import clip
+
+    names = list(names)
+    if 0 not in worker_ranks(names):
+        raise PermissionDenied(f"{what}: only worker 0 loads and saves the job's state, but the client's certificate "
+                               f"names {clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
 
 
 def certificate_names(peer: dict | None) -> list[str]:

@@ -21,6 +21,9 @@ STALLED_S = 1.0             # a push stream silent this long is superseded by a 
 # per group and shard in flight), since the calls over it queue in the client and a queued push would leave the
 # pulls waiting for its round
 MAX_STREAMS_PER_CONNECTION = 1024
+MAX_EXPORTS = 4             # Export calls in flight on a shard (imerge.save makes one per shard), each holding a block
+PARKED_PULLS_PER_BLOCK = 16  # block waits parked on one connection: this many per block the shard holds (at least
+MIN_PARKED_PULLS = 256       # this many), room for the workers sharing it and their pulls of rounds ahead
 
 
 def clip(text: str, limit: int = 120) -> str:

@@ -23,7 +23,8 @@ import torch
 from imerge.core.config import env_name, parse_value
 from imerge.core.errors import InvalidArgument
 from imerge.core.limits import clip
-from imerge.core.optim_args import checked_arguments, checked_hypers, parse_json_object, trial_problem
+from imerge.core.optim_args import (checked_arguments, checked_hypers, parse_json_object, state_layout,
+                                    trial_problem)
 
 REFUSED = {"lbfgs": "needs a closure that re-evaluates the model", "sparseadam": "needs sparse gradients",
            "muon": "works on each parameter's matrix shape, which a shard's flat pieces do not keep",
@@ -154,6 +155,10 @@ class OptimizerSpec:
                 raise InvalidArgument(f"invalid optimizer: lr must be a positive number, got {spec.kwargs['lr']!r}")
             checked_arguments(spec.optimizer_class(), spec.kwargs, "invalid optimizer", step)
         return self
+
+    def state_layout(self) -> tuple[tuple[str, int, str], ...]:
+        """(name, dimensions, dtype) of each state tensor this (single-group) optimizer keeps per piece."""
+        return state_layout(self.optimizer_class(), self.options)
 
     def check_hypers(self, initial: Mapping[str, Any], delta_json: str, what: str) -> dict[str, Scalar]:
         """The hyperparameters a round's ``delta_json`` sets, checked as :func:`parse_hypers` does and then by

@@ -136,3 +136,15 @@ def checked_hypers(initial: Mapping[str, Any], delta: Mapping[str, Any], what: s
             raise InvalidArgument(f"{what}: learning rate {value!r} is negative")
         parsed[key] = value
     return parsed
+
+
+@functools.lru_cache(maxsize=256)
+def state_layout(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, Any], ...]
+                 ) -> tuple[tuple[str, int, str], ...]:
+    """(name, dimensions, dtype) of each state tensor the optimizer keeps for a parameter once it stepped."""
+    piece = torch.nn.Parameter(torch.zeros(2))
+    optimizer = cls([piece], **dict(options))
+    piece.grad = torch.zeros(2)
+    optimizer.step()
+    return tuple(sorted((name, value.dim(), str(value.dtype).removeprefix("torch."))
+                        for name, value in optimizer.state[piece].items() if isinstance(value, torch.Tensor)))
