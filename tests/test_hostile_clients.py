@@ -358,3 +358,32 @@ def test_an_import_outside_imerge_load_is_refused_and_changes_nothing(cluster):
             assert export(stub, block) == state
     finally:
         model.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_fencing_token_ahead_of_the_stores_clock_is_refused_and_adopted_nowhere(cluster):
+    """Slot-flag tokens are Redis' clock at the grant, so none is ahead of it. A push carrying 2^64-1 is refused
+    before anything is received, and the block's fence stays where it was: the job trains on. Before, the token
+    was adopted and every honest push after it was fenced off."""
+    import torch
+
+    import imerge
+    from imerge.core.optim import OptimizerSpec
+
+    from helpers import raw_push
+
+    c = cluster(1, 1)
+    model = imerge.distribute(torch.nn.Linear(4, 2), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
+    try:
+        model(torch.ones(3, 4)).sum().backward()
+        model.synchronize()
+        (block,) = c.shards[0].shard.blocks.values()
+        fence, round_ = dict(block.fence), block.round
+        code, details = raw_push(c.addresses[0], block.meta.block_id, block.meta.numel, 0, round_, 0, 2 ** 64 - 1)
+        assert code == "INVALID_ARGUMENT" and "ahead of the store's clock" in details
+        assert (block.fence, block.round, block.pushed) == (fence, round_, set())
+        model(torch.ones(3, 4)).sum().backward()
+        model.synchronize()
+        assert block.round == round_ + 1
+    finally:
+        model.close()

@@ -42,6 +42,7 @@ from imerge.wire.tls import server_credentials, server_ssl_context
 from .checkpoint import CheckpointStore
 from .config import PSConfig
 from .datachannel import DataChannel
+from .fencing import IssuedTokens
 from .membership import ShardMembership
 from .payloads import ChunkStream
 from .rounds import RoundScalars
@@ -444,6 +445,7 @@ class ShardServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         if self._store is not None:
             await asyncio.to_thread(self._store.check_job, cfg.job_token, f"shard {cfg.shard_index}")
+            self.shard.issued_tokens = IssuedTokens(self._store.clock_us)
             self._membership = ShardMembership(self._store, self.shard, servicer.load_plan,
                                                asyncio.get_running_loop(), cfg.heartbeat_ttl_s,
                                                cfg.checkpoint_failures)

@@ -39,6 +39,7 @@ from imerge.wire.encoding import dtype_name, nnz_of
 from .block import BlockMeta, BlockState
 from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradient, same_payload
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
+from .fencing import IssuedTokens
 from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions, RoundScalars
 
@@ -70,6 +71,7 @@ class Shard:
         self._final: asyncio.Future | None = None  # a final checkpoint awaited at the next common round
         self._final_written = False
         self.agreements = Agreements()  # rounds whose step waits for scalars of every block (the server exchanges)
+        self.issued_tokens: IssuedTokens | None = None  # the store's clock, which bounds the fencing tokens
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -268,6 +270,10 @@ class Shard:
                 self.counters.fenced_pushes += 1
                 raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
                              f"{newest} already seen in lane {lane} (the lease passed to another holder)")
+            if fence > newest and self.issued_tokens is not None and not await self.issued_tokens.issued(fence):
+                raise InvalidArgument(f"{what}: slot flag token {fence} is ahead of the store's clock "
+                                      f"({await self.issued_tokens.newest_us(fence)} µs), which issues every token: "
+                                      "no flag gave it")
             block.receiving.add(worker)
             block.row_sources[worker] = None  # the row is overwritten: it no longer holds the round counted before
             self.metrics.pushes_in_flight.inc()

@@ -124,7 +124,7 @@ FLAG_STATS = ("granted", "contended", "expired")
 _CONNECTION = ("ping", "select", "multi", "exec", "discard", "info")  # and client|setinfo where Redis has it (7.2)
 ROLE_COMMANDS = {
     "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists", "scan", "unlink"),
-    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "pexpire"),
+    "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "pexpire", "time"),
     "worker": _CONNECTION + ("get", "set", "hset", "hget", "rpush", "blpop", "del", "exists", "pttl", "pexpire",
                              "hincrby", "time", "evalsha", "script|load"),
 }
@@ -489,6 +489,12 @@ class Store:
         return received
 
     # -- slot flags -------------------------------------------------------------
+    @_translated
+    def clock_us(self) -> int:
+        """Redis' clock in microseconds: what the slot flags' fencing tokens are issued from."""
+        seconds, microseconds = self._redis.time()
+        return int(seconds) * 1_000_000 + int(microseconds)
+
     @_translated
     def acquire_flag(self, flag: Flag, token: str, lease_s: float, timeout_s: float,
                      generation: int = 0) -> FlagGrant:
