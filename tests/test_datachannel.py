@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -411,3 +412,43 @@ def test_fuzzed_frames_get_an_error_frame_or_a_close_and_the_shard_goes_on(shard
     after = process_figures(shard.process.pid)
     assert after["threads"] <= steady["threads"] + 2 and after["fds"] <= steady["fds"] + 4, (steady, after)
     assert after["rss_kib"] - steady["rss_kib"] < 50 * 1024
+
+
+def drip(raw: Raw, stop: threading.Event) -> None:
+    """A few bytes of the payload every 0.3 s: never silent for --stream-idle-s, far below the minimum rate."""
+    with contextlib.suppress(OSError):
+        while not stop.wait(0.3):
+            raw.sock.sendall(b"\0" * 4)
+
+
+def test_a_dripping_push_is_superseded_by_its_retry_and_alone_is_ended_after_a_window(shard):
+    """--stream-idle-s 2, --stream-min-bytes-per-s 16384 (the default): a push whose payload comes 4 bytes every
+    0.3 s is superseded by the retry of its row after a second, and one left alone is ended after one window,
+    its row freed. Before, both held the row until the client stopped (the job waited for them)."""
+    stop = threading.Event()
+    meta = push_header().SerializeToString()
+    try:
+        dripping = Raw(shard)
+        assert dripping.answer()[0] == Kind.WELCOME
+        dripping.sock.sendall(HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta)
+        threading.Thread(target=drip, args=(dripping, stop), daemon=True).start()
+        time.sleep(0.3)
+        retry = Raw(shard)
+        assert retry.answer()[0] == Kind.WELCOME
+        started = time.monotonic()
+        send_frame(retry.sock, Kind.PUSH, push_header(), [gradient(2.0)])
+        kind, result = retry.answer()
+        assert kind == Kind.RESULT and result.pushed == 1 and time.monotonic() - started < 1.9
+
+        alone = Raw(shard, worker=1)
+        assert alone.answer()[0] == Kind.WELCOME
+        meta = push_header(worker=1).SerializeToString()
+        started = time.monotonic()
+        alone.sock.sendall(HEADER.pack(MAGIC, Kind.PUSH, 0, 0, len(meta), NUMEL * 4) + meta)
+        threading.Thread(target=drip, args=(alone, stop), daemon=True).start()
+        kind, (error, message) = alone.answer(timeout_s=10)
+        assert (kind, error) == (Kind.ERROR, "DeadlineExceeded") and "--stream-min-bytes-per-s" in message
+        assert time.monotonic() - started < 4
+        assert pushed(shard) == 1  # the dripping push of worker 1 was not counted
+    finally:
+        stop.set()

@@ -194,3 +194,27 @@ def test_a_restore_forgets_the_rounds_awaiting_agreement():
                                     agreements.agree(5, "b", RoundScalars(2.0), {"a", "b"}))
 
     assert asyncio.run(scenario()) == [RoundScalars(3.0, False)] * 2
+
+
+def test_pace_tells_a_dripping_stream_from_a_slow_honest_one():
+    from imerge.ps.pace import Pace
+
+    now = [0.0]
+
+    def stream(bytes_per_step: int, steps: int) -> Pace:
+        now[0] = 0.0
+        pace = Pace(1000.0, 2.0, lambda: now[0])
+        for _ in range(steps):
+            now[0] += 0.3
+            pace.moved(bytes_per_step)
+        return pace
+
+    young = stream(4, 5)  # 1.5 s: younger than the window, never too slow yet; silent for nothing
+    assert not young.too_slow() and not young.stalled(2.0)
+    dripping = stream(4, 20)  # 6 s of 4 bytes every 0.3 s
+    assert "moved" in dripping.too_slow() and dripping.stalled(1.0)
+    honest = stream(400, 20)  # 1,333 bytes/s, above the minimum
+    assert not honest.too_slow() and not honest.stalled(1.0)
+    now[0] += 1.0  # then silent for a second: stalled
+    assert honest.stalled(1.0) and honest.idle_for() == 1.0
+    assert not Pace(0.0, 2.0, lambda: now[0]).too_slow()  # no minimum

@@ -172,6 +172,45 @@ def test_a_silent_push_stream_ends_at_the_idle_deadline_and_frees_its_row(tmp_pa
         shard.stop()
 
 
+def dripping(header, release: concurrent.futures.Future):
+    """A push stream that sends its header, then 4 bytes every 0.3 s: never silent for --stream-idle-s, far below
+    --stream-min-bytes-per-s."""
+    yield ps_pb2.PushChunk(header=header)
+    while not release.done():
+        time.sleep(0.3)
+        yield ps_pb2.PushChunk(data=bytes(4))
+
+
+@pytest.mark.timeout(120)
+def test_a_dripping_push_stream_is_ended_after_a_window_and_superseded_by_its_retry(tmp_path):
+    """Before, a stream dripping bytes held its row until the client stopped: the job waited for it."""
+    shard = ShardProcess(tmp_path, "--stream-idle-s", "2")
+    release = concurrent.futures.Future()
+    try:
+        spec = ps_pb2.BlockSpec(block_id="b", dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=2, optimizer=SGD)
+        shard.stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                                   ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+        headers = [ps_pb2.PushHeader(block_id="b", worker=w, round=0, dtype=ps_pb2.FLOAT32, numel=NUMEL)
+                   for w in (0, 1)]
+        started = time.monotonic()
+        code, details = code_of(lambda: shard.stub.Push(dripping(headers[0], release), timeout=30))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "--stream-min-bytes-per-s" in details, details
+        assert 1.5 < time.monotonic() - started < 5
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(code_of, lambda: shard.stub.Push(dripping(headers[1], release), timeout=30))
+            time.sleep(0.5)
+            started = time.monotonic()
+            reply = shard.stub.Push(iter([ps_pb2.PushChunk(header=headers[1]),
+                                          ps_pb2.PushChunk(data=np.ones(NUMEL, "<f4").tobytes())]), timeout=10)
+            waited = time.monotonic() - started
+            code, details = held.result(30)
+        assert reply.results[0].pushed == 1 and waited < 1.9, waited
+        assert code == grpc.StatusCode.ABORTED and "less than the minimum rate" in details
+    finally:
+        release.set_result(None)
+        shard.stop()
+
+
 @pytest.mark.timeout(120)
 def test_a_newer_push_of_the_same_row_supersedes_a_stalled_one_at_once(shard):
     """A stalled stream (header, part of the data, then nothing) holds worker 0's row; the retry does not wait
@@ -201,11 +240,13 @@ def test_a_newer_push_of_the_same_row_supersedes_a_stalled_one_at_once(shard):
 
 
 @pytest.mark.timeout(300)
-def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_nothing(cluster):
+@pytest.mark.parametrize("kind", ["silent", "dripping"])
+def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_nothing(cluster, kind):
     """Three times during a job, two push streams (worker 0's and worker 1's row of a block, its current round)
-    send a header and then nothing. Each is superseded by the real push within a second of silence: the job
-    runs through without a recovery, its parameters bit-identical to an undisturbed run, at most one idle
-    deadline (10 s) slower."""
+    send a header and then nothing (or 4 bytes every 0.3 s: never silent, far below the minimum rate). Each is
+    superseded by the real push within a second: the job runs through without a recovery, its parameters
+    bit-identical to an undisturbed run, at most one idle deadline (10 s) slower. Before, a dripping pair froze
+    the job until a recovery."""
     import torch
 
     import test_equivalence as eq
@@ -226,7 +267,7 @@ def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_noth
             release.result(120)
 
         try:
-            stub.Push(silent(), timeout=120)
+            stub.Push(silent() if kind == "silent" else dripping(header, release), timeout=120)
             outcomes.append("OK")
         except grpc.RpcError as exc:
             outcomes.append(exc.code().name)

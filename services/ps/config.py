@@ -35,6 +35,11 @@ class PSConfig(TlsConfig, CommonConfig):
                                          "counted in imerge_shard_checkpoint_failures_total)")
     stream_idle_s: float = option(10.0, "a client stream (push, init, import) that sends nothing for this long "
                                         "ends with DEADLINE_EXCEEDED and frees what it held")
+    stream_min_bytes_per_s: float = option(16384.0, "a push, init or import stream (or a data-channel payload) "
+                                                    "that moves less than this over a window of --stream-idle-s "
+                                                    "ends with DEADLINE_EXCEEDED, and one holding a worker's row "
+                                                    "is superseded by that worker's newer push once it moved less "
+                                                    "than this over a second (0: no minimum)")
     tls_worker_identity: bool = option(False, "strict mutual TLS: a push or pull naming worker w must come with a "
                                               "client certificate that names worker-<w> (its CN or a DNS SAN, "
                                               "alone or as the first label: worker-3.imerge.svc)")
@@ -63,6 +68,7 @@ class PSConfig(TlsConfig, CommonConfig):
                 "certificate")
         require(self.checkpoint_failures >= 0, "checkpoint_failures", "must be >= 0")
         require(self.stream_idle_s > 0, "stream_idle_s", "must be positive")
+        require(self.stream_min_bytes_per_s >= 0, "stream_min_bytes_per_s", "must be >= 0 (0: no minimum)")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
 
     def pull_wait(self, requested_s: float) -> float:

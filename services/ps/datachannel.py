@@ -44,6 +44,7 @@ from imerge.wire.encoding import tensor_meta
 from imerge.wire.rpc import ps_pb2
 
 from .config import PSConfig
+from .pace import Pace
 from .state import Shard
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,31 @@ DRAIN_S = 2.0               # and for at most this long
 class ChannelStream:
     """A connection as the push's row sees it: how long it has been silent, and a way to end it."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, min_bytes_per_s: float = 0.0, window_s: float = 10.0):
         self.conn = conn
         self.last = time.monotonic()
         self.superseded = ""
+        self._min_bytes_per_s, self._window_s = min_bytes_per_s, window_s
+        self.pace: Pace | None = None  # while a payload is read: it must keep the minimum rate
+
+    def payload(self) -> contextlib.AbstractContextManager:
+        """While a payload is read, its bytes must keep --stream-min-bytes-per-s (between calls the connection
+        may idle)."""
+        return _paced(self)
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
         count = self.conn.recv_into(buffer, nbytes)
         self.last = time.monotonic()
+        if self.pace is not None:
+            self.pace.moved(count)
+            too_slow = self.pace.too_slow()
+            if too_slow:
+                raise DeadlineExceeded(f"data connection: {too_slow}")
         return count
+
+    def stalled(self, seconds: float) -> bool:
+        """Silent, or reading a payload below the minimum rate, for the last ``seconds``."""
+        return self.idle_for() >= seconds or (self.pace is not None and self.pace.stalled(seconds))
 
     def sendall(self, data: Any) -> None:
         self.conn.sendall(data)
@@ -75,6 +92,15 @@ class ChannelStream:
         self.superseded = why
         with contextlib.suppress(OSError):
             self.conn.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def _paced(stream: ChannelStream):
+    stream.pace = Pace(stream._min_bytes_per_s, stream._window_s)
+    try:
+        yield
+    finally:
+        stream.pace = None
 
 
 class Handoff:
@@ -98,10 +124,11 @@ class Handoff:
         while (request := self._requests.get()) is not None:
             target, nbytes, after, done = request
             try:
-                if target is None:
-                    skip(stream, nbytes, what)
-                else:
-                    read_exact(stream, target, what)
+                with stream.payload():
+                    if target is None:
+                        skip(stream, nbytes, what)
+                    else:
+                        read_exact(stream, target, what)
                 outcome: Any = after() if after is not None else None
                 failed = False
             except BaseException as exc:  # noqa: BLE001 - the coroutine raises it
@@ -213,7 +240,8 @@ class DataChannel:
             if self.tls is not None:
                 conn = self.tls.wrap_socket(conn, server_side=True)
                 self._replace(raw, conn)
-            Connection(self, ChannelStream(conn), peer).serve()
+            stream = ChannelStream(conn, self.config.stream_min_bytes_per_s, self.config.stream_idle_s)
+            Connection(self, stream, peer).serve()
         except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), a write to a gone worker
             log.info("shard %d: data connection from %s failed: %s", self.shard.index, peer, exc)
         finally:

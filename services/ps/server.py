@@ -235,12 +235,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary
     async def InitBlock(self, request_iterator, context):
-        request_iterator = Progressing(request_iterator, self.config.stream_idle_s, "InitBlock")
+        request_iterator = Progressing(request_iterator, self.config.stream_idle_s, "InitBlock",
+                                       self.config.stream_min_bytes_per_s)
         spec = await first_part(request_iterator, "spec", "InitBlock")
         meta = BlockMeta(spec.block_id, dtype_name(spec.dtype, f"InitBlock {spec.block_id}"), spec.numel,
                          spec.num_workers, optimizer_from_proto(spec.optimizer), tuple(spec.segments),
                          spec.compression)
-        self.shard.check_meta(meta)
+        await asyncio.to_thread(self.shard.check_meta, meta)  # off the loop: it builds and steps the optimizer
         await self._check_owner(meta)
         self.shard.check_existing(meta)  # all before a byte of its data is read
         init = await receive_exact(data_parts(request_iterator, f"InitBlock {meta.block_id}"), meta.numel,
@@ -255,7 +256,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     @_unary
     async def Push(self, request_iterator, context):
-        stream = Progressing(request_iterator, self.config.stream_idle_s, "Push")
+        stream = Progressing(request_iterator, self.config.stream_idle_s, "Push", self.config.stream_min_bytes_per_s)
         segments, results = Segments(stream), []
         try:
             while (header := await segments.next_header()) is not None:
@@ -357,7 +358,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         """Only worker 0, during an imerge.load it announced; every block's state is bounded when its meta arrives
         and checked whole before any is applied, all at once."""
         self._check_loader(context, "Import")
-        stream = Progressing(request_iterator, self.config.stream_idle_s, "Import")
+        stream = Progressing(request_iterator, self.config.stream_idle_s, "Import",
+                             self.config.stream_min_bytes_per_s)
         first = await anext(stream, None)
         if first is None:
             raise InvalidArgument("Import: empty stream (no block's state)")

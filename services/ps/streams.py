@@ -21,6 +21,10 @@ from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Superseded
 from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
 
+from .pace import Pace
+
+HEADER_BYTES = 64  # what a message that is not data counts for in a stream's rate
+
 
 class Undecodable:
     """What the deserializer hands on for bytes that are not the method's message (gRPC would answer UNKNOWN)."""
@@ -60,37 +64,57 @@ async def _decoded_stream(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
 
 
 class Progressing:
-    """A client stream that must keep moving: each message within ``idle_s`` of the previous one, or the call
-    ends with DEADLINE_EXCEEDED (and frees whatever it held); :meth:`supersede` ends it at its next wait."""
+    """A client stream that must keep moving: each message within ``idle_s`` of the previous one, and at least
+    ``min_bytes_per_s`` over each window of ``idle_s`` (:class:`~.pace.Pace`), or the call ends with
+    DEADLINE_EXCEEDED (and frees whatever it held); :meth:`supersede` ends it at its next wait. Its rate counts
+    only the time the server waited for the client, not the server's own work between two messages."""
 
-    def __init__(self, stream: AsyncIterator[Any], idle_s: float, what: str):
+    def __init__(self, stream: AsyncIterator[Any], idle_s: float, what: str, min_bytes_per_s: float = 0.0):
         self._messages = aiter(stream)
         self.idle_s = idle_s
         self.what = what
         self._timeout: asyncio.Timeout | None = None
         self._superseded = ""
-        self._last = asyncio.get_running_loop().time()  # when the last message came (or the call began)
+        self._loop = asyncio.get_running_loop()
+        self._waited = 0.0  # seconds spent waiting for the client's messages (the server's own work not counted)
+        self._wait_started: float | None = None
+        self.pace = Pace(min_bytes_per_s, idle_s, self._waiting_clock)
+
+    def _waiting_clock(self) -> float:
+        """The stream's clock: it runs only while the server waits for the client."""
+        now = self._loop.time()
+        return self._waited + (now - self._wait_started if self._wait_started is not None else 0.0)
 
     def __aiter__(self) -> "Progressing":
         return self
 
     async def __anext__(self) -> Any:
         self._check()
+        self._wait_started = self._loop.time()
         try:
             async with asyncio.timeout(self.idle_s) as self._timeout:
                 message = await anext(self._messages)
-            self._last = asyncio.get_running_loop().time()
-            return message
         except TimeoutError:
             self._check()
             raise DeadlineExceeded(f"{self.what}: the client sent nothing for {self.idle_s:g}s "
                                    f"(--stream-idle-s)") from None
         finally:
             self._timeout = None
+            self._waited += self._loop.time() - self._wait_started
+            self._wait_started = None
+        self.pace.moved(len(message.data) if message.WhichOneof("part") == "data" else HEADER_BYTES)
+        too_slow = self.pace.too_slow()
+        if too_slow:
+            raise DeadlineExceeded(f"{self.what}: {too_slow}")
+        return message
 
     def idle_for(self) -> float:
-        """Seconds since the last message came."""
-        return asyncio.get_running_loop().time() - self._last
+        """Seconds the server has waited since the last message came."""
+        return self.pace.idle_for()
+
+    def stalled(self, seconds: float) -> bool:
+        """Silent, or below the minimum rate, for the last ``seconds``."""
+        return self.pace.stalled(seconds)
 
     def supersede(self, why: str) -> None:
         """End the stream: at once if it waits for a message, else at its next wait."""
@@ -215,8 +239,9 @@ class Segments:
 
 class Row:
     """One worker's row of a block: pushes of it are serialized. A push of this round or a later one that waits
-    supersedes the stream holding the row once that stream sent nothing for ``STALLED_S`` (a stalled or abandoned
-    push never holds up its retry for longer); at most ``MAX_ROW_WAITERS`` wait."""
+    supersedes the stream holding the row once that stream sent nothing, or less than the minimum rate, for
+    ``STALLED_S`` (a stalled, dripping or abandoned push never holds up its retry for longer); at most
+    ``MAX_ROW_WAITERS`` wait."""
 
     def __init__(self):
         self.lock = asyncio.Lock()
@@ -230,9 +255,9 @@ class Row:
         self.waiters += 1
         try:
             while not await _acquired(self.lock, STALLED_S):
-                if self.holder is not None and round_ >= self.holder[0] and self.holder[1].idle_for() >= STALLED_S:
-                    self.holder[1].supersede(f"sent nothing for {self.holder[1].idle_for():.1f}s while a newer "
-                                             f"{what} waited")
+                if self.holder is not None and round_ >= self.holder[0] and self.holder[1].stalled(STALLED_S):
+                    self.holder[1].supersede(f"sent nothing, or less than the minimum rate, for {STALLED_S:g}s "
+                                             f"while a newer {what} waited")
         finally:
             self.waiters -= 1
         self.holder = (round_, stream) if stream is not None else None
