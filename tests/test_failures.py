@@ -1,6 +1,7 @@
 """Failures end in a clear error within their timeout, never in a hang."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import threading
@@ -186,3 +187,64 @@ def test_forged_reports_are_logged_and_ignored_and_the_job_finishes(cluster, cap
     assert len(ignored) == 6, ignored
     assert any("not a rank: 'x'" in m for m in ignored) and any("worker 7 finished" in m for m in ignored)
     assert store.generation() == 0  # no forged failure started a recovery
+
+
+@pytest.mark.timeout(120)
+def test_an_early_forged_done_ends_nothing_and_a_later_failure_is_still_handled(cluster, caplog):
+    """While both workers train, a client marks both done (as a worker's Redis user may), then the shard is lost.
+    A done counts only once its worker has left the job, so the coordinator watches on: the loss is handled (no
+    checkpoint here, so the job fails naming why) and the workers end within seconds. Before, the forged marks
+    ended the coordinator, and the workers waited for a recovery nobody would start until their timeouts."""
+    import logging
+    import threading
+    import time
+
+    import redis
+
+    c = cluster(2, 1)
+    store = Store(c.redis_url, c.job)
+    raw = redis.Redis.from_url(c.redis_url, decode_responses=True)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    models = [build_model("digits-cnn") for _ in range(2)]
+    training, attack_failed = threading.Event(), []
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], SGD, c.worker_config(rank))
+        for step in range(500):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if step == 2:
+                training.set()
+        model.close()
+
+    def attack() -> None:
+        try:
+            forge()
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            attack_failed.append(exc)
+
+    def forge() -> None:
+        assert training.wait(60)
+        for rank in (0, 1):
+            store.mark_done(rank)
+        deadline = time.monotonic() + 10
+        while raw.llen(store._key("done", "queue")):  # noqa: SLF001 - until the coordinator took both marks
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        shard = c.shards[0]  # a real loss: its server stops, every worker's next call fails
+        asyncio.run_coroutine_threadsafe(shard.server.stop(0), shard._loop).result(10)  # noqa: SLF001
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="imerge.coordinator"):
+        with pytest.raises(Exception) as failed:
+            c.run_workers(body)
+    attacker.join(10)
+    assert not attack_failed, attack_failed
+    assert "connection closed" in str(failed.value) or "no checkpoint round" in str(failed.value), failed.value
+    assert time.monotonic() - started < 60
+    assert not any("finished (" in r.getMessage() for r in caplog.records)  # no forged mark was counted
+    assert store.finished_at() is None  # the job did not finish: it failed
+    c._thread.join(10)  # noqa: SLF001 - the coordinator handled the loss and ended the job
+    assert "no checkpoint round" in store.generation_event(1).error

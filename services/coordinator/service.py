@@ -79,6 +79,9 @@ class Coordinator:
         self.plan: Plan | None = None  # the latest published plan
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
         self._alive: set[str] = set()  # members seen alive in the current generation
+        self._claimed: set[int] = set()  # workers reported done (counted done once they left the job)
+        self._claimed_at: dict[int, float] = {}
+        self._doubted: set[int] = set()  # reported done long ago, still in the job (logged once)
         self._redis_back_at = float("-inf")  # when Redis answered again after it was unreachable or stalled
         self._store_failing_since: float | None = None
         self.token = uuid.uuid4().hex  # the job's lease token where no --job-token is given
@@ -140,12 +143,31 @@ class Coordinator:
         raise WaitTimeout("stopped while waiting for worker 0's profile")
 
     def watch(self) -> None:
-        """Until every worker is done: take reports, check heartbeats and Redis, recover from failures."""
-        done: set[int] = self.store.done_ranks()
+        """Until every worker is done: take reports, check heartbeats and Redis, recover from failures.
+
+        A worker's done mark is a claim (any worker's Redis user may write one): the worker counts as done once it
+        has also left the job, its rank lease and liveness key gone. Until then it is watched like any member, so
+        a forged mark neither ends the job early nor hides a later failure."""
+        self._claimed = self.store.done_ranks()
+        done: set[int] = set()
         while len(done) < self.config.num_workers and not self._stop.is_set():
             self._step(done)
         if len(done) >= self.config.num_workers:
             self.store.mark_finished()
+
+    def _confirm_done(self, done: set[int]) -> None:
+        """Count the workers that claimed done and have left the job."""
+        pending = self._claimed - done
+        if not pending:
+            return
+        for rank in sorted(self.store.departed(pending)):
+            done.add(rank)
+            log.info("worker %d finished (%d/%d)", rank, len(done), self.config.num_workers)
+        for rank in sorted(pending - done - self._doubted):
+            if time.monotonic() - self._claimed_at.get(rank, time.monotonic()) > self.config.heartbeat_ttl_s:
+                self._doubted.add(rank)
+                log.warning("worker %d was reported done but still holds its rank and heartbeats: the report is not "
+                            "trusted until it leaves (it is watched as a member meanwhile)", rank)
 
     def _step(self, done: set[int]) -> None:
         """Take one report (a worker finished, or a failure to recover from) or check the members' heartbeats;
@@ -163,11 +185,13 @@ class Coordinator:
                 log.warning("a report that worker %d finished was ignored: the job has workers 0..%d",
                             report.rank, cfg.num_workers - 1)
             elif isinstance(report, WorkerDone):
-                done.add(report.rank)
-                log.info("worker %d finished (%d/%d)", report.rank, len(done), cfg.num_workers)
+                self._claimed.add(report.rank)
+                self._claimed_at.setdefault(report.rank, time.monotonic())
+                self._confirm_done(done)
             elif report is not None:
                 self.handle_failure(report)
             else:
+                self._confirm_done(done)
                 self._check_members(done)
         except StoreError as exc:
             self._store_failing_since = self._store_failing_since or time.monotonic()
@@ -196,7 +220,9 @@ class Coordinator:
             self._alive |= live
             return
         # A member lost once it was alive in this generation is a new failure; one not back in this generation
-        # since the last recovery is still restarting (the others wait for it, up to their timeouts).
+        # since the last recovery is still restarting (the others wait for it, up to their timeouts). A worker that
+        # claimed done and is gone has left: the next step counts it done.
+        members -= {f"worker {r}" for r in self._claimed}
         for member in sorted((self._alive & members) - live):
             self._alive.discard(member)
             self.handle_failure(FailureReport(self.recovery.generation, member, "its heartbeat expired (dead, "

@@ -96,6 +96,7 @@ class DistributedModel(torch.nn.Module):
         self._joining: Any = module.register_forward_pre_hook(self._join_at_forward, prepend=True)
         self._pending = PendingSettings()
         self._closed = False
+        self._done = False  # this worker marked itself done (close): it leaves the job for good
         self._logged: tuple[float, int] | None = None  # (when, iteration) of the last loss reported to a launcher
         self.generation = 0
         self.failure_reported = False  # this worker reported a failure to the coordinator
@@ -335,6 +336,8 @@ class DistributedModel(torch.nn.Module):
         self._heartbeat.stop()
         try:
             self._lease.release()
+            if self._done:  # gone for good: the coordinator trusts the done mark once the worker has left
+                self._store.leave(self.config.rank)
         except StoreError as exc:
             log.warning("could not release rank %d's lease (it expires by itself): %s", self.config.rank, exc)
         self._store.close()
@@ -351,6 +354,7 @@ class DistributedModel(torch.nn.Module):
                 self._engine.synchronize()
                 self._engine.hooks.buffer_sync.apply()  # every worker ends with the same buffers
             self._store.mark_done(self.config.rank)
+            self._done = True
         finally:
             self.abort()
 

@@ -385,6 +385,23 @@ class Store:
         pipe.execute()
 
     @_translated
+    def leave(self, rank: int) -> None:
+        """A worker that finished and released its rank lease drops its liveness key: it has left the job."""
+        self._redis.delete(self._key("worker", rank, "alive"))
+
+    @_translated
+    def departed(self, ranks: set[int]) -> set[int]:
+        """Those of ``ranks`` that hold no rank lease and no liveness key: gone (left, or dead past the TTL)."""
+        ordered = sorted(ranks)
+        pipe = self._redis.pipeline()
+        for rank in ordered:
+            pipe.get(self._key("worker", rank, "lease"))
+            pipe.get(self._key("worker", rank, "alive"))
+        values = pipe.execute()
+        return {rank for index, rank in enumerate(ordered) if values[2 * index] is None and values[2 * index + 1]
+                is None}
+
+    @_translated
     def done_ranks(self) -> set[int]:
         """Ranks that finished their job (for a coordinator that restarts mid-job)."""
         return {int(rank) for rank in self._redis.hgetall(self._key("done"))}
