@@ -243,7 +243,7 @@ def test_an_early_forged_done_ends_nothing_and_a_later_failure_is_still_handled(
     attacker.join(10)
     assert not attack_failed, attack_failed
     assert "connection closed" in str(failed.value) or "no checkpoint round" in str(failed.value), failed.value
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 30
     assert not any("finished (" in r.getMessage() for r in caplog.records)  # no forged mark was counted
     assert store.finished_at() is None  # the job did not finish: it failed
     c._thread.join(10)  # noqa: SLF001 - the coordinator handled the loss and ended the job

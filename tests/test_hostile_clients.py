@@ -387,3 +387,60 @@ def test_a_fencing_token_ahead_of_the_stores_clock_is_refused_and_adopted_nowher
         assert block.round == round_ + 1
     finally:
         model.close()
+
+
+@pytest.fixture
+def served(redis_url):
+    shard = ThreadedShard(PSConfig(redis_url=redis_url, job="hostile", register=False, pull_timeout_s=2.0))
+    with grpc.insecure_channel(shard.address) as channel:
+        yield shard.shard, ps_pb2_grpc.ParameterServerStub(channel)
+    shard.stop()
+
+
+def test_every_refused_push_leaves_the_block_as_it_was(served):
+    """Worker 0's push of round 0 is counted (fence 5 in lane 0); then every way a push is refused. After each:
+    the round, the counted workers, the fences, worker 0's row, the parameters, the optimizer state and every
+    counter but the refusal counters are what they were. (An uncounted row is scratch space: a refused push
+    may have written part of it, and the worker's next push overwrites it whole.)"""
+    shard, stub = served
+    init(stub, "b", '{"lr": 0.1, "momentum": 0.9}', name="sgd", workers=2)
+    stub.Push(iter(push_messages("b", 0, fence=5)), timeout=10)
+    block = shard.blocks["b"]
+
+    def state():
+        c = shard.counters
+        return (block.round, set(block.pushed), dict(block.fence), list(block.row_sources),
+                block.grads[0].numpy().tobytes(), block.flat.numpy().tobytes(), repr(block.optimizer.state_dict()),
+                c.pushes, c.duplicate_pushes, c.bytes_received, c.rounds_completed)
+
+    def header_then(data: bytes, **header):
+        fields = {"block_id": "b", "worker": 1, "round": 0, "dtype": ps_pb2.FLOAT32, "numel": NUMEL, **header}
+        return iter([ps_pb2.PushChunk(header=ps_pb2.PushHeader(**fields)), ps_pb2.PushChunk(data=data)])
+
+    ones = floats(np.ones(NUMEL))
+    refusals = {
+        "unknown block": (header_then(ones, block_id="nope"), "NOT_FOUND"),
+        "worker out of range": (header_then(ones, worker=7), "INVALID_ARGUMENT"),
+        "wrong size": (header_then(ones, numel=NUMEL + 1), "INVALID_ARGUMENT"),
+        "wrong encoding": (header_then(ones, dtype=ps_pb2.FLOAT16), "INVALID_ARGUMENT"),
+        "future generation": (header_then(ones, generation=3), "UNAVAILABLE"),
+        "another round": (header_then(ones, round=5), "FAILED_PRECONDITION"),
+        "malformed hypers": (header_then(ones, hypers='{"lr": [1]}'), "INVALID_ARGUMENT"),
+        "flag changed": (header_then(ones, hypers='{"nesterov": true}'), "INVALID_ARGUMENT"),
+        "NaN loss scale": (header_then(ones, loss_scale=float("nan")), "INVALID_ARGUMENT"),
+        "options disagree": (header_then(ones, assign=True), "FAILED_PRECONDITION"),
+        "older fence": (header_then(ones, fence=3), "ABORTED"),
+        "NaN gradient, newest fence": (header_then(floats(np.full(NUMEL, np.nan)), fence=2**64 - 1),
+                                       "INVALID_ARGUMENT"),
+        "truncated, newest fence": (header_then(ones[:100], fence=2**63), "INVALID_ARGUMENT"),
+        "too long": (header_then(ones + ones), "INVALID_ARGUMENT"),
+        "second writer": (header_then(floats(np.full(NUMEL, 9.0)), worker=0), "ALREADY_EXISTS"),
+    }
+    for case, (messages, code) in refusals.items():
+        before = state()
+        got, details = refusal(lambda: stub.Push(messages, timeout=10))
+        assert got.name == code, (case, got, details)
+        assert state() == before, f"{case} changed the block"
+    assert stub.Push(iter(push_messages("b", 1, value=3.0, fence=6)), timeout=10).results[0].pushed == 2
+    list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0), timeout=10))
+    assert np.allclose(params(stub, "b"), -0.1 * 2.0)  # the mean of 1 and 3, one SGD step

@@ -233,7 +233,6 @@ def test_a_deleted_newest_checkpoint_falls_back_to_the_previous_common_round(tmp
     """Shard 1 (stopped meanwhile, so Redis still lists it) loses its copy of the round a recovery will pick,
     then shard 0 dies: the recovery picks that round, shard 1 cannot read it, sets it aside and reports it, and
     the next generation starts from the newest round both still hold. The result is still bit-exact."""
-    from imerge.control.store import Store
 
     run = Run(tmp_path, "--redis-url", redis_server.url, "--job", "fallback",
               IMERGE_CHECKPOINT_KEEP="4")  # 4 each: rounds in common however the shards' writes interleave

@@ -40,7 +40,8 @@ def pki(tmp_path_factory):
     leaves = {"server": ca.issue_cert("localhost", "127.0.0.1"), "client": ca.issue_cert("worker.imerge"),
               "expired-server": ca.issue_cert("localhost", "127.0.0.1", **expired),
               "expired-client": ca.issue_cert("worker.imerge", **expired),
-              "worker-0": ca.issue_cert("worker-0.imerge.svc"), "worker-1": ca.issue_cert("worker-1.imerge.svc")}
+              "worker-0": ca.issue_cert("worker-0.imerge.svc"), "worker-1": ca.issue_cert("worker-1.imerge.svc"),
+              "operator": ca.issue_cert("imerge-operator.ops.svc")}
     files = {}
     for name, authority in (("ca", ca), ("other-ca", other_ca)):
         authority.cert_pem.write_to_path(str(folder / f"{name}.pem"))
@@ -169,12 +170,14 @@ def test_only_worker_0_moves_whole_states_in_strict_mode(pki, redis_url):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert "only worker 0 loads and saves the job's state" in refused.value.details()
+            assert "only worker 0 (or an imerge-operator certificate) loads and saves" in refused.value.details()
         assert export(worker0) == state  # worker 1's import changed nothing
         assert list(import_(worker0, changed).block_ids) == ["b"]
         assert export(worker0) == changed
-        channel0.close()
-        channel1.close()
+        operator_channel, operator = stub_of("operator")
+        assert list(import_(operator, state).block_ids) == ["b"] and export(operator) == state
+        for channel in (channel0, channel1, operator_channel):
+            channel.close()
     finally:
         shard.stop()
 

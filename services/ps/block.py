@@ -222,8 +222,9 @@ class BlockState:
         if bad:
             raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
         options.check(what)
-        if self.round_options is None:
+        if self.round_options is None or options.hypers != self.round_options.hypers:  # else: checked already
             self.meta.optimizer.check_hypers(self.hypers, options.hypers, what)
+        if self.round_options is None:
             return
         disagreement = options.disagreement(self.round_options)
         if disagreement:

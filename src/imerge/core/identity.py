@@ -6,7 +6,7 @@ common name ``worker-<rank>``, alone or as the first label of a longer name
 (``worker-3.imerge.svc``). In strict mode (``--tls-worker-identity``) a shard
 refuses a push or a pull that names another worker id, and an Import or Export
 (the whole state of blocks, moved by ``imerge.load`` and ``imerge.save``) from
-any certificate but worker 0's.
+any certificate but worker 0's or an operator's (``imerge-operator``).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable
 
 _WORKER = re.compile(r"worker-(\d+)(?:\.|$)")
+_OPERATOR = re.compile(r"imerge-operator(?:\.|$)")
 
 
 def worker_ranks(names: Iterable[str]) -> set[int]:
@@ -33,14 +34,16 @@ def require_worker(names: Iterable[str], worker: int, what: str) -> None:
 
 
 def require_loader(names: Iterable[str], what: str) -> None:
-    """Strict worker identity: only worker 0 (the one that runs imerge.load and imerge.save) moves whole states."""
+    """Strict worker identity: only worker 0 (the one that runs imerge.load and imerge.save) or an operator's
+    certificate (``imerge-operator``, alone or as the first label) moves whole states."""
     from imerge.core.errors import PermissionDenied
     from imerge.core.limits import clip
 
     names = list(names)
-    if 0 not in worker_ranks(names):
-        raise PermissionDenied(f"{what}: only worker 0 loads and saves the job's state, but the client's certificate "
-                               f"names {clip(', '.join(names) or 'nothing', 200)} (--tls-worker-identity)")
+    if 0 not in worker_ranks(names) and not any(_OPERATOR.match(name) for name in names):
+        raise PermissionDenied(f"{what}: only worker 0 (or an imerge-operator certificate) loads and saves the job's "
+                               f"state, but the client's certificate names {clip(', '.join(names) or 'nothing', 200)} "
+                               "(--tls-worker-identity)")
 
 
 def certificate_names(peer: dict | None) -> list[str]:

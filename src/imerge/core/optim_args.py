@@ -2,7 +2,7 @@
 
 Every value is checked against the kind of the optimizer's own default for that
 argument (its ``__init__`` signature): a flag takes a bool, a number a finite
-int or float of at most :data:`MAX_MAGNITUDE`, a tuple (Adam's ``betas``,
+int or float (10**400 is none), a tuple (Adam's ``betas``,
 Rprop's ``etas``) a tuple of as many numbers, an argument that defaults to None
 (``foreach``, ``fused``) None or a bool. Then the optimizer is built with the
 values over a two-element parameter and, on a shard, stepped once with a zero
@@ -27,7 +27,6 @@ import torch
 from imerge.core.errors import InvalidArgument
 from imerge.core.limits import MAX_OPTIONS_CHARS, clip
 
-MAX_MAGNITUDE = 1e30    # no optimizer argument is larger; 10**400 is not a float at all
 MAX_JSON_DEPTH = 3      # {"betas": [0.9, 0.999]} is depth 2
 
 
@@ -63,9 +62,8 @@ def _number(value: Any, what: str) -> float | int:
         magnitude = abs(float(value))
     except OverflowError:
         magnitude = math.inf
-    if not magnitude <= MAX_MAGNITUDE:  # NaN too
-        raise InvalidArgument(f"{what}: {clip(repr(value), 100)} is not a finite number of magnitude at most "
-                              f"{MAX_MAGNITUDE:g}")
+    if not math.isfinite(magnitude):  # NaN, infinity, or an integer no float holds (10**400)
+        raise InvalidArgument(f"{what}: {clip(repr(value), 100)} is not a finite number")
     return value
 
 
