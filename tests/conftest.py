@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import logging
+import re
 
 import pytest
 
@@ -51,3 +55,45 @@ def lone(cluster):
 
 def pytest_configure(config):
     logging.getLogger("imerge").setLevel(logging.INFO)
+
+
+# -- tiers -----------------------------------------------------------------------------------------------------
+# unit: pure modules, in this process, no server; cluster: real Redis and gRPC servers (shards, coordinator) in
+# this process; e2e: `python -m imerge` processes (roles, the launcher, bench, testbed). `smoke` marks the small
+# real jobs that the fast tier adds to the unit tests (`pytest -m "unit or smoke"`, docs/development.md).
+SERVICE_FIXTURES = {"redis_url", "cluster", "lone", "redis_server", "secured_redis", "redis7"}
+SPAWNS = re.compile(r"Popen\(|subprocess\.run\(|ShardProcess\(|\bRun\(|check_call\(|Testbed\(")
+
+
+def _sources(item: pytest.Item):
+    """The test's own source and that of every fixture it uses (where the servers and processes start)."""
+    yield inspect.getsource(item.function)
+    for name in item.fixturenames:
+        for definition in item._fixtureinfo.name2fixturedefs.get(name, ()):  # noqa: SLF001 - pytest's own record
+            with contextlib.suppress(OSError, TypeError):
+                yield inspect.getsource(definition.func)
+
+
+@functools.cache
+def _spawning_helpers(module) -> frozenset[str]:
+    """The module's functions and classes whose source starts processes (one level of helpers)."""
+    names = set()
+    for name, value in vars(module).items():
+        if (inspect.isfunction(value) or inspect.isclass(value)) and not name.startswith("test_"):
+            with contextlib.suppress(OSError, TypeError):
+                if SPAWNS.search(inspect.getsource(value)):
+                    names.add(name)
+    return frozenset(names)
+
+
+def tier_of(item: pytest.Item) -> str:
+    helpers = _spawning_helpers(item.module)
+    calls = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(helpers))) + r")\(") if helpers else None
+    if any(SPAWNS.search(source) or (calls and calls.search(source)) for source in _sources(item)):
+        return "e2e"
+    return "cluster" if SERVICE_FIXTURES & set(item.fixturenames) else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(tier_of(item))

@@ -53,3 +53,27 @@ def test_the_pure_core_does_not_import_torch_distributed():
                  if any(name == "torch.distributed" or name.startswith("torch.distributed.")
                         for name in imports_of(path.read_text()))]
     assert offenders == []
+
+
+def test_each_test_gets_the_tier_of_what_it_starts():
+    """The fast tier holds no server and no process: a launcher job is e2e, a shard in the test process is a
+    cluster test, a policy unit is unit (the rule is tests/conftest.py's tier_of)."""
+    import subprocess
+    import sys
+
+    modules = ["tests/test_slot_units.py", "tests/test_launcher.py", "tests/test_deploy.py",
+               "tests/test_hostile_clients.py", "tests/test_request_bounds.py", "tests/test_recovery.py"]
+
+    def collected(marker: str) -> set[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker, *modules],
+                             capture_output=True, text=True, timeout=120).stdout
+        return {line.split("[")[0] for line in out.splitlines() if "::" in line}
+
+    unit, cluster, e2e = collected("unit"), collected("cluster"), collected("e2e")
+    assert not unit & cluster and not unit & e2e and not cluster & e2e
+    assert any(name.startswith("tests/test_slot_units.py::") for name in unit)
+    assert "tests/test_launcher.py::test_launch_two_shards_two_workers_completes" in e2e
+    assert "tests/test_deploy.py::test_the_compose_topology_runs_the_demo_job_in_namespaces" in e2e  # a helper's
+    assert "tests/test_hostile_clients.py::test_every_refused_push_leaves_the_block_as_it_was" in cluster
+    assert "tests/test_request_bounds.py::test_a_huge_block_id_is_refused_and_logged_clipped" in e2e  # a fixture's
+    assert not any(name.startswith("tests/test_recovery.py") for name in unit)

@@ -68,7 +68,8 @@ def check_equivalence(cluster, name: str, device: str = "cpu", **options) -> Non
                                        msg=lambda m: f"worker {worker}, {param_name}: {m}")
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.smoke) if name == "sgd" else name
+                                  for name in sorted(OPTIMIZERS)])
 def test_equivalence_with_single_process(cluster, name):
     check_equivalence(cluster, name)
 
