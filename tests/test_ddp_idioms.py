@@ -291,7 +291,7 @@ def test_a_worker_of_another_run_is_refused_before_it_touches_the_job(cluster):
             time.sleep(0.05)
         with pytest.raises(JobTaken, match=rf"job {c.job} is running in this Redis under another run"):
             imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0, job_token="another-run"))
-        assert store.worker_info(0) is None  # nothing registered
+        assert store.member_generations(1, 0) == {}  # nothing registered
     finally:
         store.close()
 

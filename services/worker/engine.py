@@ -155,12 +155,12 @@ class SyncEngine:
             ready = self.store.wait_blocks_ready(self.plan.version, cfg.wait_timeout_s)
             if ready.error:
                 raise JobFailed(ready.error)
-        self.loop.run(self._fetch_all(), cfg.wait_timeout_s + 5.0, "the initial parameters from the shards")
+        self.loop.run(self.fetch_all(), cfg.wait_timeout_s + 5.0, "the initial parameters from the shards")
 
     def resume(self, round_: int) -> None:
         """Rejoin a recovered job: fetch the restored parameters (every block at ``round_``) and count
         ``round_`` iterations as done; a cost plan already published is used as is, without profiling."""
-        self.loop.run(self._fetch_all(), self.config.wait_timeout_s + 5.0, "the restored parameters from the shards")
+        self.loop.run(self.fetch_all(), self.config.wait_timeout_s + 5.0, "the restored parameters from the shards")
         rounds = set(self.block_rounds().values())
         if rounds != {round_}:
             raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(rounds)}, "
@@ -207,9 +207,6 @@ class SyncEngine:
                                for shard, items in by_shard.items()))
 
     async def fetch_all(self) -> None:
-        await self._fetch_all()
-
-    async def _fetch_all(self) -> None:
         by_shard: dict[int, list] = {}
         for block in self.plan.blocks:
             by_shard.setdefault(block.shard, []).append(block)

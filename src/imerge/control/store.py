@@ -32,9 +32,10 @@ key                         type     meaning
                                      (a shard accepts an Import only then); expires
 ``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
 ``profile:queue``           list     a token, pushed when the profile is submitted
-``flag:{v}:{g}:{s}``        string   holder token of the slot flag of group g's pushes to shard s (plan v,
-                                     :class:`Flag`), with the lease as its expiry; absent = free
-``flag:{v}:{g}:{s}:wake``   list     one token pushed by each release, to wake a waiter
+``flag:{f}``                string   holder token of slot flag f (:class:`Flag`: ``{v}:{g}:{s}[:{lane}]``, plan
+                                     v, group g or ``port``, shard s, lane when not 0), with the lease as its
+                                     expiry; absent = free
+``flag:{f}:wake``           list     one token pushed by each release, to wake a waiter
 ``flags:stats``             hash     granted / contended (granted after a wait) / expired
                                      (released after the lease had passed) flag counts
 ``generation``              string   the job generation (absent until the plan is published;
@@ -339,12 +340,6 @@ class Store:
     @_translated
     def release_rank(self, rank: int, token: str) -> None:
         self._release_rank(keys=[self._key("worker", rank, "lease")], args=[token])
-
-    @_translated
-    def worker_info(self, rank: int) -> WorkerInfo | None:
-        """The host and pid of the process that last registered as ``rank``."""
-        text = self._redis.hget(self._key("workers"), str(rank))
-        return WorkerInfo.decode(text) if text else None
 
     @_translated
     def register_worker(self, rank: int, info: WorkerInfo, ttl_s: float) -> None:

@@ -1,8 +1,9 @@
 """Compression of the data on the wire: one interface, Horovod style, and the payloads it makes.
 
 A compressor turns a block's flat fp32 tensor into a :class:`Payload` and a
-context (``compress(tensor) -> (payload, ctx)``) and back
-(``decompress(payload, ctx) -> tensor``):
+context (``compress(tensor) -> (payload, ctx)``); the shard adds payloads into
+the round's mean as they are (:func:`accumulate`) and a dense tensor is made of
+a sparse one with :func:`densify`:
 
 * ``none``: the fp32 tensor itself (dense).
 * ``fp16`` / ``bf16``: the tensor rounded to that type (dense, half the bytes).
@@ -76,17 +77,12 @@ class Compressor(Protocol):
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]: ...
 
-    def decompress(self, payload: Payload, numel: int) -> torch.Tensor: ...
-
 
 class NoneCompressor:
     mode = ""
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
         return Payload(tensor), tensor.numel()
-
-    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
-        return payload.values
 
 
 class CastCompressor:
@@ -98,9 +94,6 @@ class CastCompressor:
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
         return Payload(tensor.to(self.dtype)), tensor.numel()
-
-    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
-        return payload.values.float()
 
 
 def topk_count(ratio: float, numel: int) -> int:
@@ -130,9 +123,6 @@ class TopKCompressor:
             indices, values = indices[given], values[given]
         corrected[indices] = 0.0
         return Payload(values, indices.to(torch.int32), tensor.numel()), tensor.numel()
-
-    def decompress(self, payload: Payload, numel: int) -> torch.Tensor:
-        return densify(payload, numel)
 
 
 def all_finite(values: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""The inter-iteration interleave schedule (DESIGN section 3.5). Pure.
+"""The inter-iteration interleave schedule (docs/scheduler.md). Pure.
 
 Group ``g``'s counter ``iter(g)`` starts at ``g mod T`` and grows by one after
 every backward; the group syncs when the counter is a multiple of T. Different
