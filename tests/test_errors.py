@@ -68,7 +68,7 @@ def test_each_refusal_comes_back_as_its_class_naming_the_shard(shard):
     shard.shard.generation = 2  # the job recovered twice without this caller
     with pytest.raises(StaleGeneration, match="generation 1 is stale") as info:
         call(push(shard.address, ones, generation=1))
-    assert info.value.recoverable and info.value.status == "FAILED_PRECONDITION"
+    assert info.value.recoverable and info.value.status == "ABORTED"
     assert not issubclass(StaleGeneration, ProtocolError) and issubclass(FailedPrecondition, ProtocolError)
 
 
@@ -164,13 +164,31 @@ class Refusal(grpc.RpcError):
 
 
 @pytest.mark.parametrize("code, metadata, cls", [
-    (grpc.StatusCode.FAILED_PRECONDITION, (("imerge-error", "StaleGeneration"),), StaleGeneration),
+    (grpc.StatusCode.ABORTED, (("imerge-error", "StaleGeneration"),), StaleGeneration),
     (grpc.StatusCode.FAILED_PRECONDITION, (), FailedPrecondition),          # no class named: by the status code
     (grpc.StatusCode.FAILED_PRECONDITION, (("imerge-error", "Exploit"),), FailedPrecondition),  # unknown name
     (grpc.StatusCode.INVALID_ARGUMENT, (("imerge-error", "StaleGeneration"),), InvalidArgument),  # code disagrees
+    (grpc.StatusCode.FAILED_PRECONDITION, (("imerge-error", "StaleGeneration"),), FailedPrecondition),
     (grpc.StatusCode.UNAVAILABLE, (), Unavailable),
     (grpc.StatusCode.DATA_LOSS, (), RequestError),
 ])
 def test_a_status_maps_to_a_class_only_where_name_and_code_agree(code, metadata, cls):
     error = error_from(Refusal(code, metadata), "ps0:50051")
     assert type(error) is cls and error.address == "ps0:50051" and str(error) == "ps0:50051: refused"
+
+
+def test_without_the_trailer_each_status_code_still_decides_recoverable_or_fatal():
+    """A proxy that drops trailing metadata leaves the client only the status code: every class still comes back
+    as one that is recoverable exactly when it is (before, a stale generation came back as a fatal
+    FailedPrecondition, and ABORTED and ALREADY_EXISTS had no class at all)."""
+    from imerge.core.errors import request_error_classes
+    from imerge.wire.status import status_of
+
+    for name, cls in request_error_classes().items():
+        if cls.status == "UNKNOWN":  # the bases: never raised by a shard
+            continue
+        code, trailers = status_of(cls("refused"))
+        with_trailer, without = error_from(Refusal(code, trailers), "s:1"), error_from(Refusal(code, ()), "s:1")
+        assert type(with_trailer) is cls
+        assert without.recoverable == cls.recoverable, (name, code, type(without).__name__)
+        assert type(without).status == cls.status, name

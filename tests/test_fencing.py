@@ -103,10 +103,10 @@ def test_a_recovery_fails_waiting_pulls_and_rejects_the_old_generation(cluster, 
     waiting.join(30)
     on_channel.join(30)
     code, details = outcome["error"]
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "moved to generation 1" in details
+    assert code == grpc.StatusCode.ABORTED and "moved to generation 1" in details
     assert "moved to generation 1" in outcome["channel"]
     assert push(address, block.block_id, block.numel, 1, 0, 0, 0) == (
-        "FAILED_PRECONDITION", f"push of block {block.block_id} by worker 1 for round 0: generation 0 is stale; "
+        "ABORTED", f"push of block {block.block_id} by worker 1 for round 0: generation 0 is stale; "
                                "the job is at generation 1 (it recovered from a checkpoint): rejoin")
     assert counter(metrics, "imerge_shard_stale_generation_requests_total") == 3
     assert push(address, block.block_id, block.numel, 1, 0, 1, 0) == ("OK", "")

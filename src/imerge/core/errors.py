@@ -166,9 +166,10 @@ class Superseded(RequestError):
 
 
 class GenerationChanged(RequestError):
-    """The job is at another generation than the request's (a recovery): rejoin from the checkpoint."""
+    """The job is at another generation than the request's (a recovery): rejoin from the checkpoint. ABORTED,
+    as gRPC advises for a retry at a higher level: the code alone says recoverable, trailer or not."""
 
-    status = "FAILED_PRECONDITION"
+    status = "ABORTED"
     recoverable = True
 
     def __init__(self, message: str, generation: int | None = None, address: str = ""):

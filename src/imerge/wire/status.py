@@ -1,19 +1,21 @@
 """Errors across the wire: a :class:`RequestError` becomes a gRPC status and comes back as the same class.
 
 The shard aborts a call with the class's status code and names the class in
-the trailing metadata (``imerge-error``); the client rebuilds that class, so
-``StaleGeneration`` (recoverable) and a malformed request (a fatal
-``ProtocolError``) stay apart even where they share a status code. A failure
-that gRPC itself reports, without the metadata (an unreachable shard, a
-deadline, a message too large), becomes the class of its status code.
+the trailing metadata (``imerge-error``); the client rebuilds that class. Each
+code carries one decision: the classes that share a code (ABORTED: ``Fenced``,
+``Superseded``, ``StaleGeneration``; UNAVAILABLE: ``Unavailable``,
+``FutureGeneration``) are all recoverable, and every fatal class has a code of
+its own, so a failure without the metadata (one gRPC itself reports, or a proxy
+that drops trailers) becomes the class of its status code and is still decided
+right: recoverable stays recoverable and fatal stays fatal.
 """
 from __future__ import annotations
 
 import grpc
 
-from imerge.core.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument,
-                                NotFound, PermissionDenied, RequestError, ResourceExhausted, Unavailable,
-                                request_error_classes)
+from imerge.core.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Fenced, Internal,
+                                InvalidArgument, NotFound, PermissionDenied, RequestError, ResourceExhausted,
+                                Unavailable, request_error_classes)
 
 ERROR_KEY = "imerge-error"
 _BY_CLASS = request_error_classes()
@@ -27,6 +29,8 @@ _BY_STATUS: dict[grpc.StatusCode, type[RequestError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INTERNAL: Internal,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.ABORTED: Fenced,  # recoverable, as every class that travels as ABORTED
 }
 
 
