@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from imerge.core.errors import AlreadyExists, FailedPrecondition, FutureGeneration, NotFound
 from imerge.wire.datapath import HEADER, MAGIC, Kind, read_header, read_meta, send_frame
 from imerge.wire.rpc import ps_pb2
+from imerge.worker.items import PushItem
 from imerge.worker.transport import ShardClient
 from test_request_bounds import SGD, ShardProcess
 
@@ -119,17 +120,17 @@ def test_the_workers_client_pushes_and_pulls_on_the_channel_bit_exactly(shard):
         client = ShardClient(shard.address, data_path="socket")
         target = torch.empty(NUMEL)
         try:
-            reply = await client.push([(BLOCK, grads[worker], 0)], worker, timeout_s=10)
+            reply = await client.push([PushItem(BLOCK, grads[worker], 0)], worker, timeout_s=10)
             assert not reply.results[0].duplicate
             arrived = []
             rounds = await client.pull_into([(BLOCK, target)], worker, 0, 10,
                                             on_block=lambda *block: arrived.append(block[:2]))
             assert rounds == [1] and arrived == [(BLOCK, 1)]
-            again = await client.push([(BLOCK, grads[worker], 0)], worker, timeout_s=10)  # a retry: a duplicate
+            again = await client.push([PushItem(BLOCK, grads[worker], 0)], worker, timeout_s=10)  # a retry: a duplicate
             assert again.results[0].duplicate
             with pytest.raises(AlreadyExists, match=f"data connection from 127.0.0.1:.*two clients push as worker "
                                                     f"{worker}"):  # other bytes: a second writer, refused
-                await client.push([(BLOCK, grads[worker] + 1, 0)], worker, timeout_s=10)
+                await client.push([PushItem(BLOCK, grads[worker] + 1, 0)], worker, timeout_s=10)
         finally:
             await client.close()
         return target
@@ -289,13 +290,13 @@ def test_the_client_turns_a_refusal_into_the_shards_error_class(shard):
         client = ShardClient(shard.address, data_path="socket")
         try:
             with pytest.raises(FailedPrecondition, match="current round is 0") as refused:
-                await client.push([(BLOCK, torch.ones(NUMEL), 3)], 0, timeout_s=10)
+                await client.push([PushItem(BLOCK, torch.ones(NUMEL), 3)], 0, timeout_s=10)
             assert refused.value.address == shard.address
             with pytest.raises(NotFound):
                 await client.pull_into([("nope", torch.empty(NUMEL))], 0, 0, 1)
             with pytest.raises(FutureGeneration, match="generation 7"):
-                await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10, generation=7)
-            reply = await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)  # the client still works
+                await client.push([PushItem(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10, generation=7)
+            reply = await client.push([PushItem(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)  # the client still works
             assert reply.results[0].pushed == 1
         finally:
             await client.close()
@@ -312,7 +313,7 @@ def test_a_cancelled_pull_ends_its_connection_and_the_client_goes_on(shard):
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await waiting
-            reply = await client.push([(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)
+            reply = await client.push([PushItem(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)
             assert reply.results[0].pushed == 1
         finally:
             await client.close()

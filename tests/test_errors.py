@@ -20,6 +20,7 @@ from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.worker.config import WorkerConfig
 from imerge.wire.status import error_from
+from imerge.worker.items import PushItem
 from imerge.worker.transport import ShardClient
 
 IMERGE = [sys.executable, "-m", "imerge"]
@@ -33,7 +34,7 @@ def call(coro):
 async def push(address: str, grad: torch.Tensor, round_: int = 0, generation: int = 0) -> None:
     client = ShardClient(address, WorkerConfig())
     try:
-        await client.push([("b0", grad, round_)], 0, 5.0, generation)
+        await client.push([PushItem("b0", grad, round_)], 0, 5.0, generation)
     finally:
         await client.close()
 
@@ -85,8 +86,8 @@ def test_a_push_refused_while_the_client_still_writes_answers_the_refusal(shard)
                 await client.init_block(f"big{i}", 2, OptimizerSpec(), torch.zeros(big), 30.0)
 
             async def push_one(i: int) -> None:
-                await client.push([("b0", torch.full((NUMEL,), float("nan")), 0),
-                                   (f"big{i}", torch.ones(big), 0)], 0, 30.0)
+                await client.push([PushItem("b0", torch.full((NUMEL,), float("nan")), 0),
+                                   PushItem(f"big{i}", torch.ones(big), 0)], 0, 30.0)
 
             errors = []
             for _ in range(3):

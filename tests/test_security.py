@@ -24,6 +24,7 @@ from imerge.ops.health import HealthConfig, check_grpc
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.worker.config import WorkerConfig
+from imerge.worker.items import PushItem
 
 import test_equivalence as eq
 
@@ -219,7 +220,7 @@ def test_the_data_channel_is_tls_when_the_shard_serves_tls_and_refuses_plaintext
             reply = await clients[0].open_channel(0, 0)
             assert reply.tls
             for worker, client in enumerate(clients):
-                await client.push([("b", torch.full((4,), float(worker + 1)), 0)], worker, timeout_s=10)
+                await client.push([PushItem("b", torch.full((4,), float(worker + 1)), 0)], worker, timeout_s=10)
             targets = [torch.empty(4), torch.empty(4)]
             for worker, client in enumerate(clients):
                 assert await client.pull_into([("b", targets[worker])], worker, 0, 10) == [1]

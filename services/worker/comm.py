@@ -35,7 +35,8 @@ from imerge.telemetry.timeline import Timeline
 from .buffers import FlatParams, GroupRuntime
 from .metrics import WorkerMetrics
 from .staging import DONE, HostStaging, Ready, staging_for
-from .transport import NO_OPTIONS, PushOptions, ShardClient
+from .items import NO_OPTIONS, PushItem, PushOptions
+from .transport import ShardClient
 from .wire_compression import Compression, meta_nbytes, payload_nbytes
 
 log = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ class Communicator:
             for sync in {id(p.sync): p.sync for p, _ in batch}.values():
                 await wait_ready(sync.ready)
             items = [self._item(p.sync, b) for p, b in batch]
-            nbytes = sum(payload_nbytes(item[1]) for item in items)
+            nbytes = sum(payload_nbytes(item.grad) for item in items)
             if self.slots.holds_flags:
                 span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
                                            lambda fence: self._timed_push(shard, items, nbytes, fence, written))
@@ -274,7 +275,7 @@ class Communicator:
             return
         per_sync: dict[int, list] = {}
         for (pending, block), item in zip(batch, items):
-            per_sync.setdefault(id(pending), [pending, 0])[1] += payload_nbytes(item[1])
+            per_sync.setdefault(id(pending), [pending, 0])[1] += payload_nbytes(item.grad)
         for pending, sync_bytes in per_sync.values():
             self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
                               iteration=pending.sync.iteration)
@@ -305,13 +306,13 @@ class Communicator:
         completes, and answers the pulls of, the earliest layers' blocks first."""
         group = sync.group
         items = [self._item(sync, b) for b in self._push_order(blocks)]
-        nbytes = sum(payload_nbytes(item[1]) for item in items)
+        nbytes = sum(payload_nbytes(item.grad) for item in items)
         span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                    lambda fence: self._timed_push(shard, items, nbytes, fence))
         return span, nbytes
 
-    def _item(self, sync: Sync, block: Any) -> tuple:
-        """What a push stream carries of one block: (id, payload, round, options), compressed once per sync."""
+    def _item(self, sync: Sync, block: Any) -> PushItem:
+        """What a push stream carries of one block, compressed once per sync."""
         grad = self.staging.wire_grads(block.offset, block.numel)
         options = sync.options.get(block.block_id, NO_OPTIONS)
         payload = grad if options.assign else self.compression.compress(block, grad, options.loss_scale > 0)
@@ -320,7 +321,7 @@ class Communicator:
                 block, payload, options.no_grad, self.flat))
         self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT,
                            payload_nbytes(payload))
-        return block.block_id, payload, sync.group.round, options
+        return PushItem(block.block_id, payload, sync.group.round, options)
 
     async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
         """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
@@ -340,7 +341,7 @@ class Communicator:
                     raise
                 log.warning("worker %d: %s; taking the flag again", self.rank, exc)
 
-    async def _timed_push(self, shard: int, items: list, nbytes: int, fence: int,
+    async def _timed_push(self, shard: int, items: list[PushItem], nbytes: int, fence: int,
                           written: asyncio.Event | None = None) -> None:
         started = time.monotonic()
         await self.clients[shard].push(items, self.rank, self.rpc_timeout_s, self.generation, fence, self.lane,

@@ -34,6 +34,8 @@ from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, 
 from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
 from imerge.wire.rpc import ps_pb2
 
+from .items import PushItem
+
 OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
 
 
@@ -208,16 +210,15 @@ class SocketDataPath:
         return result
 
     # -- calls ---------------------------------------------------------------------------
-    async def push(self, blocks: list[tuple], worker: int, timeout_s: float, generation: int = 0, fence: int = 0,
-                   lane: int = 0, written: asyncio.Event | None = None,
-                   default_options: Any = None) -> ps_pb2.PushReply:
+    async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0, fence: int = 0,
+                   lane: int = 0, written: asyncio.Event | None = None) -> ps_pb2.PushReply:
         """Each block's frame, one after another, then the shard's result of each (see ShardClient.push)."""
         loop = asyncio.get_running_loop()
         frames = []
-        for block_id, grad, round_, *rest in blocks:
-            payload = grad if isinstance(grad, Payload) else Payload(grad)
-            frames.append((push_header(block_id, payload, round_, rest[0] if rest else default_options, worker,
-                                       generation, fence, lane), payload.parts()))
+        for item in blocks:
+            payload = item.payload
+            frames.append((push_header(item.block_id, payload, item.round, item.options, worker, generation, fence,
+                                       lane), payload.parts()))
         on_written = (lambda: loop.call_soon_threadsafe(written.set)) if written is not None else None
         results = await self._call(worker, generation, timeout_s, self._push, frames, on_written)
         return ps_pb2.PushReply(results=results)

@@ -36,7 +36,7 @@ from .grads import LocalGrads
 from .guarded import ParamGuard, guard_params, internal
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
-from .transport import PushOptions
+from .items import PushOptions
 from .optimizer import ShardOptimizer
 from .profiler import Profiler
 

@@ -8,7 +8,6 @@ shard's address.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -18,7 +17,6 @@ import grpc
 import torch
 
 from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, PayloadReceiver, tensor_view
-from imerge.core.compression import Payload
 from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
@@ -30,6 +28,7 @@ from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials, client_ssl_context
 
 from .datachannel import SocketDataPath, apply_payload, push_header
+from .items import PushItem
 
 # (block id, its new round, its meta), as soon as a pulled block is in place
 BlockArrived = Callable[[str, int, Any], None]
@@ -45,20 +44,6 @@ def _translated(method: Callable) -> Callable:
             raise error_from(exc, self.address) from None
 
     return wrapper
-
-
-@dataclasses.dataclass(frozen=True)
-class PushOptions:
-    """What a push of one block says about its round besides the gradient."""
-
-    hypers: str = ""                # the param group's hyperparameters that differ from the initial ones (JSON)
-    no_grad: tuple[int, ...] = ()   # the block's pieces this worker gave no gradient
-    assign: bool = False            # the data are parameters to assign (load_state_dict), not a gradient
-    loss_scale: float = 0.0         # the gradient is scaled by this (grad scaler); 0: not
-    max_norm: float = 0.0           # clip the round's averaged gradient to this global norm; 0: no clipping
-
-
-NO_OPTIONS = PushOptions()
 
 
 class BlockReceiver:
@@ -135,21 +120,19 @@ class ShardClient:
         return await self._init(chunks(), timeout=timeout_s)
 
     @_translated
-    async def push(self, blocks: list[tuple], worker: int, timeout_s: float,
+    async def push(self, blocks: list[PushItem], worker: int, timeout_s: float,
                    generation: int = 0, fence: int = 0, lane: int = 0,
                    written: asyncio.Event | None = None) -> ps_pb2.PushReply:
-        """Push several blocks' gradients, each (block id, gradient, round[, PushOptions]), in one stream: a
-        header, then the data, per block. A gradient is an fp32 tensor or a compressed :class:`Payload`.
-        ``written`` is set once the last data has been handed to gRPC."""
+        """Push several blocks' gradients in one stream: a header, then the data, per block. ``written`` is set
+        once the last data has been handed to gRPC."""
         if self._data is not None:
-            return await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written, NO_OPTIONS)
+            return await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written)
 
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
-            for block_id, grad, round_, *rest in blocks:
-                options = rest[0] if rest else NO_OPTIONS
-                payload = grad if isinstance(grad, Payload) else Payload(grad)
-                yield ps_pb2.PushChunk(header=push_header(block_id, payload, round_, options, worker, generation,
-                                                          fence, lane))
+            for item in blocks:
+                payload = item.payload
+                yield ps_pb2.PushChunk(header=push_header(item.block_id, payload, item.round, item.options, worker,
+                                                          generation, fence, lane))
                 for part in payload.parts():
                     for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
                         yield frame
