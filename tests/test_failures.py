@@ -246,7 +246,8 @@ def test_an_early_forged_done_ends_nothing_and_a_later_failure_is_still_handled(
             c.run_workers(body)
     attacker.join(10)
     assert not attack_failed, attack_failed
-    assert "connection closed" in str(failed.value) or "no checkpoint round" in str(failed.value), failed.value
+    shard_named = c.addresses[0] in str(failed.value)  # "connection closed", "connection refused", ...
+    assert shard_named or "no checkpoint round" in str(failed.value), failed.value
     assert time.monotonic() - started < 30
     assert not any("finished (" in r.getMessage() for r in caplog.records)  # no forged mark was counted
     assert store.finished_at() is None  # the job did not finish: it failed
