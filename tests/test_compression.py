@@ -48,7 +48,7 @@ def distributed_run(cluster, spec, data, options):
     def body(rank: int):
         model = imerge.distribute(models[rank], spec, cluster.worker_config(rank, **options))
         engine = model.engine
-        layout = sorted((engine.flat.range[pid][0], engine.hooks.names[pid], engine.flat.range[pid][1])
+        layout = sorted((engine.flat.range[pid][0], engine.names[pid], engine.flat.range[pid][1])
                         for pid in engine.flat.range)
         blocks = [(b.offset, b.numel, engine.comm.compression.mode(b.block_id)) for b in engine.plan.blocks]
         for step in data:

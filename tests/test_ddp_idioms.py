@@ -160,7 +160,7 @@ def test_save_stores_the_shards_fp32_parameters_under_compressed_pulls(lone, tmp
     imerge.save(model, tmp_path / "state.safetensors")
     saved = load_file(str(tmp_path / "state.safetensors"))
     masters = torch.cat([load(data)["param"] for data in
-                         (model.engine.loop.run(model.engine.export_states(), 10, "export")[b.block_id]
+                         (model.engine.export_states()[b.block_id]
                           for b in sorted(model.plan.blocks, key=lambda b: b.offset))])
     held = params_of(model.module)
     differs = 0
@@ -300,7 +300,7 @@ def test_at_exit_an_open_model_closes_after_a_normal_end_and_aborts_after_an_exc
     """The exit hook of a script without model.close(): its last sync and done mark when the script ended
     normally; none when an uncaught exception ended it (the job then recovers without it)."""
     from imerge.control.store import Store
-    from imerge.worker import api
+    from imerge.worker import exiting
 
     c = cluster(1, 1)
     store = Store(c.redis_url, c.job)
@@ -308,18 +308,18 @@ def test_at_exit_an_open_model_closes_after_a_normal_end_and_aborts_after_an_exc
     try:
         model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), c.worker_config(0))
         F.cross_entropy(model(x), y).backward()
-        api._uncaught.append(RuntimeError("the script failed"))
+        exiting.uncaught.append(RuntimeError("the script failed"))
         try:
-            api._leave_at_exit()
+            exiting.leave_at_exit()
         finally:
-            api._uncaught.clear()
+            exiting.uncaught.clear()
         assert model._closed and store.done_ranks() == set()
         second = cluster(1, 1)
         store.close()
         store = Store(second.redis_url, second.job)
         model = imerge.distribute(Branchy(), OptimizerSpec("sgd", lr=0.1), second.worker_config(0))
         F.cross_entropy(model(x), y).backward()
-        api._leave_at_exit()
+        exiting.leave_at_exit()
         assert model._closed and store.done_ranks() == {0}
     finally:
         store.close()

@@ -49,6 +49,37 @@ def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
         assert waited < 2.0 + 3.0
 
 
+@pytest.mark.parametrize("broken", ["consumer", "sender"])
+def test_a_bug_on_the_comm_thread_fails_the_iteration_at_once_naming_it(lone, monkeypatch, broken):
+    """An exception the comm thread's own loops do not expect (a bug, not a failed RPC) fails every sync waiting
+    on it at once, naming it, as a fatal error; the training thread does not sit out its wait timeout."""
+    from imerge.core.errors import IMergeError
+    from imerge.worker import comm, pushes
+
+    def bug(*_args, **_kwargs):
+        raise RuntimeError("an unexpected bug")
+
+    model = lone(build_model("digits-cnn"), SGD, pull_timeout_s=30.0)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    model.synchronize()
+    if broken == "consumer":
+        monkeypatch.setattr(comm.Communicator, "_start", bug)
+    else:
+        monkeypatch.setattr(pushes.Pusher, "_start_batch", bug)
+    started = time.monotonic()
+    with pytest.raises(IMergeError) as info:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model(x)
+    assert time.monotonic() - started < 10.0
+    assert "the comm thread failed: RuntimeError: an unexpected bug" in str(info.value)
+    assert not info.value.recoverable
+    with pytest.raises(IMergeError, match="the comm thread failed"):  # and so does every later sync
+        model.synchronize()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        model(x)
+
+
 def test_layout_mismatch_names_the_first_differing_parameter(cluster):
     c = cluster(2, 1)
     models = [build_model("digits-cnn"), torch.nn.Sequential(torch.nn.Linear(4, 3))]

@@ -144,3 +144,15 @@ def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> 
         state[names[id(param)]] = {key: (value.detach().cpu().reshape(-1) if value.dim() > 0 else value.detach().cpu())
                                    for key, value in values.items() if isinstance(value, torch.Tensor)}
     return state
+
+
+def take_loaded_state(chosen: OptimizerSpec | torch.optim.Optimizer, names: dict[int, str],
+                      rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The state of the script's own optimizer (a checkpoint's, loaded before the job started): worker 0's goes
+    to the shards with the blocks, and the optimizer keeps none of it here (it lives on the shards; a frozen
+    parameter's is never used)."""
+    if not isinstance(chosen, torch.optim.Optimizer) or not chosen.state:
+        return {}
+    state = optimizer_state(chosen, names)
+    chosen.state.clear()
+    return state if rank == 0 else {}

@@ -17,24 +17,27 @@ It is a ``torch.amp.GradScaler`` (same arguments, same ``scale`` / ``step`` /
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from imerge.core.errors import UnsupportedUse
 
+if TYPE_CHECKING:
+    from .engine import SyncEngine
+
 
 class ShardGradScaler(torch.amp.GradScaler):
-    def __init__(self, hooks: Callable[[], Any], device: str = "cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+    def __init__(self, engine: Callable[[], SyncEngine], device: str = "cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-        self._hooks = hooks  # the engine's hooks (joining the job if it was not yet)
+        self._engine = engine  # the model's engine (joining the job if it was not yet)
 
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)
         if self._enabled:
-            self._hooks().loss_scale = float(self._scale)
+            self._engine().settings.loss_scale = float(self._scale)
         return scaled
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -52,13 +55,13 @@ class ShardGradScaler(torch.amp.GradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        result = self._hooks().last_round_result()
+        result = self._engine().last_round_result()
         if result is None:
             raise UnsupportedUse("grad_scaler.step() before any backward of the wrapped model")
         state["found_inf_per_device"] = {self._scale.device: torch.full((), float(result.skipped),
                                                                         device=self._scale.device)}
         state["stage"] = OptState.STEPPED
         if result.skipped:  # the shards skipped the round; it still counts as the loop's step
-            self._hooks().stepped()
+            self._engine().stepped()
             return None
         return optimizer.step(*args, **kwargs)

@@ -2,40 +2,49 @@
 
 * :mod:`.buffers`: every parameter is a view into one flat tensor; the group
   runtimes of the current plan (:class:`GroupTable`).
-* :mod:`.hooks`: the gradient hooks and forward waits, and the iteration count.
-* :mod:`.comm`: the comm thread: queue, pushes under the slot policy
-  (:mod:`imerge.core.slots`), pulls, the groups' Futures.
+* :mod:`.hooks`: the gradient hooks and forward waits, functions over one
+  :class:`~.hooks.HookState`; :mod:`.iteration`: the loop's settings, each
+  backward's round context, the sync schedule, the iteration count;
+  :mod:`.waits`: the training thread's bounded waits; :mod:`.rounds`: the
+  rounds it sends.
+* :mod:`.comm`: the comm thread: queue, pulls, the groups' Futures; pushes
+  under the slot policy (:mod:`.pushes`, :mod:`imerge.core.slots`).
 * :mod:`.profiler`: with ``--fusion cost`` the first iterations are profiled;
   then the coordinator's cost plan regroups the (unchanged) blocks.
 
 The engine itself creates the blocks on the shards (rank 0), fetches the
-parameters (at start and when rejoining a recovered job) and switches plans.
+parameters (at start and when rejoining a recovered job) and switches plans;
+the API calls its methods, never the hooks' state.
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from imerge.control.messages import COST_PLAN, BlocksReady
-from imerge.core.compression import block_modes
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.planning import Plan
-from imerge.core.slots import effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
 
-from .buffers import FlatParams, GroupTable
-from .comm import CommLoop, Communicator
+from . import hooks, rounds
+from .buffers import FlatParams
+from .comm import CommLoop, open_comm
 from .config import WorkerConfig
-from .hooks import Hooks
+from .grads import LocalGrads
+from .groups import GroupRuntime, GroupTable, RoundResult
+from .guarded import ParamGuard
+from .iteration import LoopSettings, LoopState, SyncSchedule
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
 from .saving import block_states, check_optimizer_state
-from .transport import ShardClient
+from .shard_blocks import ShardBlocks
+from .waits import Waits
 
 log = logging.getLogger(__name__)
 JOIN_STATE = -1  # the tag of worker 0's module state shared when the job is joined (imerge.load #n: -1 - n)
@@ -43,7 +52,7 @@ JOIN_STATE = -1  # the tag of worker 0's module state shared when the job is joi
 
 class SyncEngine:
     def __init__(self, model: torch.nn.Module, names: list[str], plan: Plan, config: WorkerConfig,
-                 optimizer: ShardOptimizer, store: Any, generation: int = 0):
+                 optimizer: ShardOptimizer, store: Any, generation: int = 0, settings: LoopSettings | None = None):
         self.config = config
         self.generation = generation
         self.optimizer = optimizer
@@ -53,85 +62,100 @@ class SyncEngine:
         self.metrics = WorkerMetrics(config.rank, config.link_mbps)
         by_name = dict(model.named_parameters())
         self.params = [by_name[n] for n in names]
+        self.names = {id(by_name[n]): n for n in names}  # id(param) -> its qualified name, for messages
         self.flat = FlatParams(self.params)
         self.loop = CommLoop(f"imerge-comm-{config.rank}")
-        clients = self.loop.run(self._connect(plan), 30, "the shard channels to open")
-        width = resolve_width(config.slot_scope, config.slot_width, len(plan.shard_addresses))
-        policy = effective_policy(config.slots, width, plan.num_workers)
-        if policy != config.slots:
-            log.info("worker %d: slots %s with width %d >= %d workers guard nothing; pushing without flags",
-                     config.rank, config.slots, width, plan.num_workers)
-        slots = make_slots(policy, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
-                           timeout_s=config.pull_timeout_s, generation=generation,
-                           bandwidth_mbps=config.slot_bandwidth_mbps)
-        self.comm = Communicator(self.loop, clients, self.flat, slots, rank=config.rank, priority=config.priority,
-                                 rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
-                                 generation=generation, metrics=self.metrics, timeline=self.timeline,
-                                 slot_scope=config.slot_scope, slot_width=width,
-                                 compression=block_modes(config.compression_spec(), plan))
-        self.hooks = Hooks(self.flat, self.comm, config, optimizer, self.metrics, self.timeline,
-                           {id(by_name[n]): n for n in names})
-        optimizer.on_step = self.hooks.stepped
-        self.hooks.buffer_sync = BufferSync(model, store, rank=config.rank, world_size=config.world_size,
-                                            mode=config.buffers, generation=generation,
-                                            timeout_s=config.pull_timeout_s + config.rpc_timeout_s)
-        self.use_plan(plan, {b.block_id: 0 for b in plan.blocks})
+        self.comm = open_comm(self.loop, config, plan, store, self.flat, self.metrics, self.timeline, generation)
+        self.blocks = ShardBlocks(self.comm.clients, self.flat, self.comm.compression, config.rpc_timeout_s,
+                                  config.wait_timeout_s, generation)
+        self.state = self._hook_state(model, plan, store, settings or LoopSettings())
+        optimizer.on_step = self.state.loop.stepped
         if config.fusion == "cost" or (config.profile_out and config.rank == 0):
             self._start_profiling()
-        self.hooks.install(model, self.params)
+        self._remove_hooks = hooks.install(self.state, model, self.params)
+
+    def _hook_state(self, model: torch.nn.Module, plan: Plan, store: Any, settings: LoopSettings) -> hooks.HookState:
+        config = self.config
+        table = GroupTable(plan, self.flat, self.params, {b.block_id: 0 for b in plan.blocks})
+        self.comm.plan_version = plan.version
+        guard = ParamGuard(self.names, lambda ids: self.state.waits.params(self.state.table, ids),
+                           lambda param_id: hooks.grad_ready(self.state, param_id))
+        wait_timeout_s = config.pull_timeout_s + config.rpc_timeout_s + config.flag_lease_s + 10.0
+        buffer_sync = BufferSync(model, store, rank=config.rank, world_size=config.world_size, mode=config.buffers,
+                                 generation=self.generation, timeout_s=config.pull_timeout_s + config.rpc_timeout_s)
+        trained = {id(p) for p in self.params}
+        # T = 1: every .grad is a view of the accumulator, so autograd adds into it in place (with T > 1 a local
+        # step needs each iteration's own gradient)
+        return hooks.HookState(
+            config, self.flat, self.comm, self.optimizer, self.metrics, self.timeline, buffer_sync, settings, table,
+            SyncSchedule(plan.period), guard, Waits(config.rank, wait_timeout_s, self.comm, self.timeline,
+                                                    guard.in_flight),
+            LoopState(config.rank), LocalGrads(self.flat, self.params, bucket_views=plan.period == 1),
+            {name: p for name, p in model.named_parameters() if id(p) not in trained})
 
     # -- plans ---------------------------------------------------------------------------
-    async def _connect(self, plan: Plan) -> list[ShardClient]:
-        return [ShardClient(address, self.config, self.config.data_path) for address in plan.shard_addresses]
-
     @property
     def plan(self) -> Plan:
-        return self.hooks.table.plan
+        return self.state.table.plan
 
     @property
     def iteration(self) -> int:
-        return self.hooks.iteration
+        return self.state.loop.iteration
 
     @property
-    def groups(self) -> list:
-        return self.hooks.table.groups
+    def groups(self) -> list[GroupRuntime]:
+        return self.state.table.groups
+
+    @property
+    def settings(self) -> LoopSettings:
+        """What the loop sets for its coming backward passes (clipping, no_sync, the loss scale)."""
+        return self.state.settings
+
+    @property
+    def started(self) -> bool:
+        """Whether this engine pushed (or is pushing) a round already."""
+        return self.state.loop.started
 
     def block_rounds(self) -> dict[str, int]:
-        return {b.block_id: g.round for g in self.hooks.table.groups for b in g.blocks}
+        return self.state.table.block_rounds()
 
     def use_plan(self, plan: Plan, block_rounds: dict[str, int]) -> None:
         """Group the (unchanging) blocks as ``plan`` says, each group at its blocks' round."""
-        if self.hooks.table is not None:
-            self.hooks.settle_accumulator()
-        self.hooks.table = GroupTable(plan, self.flat, self.params, block_rounds)
+        rounds.settle_accumulator(self.state)
+        self.state.table = GroupTable(plan, self.flat, self.params, block_rounds)
         self.comm.plan_version = plan.version
 
     def _start_profiling(self) -> None:
-        self.hooks.profiler = Profiler(len(self.plan.units), plans=self.config.fusion == "cost")
-        self.comm.on_push = self.hooks.profiler.push
-        self.hooks.after_backward = self._after_profiled_backward
+        self.state.profiler = Profiler(len(self.plan.units), plans=self.config.fusion == "cost")
+        self.state.schedule.profiling = self.state.profiler.plans  # the profiled iterations sync every group
+        self.comm.on_push = self.state.profiler.push
+        self.state.after_backward = self._after_profiled_backward
 
-    def _stop_profiling(self) -> None:
-        self.hooks.profiler = None
+    def _stop_profiling(self, schedule_start: int | None = None) -> None:
+        """Profiling is over; a cost plan's schedule counts from ``schedule_start``."""
+        self.state.profiler = None
+        self.state.schedule.profiling = False
+        if schedule_start is not None:
+            self.state.schedule.restart(schedule_start, self.plan.period)
         self.comm.on_push = None
-        self.hooks.after_backward = None
+        self.state.after_backward = None
 
     def _after_profiled_backward(self) -> None:
-        if self.hooks.iteration != self.config.profile_iters:
+        profiler = self.state.profiler
+        if self.iteration != self.config.profile_iters or profiler is None:
             return
         if self.config.profile_out and self.config.rank == 0:
-            self.hooks.profiler.write(self.config.profile_out, self.plan)
-        if not self.hooks.profiler.plans:
+            profiler.write(self.config.profile_out, self.plan)
+        if not profiler.plans:
             self._stop_profiling()
             return
         self.synchronize()
-        plan = cost_plan(self.store, self.hooks.profiler, self.plan, self.config.rank,
+        plan = cost_plan(self.store, profiler, self.plan, self.config.rank,
                          self.config.wait_timeout_s, self.comm.compression.estimate)
         self.use_plan(plan, self.block_rounds())
-        self.hooks.schedule_start = self.hooks.iteration
-        self._stop_profiling()
+        self._stop_profiling(schedule_start=self.iteration)
         log.info("worker %d: cost plan v%d with %d groups from iteration %d", self.config.rank, plan.version,
-                 len(plan.groups), self.hooks.iteration)
+                 len(plan.groups), self.iteration)
 
     # -- the blocks on the shards ------------------------------------------------------------
     def initialize(self, optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None) -> None:
@@ -140,7 +164,7 @@ class SyncEngine:
         cfg = self.config
         if cfg.rank == 0:
             try:
-                self.loop.run(self._init_blocks(), cfg.rpc_timeout_s * 4,
+                self.loop.run(self.blocks.create(self.plan, self.optimizer.spec), cfg.rpc_timeout_s * 4,
                               "the shards to accept the initial parameters")
                 if optimizer_state:
                     check_optimizer_state(self, optimizer_state, "the optimizer's loaded state")
@@ -155,82 +179,84 @@ class SyncEngine:
             ready = self.store.wait_blocks_ready(self.plan.version, cfg.wait_timeout_s)
             if ready.error:
                 raise JobFailed(ready.error)
-        self.loop.run(self.fetch_all(), cfg.wait_timeout_s + 5.0, "the initial parameters from the shards")
+        self.fetch_all("the initial parameters from the shards")
 
     def resume(self, round_: int) -> None:
         """Rejoin a recovered job: fetch the restored parameters (every block at ``round_``) and count
         ``round_`` iterations as done; a cost plan already published is used as is, without profiling."""
-        self.loop.run(self.fetch_all(), self.config.wait_timeout_s + 5.0, "the restored parameters from the shards")
-        rounds = set(self.block_rounds().values())
-        if rounds != {round_}:
-            raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(rounds)}, "
+        self.fetch_all("the restored parameters from the shards")
+        restored = set(self.block_rounds().values())
+        if restored != {round_}:
+            raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(restored)}, "
                               f"expected {round_} for every block")
-        self.hooks.iteration = round_
-        if self.hooks.profiler is not None and self.plan.version == COST_PLAN:
-            self._stop_profiling()
-            self.hooks.schedule_start = self.config.profile_iters
+        self.state.loop.iteration = round_
+        if self.state.profiler is not None and self.plan.version == COST_PLAN:
+            self._stop_profiling(schedule_start=self.config.profile_iters)
 
-    async def _init_blocks(self) -> None:
-        self.flat.stage_to_host()
-        await asyncio.gather(*(
-            self.comm.clients[b.shard].init_block(b.block_id, self.plan.num_workers,
-                                                  self.optimizer.spec.group(self.plan.units[b.unit].group),
-                                                  self.flat.host_slice(b), self.config.rpc_timeout_s,
-                                                  [numel for _, numel in self.flat.pieces(b)],
-                                                  self.comm.compression.mode(b.block_id))
-            for b in self.plan.blocks))
-
-    async def export_states(self) -> dict[str, bytes]:
+    def export_states(self) -> dict[str, bytes]:
         """Every block's parameters and optimizer state (safetensors bytes), from its shard."""
-        by_shard: dict[int, list[str]] = {}
-        for block in self.plan.blocks:
-            by_shard.setdefault(block.shard, []).append(block.block_id)
-        replies = await asyncio.gather(*(self.comm.clients[shard].export_blocks(ids, self.config.rpc_timeout_s,
-                                                                                self.generation)
-                                         for shard, ids in by_shard.items()))
-        return {block_id: data for reply in replies for block_id, data in reply.items()}
+        return self.loop.run(self.blocks.export(self.plan.blocks), self.config.wait_timeout_s,
+                             "the shards' parameters and optimizer state")
 
     def load_states(self, states: dict[str, bytes], timeout_s: float, what: str) -> None:
         """Import ``states`` (worker 0), announced in the store first: a shard takes an Import only then."""
         self.store.announce_loading(self.generation, timeout_s + 5.0)
         try:
-            self.loop.run(self.import_states(states), timeout_s, what)
+            self.loop.run(self.blocks.load(self.plan.blocks, states), timeout_s, what)
         finally:
             self.store.end_loading()
 
-    async def import_states(self, states: dict[str, bytes]) -> None:
-        by_shard: dict[int, dict[str, bytes]] = {}
-        for block in self.plan.blocks:
-            by_shard.setdefault(block.shard, {})[block.block_id] = states[block.block_id]
-        await asyncio.gather(*(self.comm.clients[shard].import_blocks(items, self.config.rpc_timeout_s,
-                                                                      self.generation)
-                               for shard, items in by_shard.items()))
-
-    async def fetch_all(self) -> None:
-        by_shard: dict[int, list] = {}
-        for block in self.plan.blocks:
-            by_shard.setdefault(block.shard, []).append(block)
-        replies = await asyncio.gather(*(
-            self.comm.clients[shard].fetch_into([(b.block_id, self.flat.host_slice(b)) for b in blocks],
-                                                self.config.wait_timeout_s, self.generation)
-            for shard, blocks in by_shard.items()))
-        rounds = {b.block_id: r for blocks, reply in zip(by_shard.values(), replies) for b, r in zip(blocks, reply)}
-        self.flat.load_from_host(0, self.flat.values.numel())
-        self.use_plan(self.plan, rounds)
+    def fetch_all(self, what: str) -> None:
+        """Every block's current parameters from the shards, in place; the groups at the blocks' rounds."""
+        block_rounds = self.loop.run(self.blocks.fetch(self.plan.blocks), self.config.wait_timeout_s + 5.0, what)
+        self.use_plan(self.plan, block_rounds)
 
     def share_module_state(self, tag: int) -> None:
         """Worker 0's parameters outside the plan (frozen ones) and buffers become every worker's, as DDP's
         construction broadcasts them (``tag``: JOIN_STATE when the job is joined, else an imerge.load's)."""
-        self.hooks.buffer_sync.share(tag, 0 if tag == JOIN_STATE else self.generation, self.hooks.frozen)
+        self.state.buffer_sync.share(tag, 0 if tag == JOIN_STATE else self.generation, self.state.frozen)
+
+    # -- what the API asks of the hooks ------------------------------------------------------
+    def first_forward(self, args: tuple[Any, ...]) -> None:
+        """The forward during which the job was joined (its root hooks were installed too late for it)."""
+        hooks.first_forward(self.state, args)
+
+    def stepped(self) -> None:
+        """The loop's optimizer.step() (or a grad scaler's step of a skipped round)."""
+        self.state.loop.stepped()
+
+    def last_round_result(self) -> RoundResult | None:
+        """What the shards said of the latest round pushed (waiting for its first block to come back)."""
+        return self.state.waits.last_round(self.state.table)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """imerge.load assigns the module's state: the state goes to the shards its own way, not as a round."""
+        self.state.loading = True
+        try:
+            yield
+        finally:
+            self.state.loading = False
+
+    def assign(self) -> None:
+        """This worker's parameters to the shards as a round of their own (worker 0's are kept)."""
+        rounds.assign(self.state)
+
+    def finish(self) -> None:
+        """The last syncs of a worker leaving the job: with T > 1 every group that did not sync last, then every
+        group's latest; every worker ends with the same parameters and buffers."""
+        rounds.flush(self.state)
+        self.synchronize()
+        self.state.buffer_sync.apply()
 
     # -- waits and closing -------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""
-        self.hooks.synchronize()
+        self.state.waits.all(self.state.table)
 
     def close(self) -> None:
-        self.hooks.remove()
+        self._remove_hooks()
         if self.config.trace_dir:
             log.info("timeline written to %s", self.timeline.write(self.config.trace_dir))
-        self.comm.close(self.hooks.table.groups)
+        self.comm.close()
         self.loop.close()

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .buffers import FlatParams, GroupRuntime
+from .buffers import FlatParams
+from .groups import GroupRuntime
 from .guarded import internal
 from .staging import HostStaging
 
@@ -28,7 +29,7 @@ class LocalGrads:
     @staticmethod
     def free(group: GroupRuntime, staging: HostStaging) -> bool:
         """Whether the group's slice may be overwritten now (on the CPU the push reads the accumulator itself)."""
-        return group.push_done.is_set() or not staging.wire_reads_accumulator
+        return group.pushed() or not staging.wire_reads_accumulator
 
     def clear(self, group: GroupRuntime) -> None:
         self.flat.grads[group.group.offset:group.group.offset + group.group.numel].zero_()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, save_file
+from safetensors.torch import load as load_safetensors, save_file
 
 from imerge.control.messages import Loaded
 from imerge.core.blockstate import block_state_bytes
@@ -34,7 +34,7 @@ FORMAT = "imerge-save-1"
 
 def _block_pieces(engine: Any, block: Any) -> list[tuple[str, int, int]]:
     """(parameter name, offset of the piece within the parameter, elements) of each piece of ``block``."""
-    names, ranges = engine.hooks.names, engine.flat.range
+    names, ranges = engine.names, engine.flat.range
     return [(names[pid], max(block.offset - ranges[pid][0], 0), numel) for pid, numel in engine.flat.pieces(block)]
 
 
@@ -43,11 +43,11 @@ def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
     engine.synchronize()
     if model.config.rank != 0:
         return
-    states = engine.loop.run(engine.export_states(), engine.config.wait_timeout_s, "the shards' optimizer state")
+    states = engine.export_states()
     by_param: dict[str, dict[str, list[torch.Tensor]]] = {}
     masters = torch.empty(engine.flat.values.numel())  # the shards' fp32 parameters (compressed pulls round them)
     for block in sorted(engine.plan.blocks, key=lambda b: b.offset):
-        state = load(states[block.block_id])
+        state = load_safetensors(states[block.block_id])
         masters[block.offset:block.offset + block.numel] = state["param"]
         for index, (name, _, _) in enumerate(_block_pieces(engine, block)):
             for key in [k for k in state if k.startswith(f"state/{index}/")]:
@@ -101,7 +101,7 @@ def block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict
 def check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
     """Refuse a file whose optimizer state names a parameter this model does not train, or whose per-element
     state does not match the parameter's size: loading it would drop or misplace that state silently."""
-    numel = {engine.hooks.names[pid]: count for pid, (_, count) in engine.flat.range.items()}
+    numel = {engine.names[pid]: count for pid, (_, count) in engine.flat.range.items()}
     unknown = sorted(set(optim) - set(numel))
     if unknown:
         raise InvalidArgument(f"imerge.load: {path} holds optimizer state for parameters this model does not "
@@ -125,7 +125,7 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
             if saved.name != engine.optimizer.spec.name:
                 raise InvalidArgument(f"imerge.load: {path} holds the state of optimizer {saved.name!r}; this job "
                                       f"runs {engine.optimizer.spec.name!r}")
-            with engine.hooks.loading():
+            with engine.loading():
                 model.module.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
             optim: dict[str, dict[str, torch.Tensor]] = {}
             for key, value in tensors.items():
@@ -144,6 +144,27 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
     loaded = engine.store.wait_loaded(engine.generation, sequence, config.wait_timeout_s)
     if loaded.error:
         raise JobFailed(loaded.error)
-    engine.loop.run(engine.fetch_all(), config.wait_timeout_s + 5.0, "the loaded parameters from the shards")
+    engine.fetch_all("the loaded parameters from the shards")
     engine.share_module_state(-1 - sequence)
     return json.loads(loaded.metadata)
+
+
+def save(model: Any, path: str | os.PathLike) -> None:
+    """Save the model (parameters and buffers) and the shards' optimizer state to ``path`` (safetensors).
+
+    Every worker calls it at the same point of its loop; worker 0 writes the file. An LR scheduler's or a grad
+    scaler's state is the script's: save their ``state_dict()`` as with DDP.
+    """
+    with model._reporting():
+        save_model(model, path, model.engine.iteration)
+
+
+def load(model: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """Load a file of :func:`save` into the job: worker 0 reads it (only it needs the file) and the shards take its
+    parameters and optimizer state; every worker calls it at the same point (before training, or between two
+    iterations). Returns the file's metadata, with ``iteration`` (the iterations done when it was saved: the
+    data position to continue from), also kept as ``model.start_iteration``."""
+    with model._reporting():
+        metadata = load_model(model, path)
+    model.start_iteration = int(metadata.get("iteration", 0))
+    return {**metadata, "iteration": model.start_iteration}

@@ -1,0 +1,83 @@
+"""How a training script that uses IMerge ends: every model leaves its job, and the exit code says why.
+
+* At interpreter exit, a model the script did not close leaves its job: with
+  its last sync and done mark after a normal end (a DDP script has no close()),
+  at once (abort) after an uncaught exception.
+* An uncaught IMerge error ends the process with the code its supervisor reads:
+  EXIT_REJOIN (restart it and it rejoins) or EXIT_FATAL.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError
+
+if TYPE_CHECKING:
+    from .api import DistributedModel
+
+log = logging.getLogger(__name__)
+
+live: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()  # every model not closed yet, for the exit hook
+uncaught: list[BaseException] = []  # the exception ending the script, if one does
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, IMergeError):
+        return EXIT_REJOIN if error.recoverable else EXIT_FATAL
+    return 1
+
+
+def leave_at_exit() -> None:
+    """At interpreter exit, every model the script did not close leaves the job: with the last sync and a done mark
+    where the script ended normally (a DDP script has no close() to call), at once where an exception ended it.
+    The comm thread is stopped here, before the interpreter tears down under it."""
+    for model in list(live):
+        if model._closed:
+            continue
+        if uncaught:
+            model.abort()
+            continue
+        try:
+            model.close()
+        except BaseException as exc:  # noqa: BLE001 - the process must say it failed, not exit 0
+            log.error("worker %d could not leave the job at exit: %s: %s", model.config.rank, type(exc).__name__, exc)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_exit_code(exc))
+
+
+def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """An excepthook that ends a training script killed by an IMerge error with the code its supervisor reads:
+    EXIT_REJOIN (recoverable: restart it and it rejoins) or EXIT_FATAL (restarting would fail the same way); any
+    uncaught exception makes the exit hook abort (not close) the models still open."""
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        uncaught.append(value)
+        previous(kind, value, traceback)
+        if isinstance(value, IMergeError):
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(_exit_code(value))
+
+    hook.imerge = True  # type: ignore[attr-defined]
+    return hook
+
+
+def install() -> None:
+    """Install the excepthook and the exit hook (once per process)."""
+    if not getattr(sys.excepthook, "imerge", False):
+        sys.excepthook = _exit_codes(sys.excepthook)
+        atexit.register(leave_at_exit)
+
+
+def track(model: DistributedModel) -> None:
+    """``model`` leaves its job at exit unless the script closes it first."""
+    live.add(model)

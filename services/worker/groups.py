@@ -1,0 +1,133 @@
+"""The fusion groups of the current plan on this worker, and their syncs.
+
+Who writes what (the training thread and the comm thread share these):
+
+* :class:`GroupRuntime` is the training thread's: it alone writes every field
+  (which parameters got a gradient, the round it pushed last, its latest
+  :class:`Sync`, the blocks it has not waited for). The comm thread only reads
+  the immutable parts (blocks, shards).
+* A :class:`Sync` is made by the training thread when it queues the group, and
+  frozen; the comm thread answers through its thread-safe parts only: it sets
+  ``pushed`` once the last block is out and resolves the Futures.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+
+import torch
+
+from imerge.core.errors import IMergeError
+from imerge.core.planning import BYTES_PER_ELEMENT, Block, Group, Plan
+
+from .buffers import FlatParams
+from .items import PushOptions
+from .staging import DONE, Ready
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundResult:
+    """What the shards say of a completed round besides its parameters."""
+
+    skipped: bool     # the step was skipped: the loss scale let an inf or NaN through
+    grad_norm: float  # the global norm of the averaged gradient (when clipping or unscaling; else 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sync:
+    """One sync of a group: the round its pushes are of (the shards then complete ``round + 1``), what each
+    block's push says, when its gradients may be read, and how the comm thread answers: ``pushed`` (every block
+    out: the accumulator's slice may be overwritten), the group's Future and each block's (the round pulled)."""
+
+    group: GroupRuntime
+    round: int
+    iteration: int  # counted from the schedule's start (the timeline's label)
+    options: dict[str, PushOptions]  # block id -> what its push says besides the data
+    ready: Ready = DONE  # when the group's gradients may be read for the wire (a device copy's event)
+    pushed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    block_futures: dict[str, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.block_futures.update({b.block_id: concurrent.futures.Future() for b in self.group.blocks})
+
+    def fail(self, exc: BaseException) -> None:
+        """Route a failed sync to whoever waits on the group or on any of its blocks; its pushes are over."""
+        for waiting in (self.future, *self.block_futures.values()):
+            if not waiting.done():
+                waiting.set_exception(exc)
+        self.pushed.set()
+
+
+class GroupRuntime:
+    """One fusion group's sync state on this worker (the training thread's)."""
+
+    def __init__(self, group: Group, blocks: list[Block], params: list[torch.nn.Parameter], round_: int):
+        self.group = group
+        self.blocks = blocks
+        self.params = params
+        self.param_ids = {id(p) for p in params}
+        self.round = round_  # the round its latest sync completes (its blocks' round when none is in flight)
+        self.by_shard: dict[int, list[Block]] = {}
+        for block in blocks:
+            self.by_shard.setdefault(block.shard, []).append(block)
+        self.seen: set[int] = set()  # parameters whose gradient arrived in this backward
+        self.given: set[int] = set()  # parameters that got a gradient since the group's last sync
+        self.done_this_backward = False
+        self.latest: Sync | None = None  # the latest sync queued
+        self.unsettled: set[str] = set()  # blocks of the latest sync the training thread has not waited for yet
+        self.dirty = False  # the accumulator's slice holds a pushed gradient (zeroed before the next one)
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def nbytes(self) -> int:
+        return self.group.numel * BYTES_PER_ELEMENT
+
+    def pushed(self) -> bool:
+        """Whether the latest sync's pushes are out (no sync: nothing to wait for)."""
+        return self.latest is None or self.latest.pushed.is_set()
+
+    def __repr__(self) -> str:
+        return f"group {self.group.index} ({len(self.blocks)} blocks, {self.nbytes} B)"
+
+    def shard_bytes(self, shard: int) -> int:
+        return sum(b.numel for b in self.by_shard[shard]) * BYTES_PER_ELEMENT
+
+
+class GroupTable:
+    """The group runtimes of one plan and the lookups the hooks need (blocks never change between plans)."""
+
+    def __init__(self, plan: Plan, flat: FlatParams, params: list[torch.nn.Parameter],
+                 block_rounds: dict[str, int]):
+        self.plan = plan
+        self.groups: list[GroupRuntime] = []
+        self.group_of: dict[int, GroupRuntime] = {}  # id(param) -> its group
+        self.unit_of: dict[int, int] = {}            # id(param) -> its unit's index
+        self.param_group: dict[int, int] = {}        # id(param) -> its optimizer parameter group
+        self.blocks_of: dict[int, list[str]] = {}    # id(param) -> the blocks that hold it
+        self.pieces_of: dict[str, list[int]] = {b.block_id: [pid for pid, _ in flat.pieces(b)] for b in plan.blocks}
+        for group in plan.groups:
+            members = [p for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel]
+            blocks = plan.group_blocks(group)
+            rounds = {block_rounds[b.block_id] for b in blocks}
+            if len(rounds) != 1:
+                raise IMergeError(f"group {group.index}: its blocks are at different rounds {sorted(rounds)}")
+            runtime = GroupRuntime(group, blocks, members, rounds.pop())
+            self.groups.append(runtime)
+            self.group_of.update({id(p): runtime for p in members})
+            for pid in runtime.param_ids:
+                start, numel = flat.range[pid]
+                self.blocks_of[pid] = [b.block_id for b in blocks
+                                       if b.offset < start + numel and start < b.offset + b.numel]
+        for unit in plan.units:
+            for p in params:
+                if unit.offset <= flat.range[id(p)][0] < unit.offset + unit.numel:
+                    self.unit_of[id(p)] = unit.index
+                    self.param_group[id(p)] = unit.group
+
+    def block_rounds(self) -> dict[str, int]:
+        return {b.block_id: g.round for g in self.groups for b in g.blocks}

@@ -1,0 +1,133 @@
+"""What an iteration of the training loop is, and who decides each part of it.
+
+* :class:`LoopSettings`: what the script sets between iterations (clipping,
+  no_sync, the grad scaler's scale). It exists before the job is joined, so a
+  setting made then is the engine's without a copy; only the training thread
+  writes it.
+* :class:`RoundContext`: one backward's round, frozen when the backward starts:
+  every push of that backward carries the same hyperparameters and scaling,
+  whatever the script changes meanwhile.
+* :class:`SyncSchedule`: whether group g syncs in an iteration (the interleave
+  period, the iteration the plan's schedule counts from, the profiled
+  iterations that sync every group).
+* :class:`LoopState`: the training thread's counters, and the misuse its
+  backward and ``optimizer.step()`` calls reveal.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from imerge.core.errors import UnsupportedUse
+from imerge.core.schedule import syncs
+
+from .items import PushOptions
+
+
+@dataclasses.dataclass(slots=True)
+class LoopSettings:
+    """What the loop set for its coming backward passes (the training thread's)."""
+
+    max_norm: float = 0.0       # clip every round's averaged gradient to this norm (0: no clipping)
+    accumulating: bool = False  # inside no_sync(): the backward of a forward run now only accumulates
+    loss_scale: float = 0.0     # the grad scaler's scale of the coming backward (0: none; reset by each backward)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundContext:
+    """One backward's round: what each of its pushes says besides the data, frozen when the backward starts."""
+
+    hypers: tuple[str, ...] = ()  # each optimizer param group's hyperparameters (JSON of what changed)
+    loss_scale: float = 0.0
+    max_norm: float = 0.0
+
+    def options(self, param_group: int, no_grad: tuple[int, ...], assign: bool = False) -> PushOptions:
+        """A block's push options: its param group's hyperparameters, the pieces without a gradient; an
+        assignment (load_state_dict) carries parameters, so no scaling."""
+        if assign:
+            return PushOptions(self.hypers[param_group], no_grad, True)
+        return PushOptions(self.hypers[param_group], no_grad, False, self.loss_scale, self.max_norm)
+
+
+class SyncSchedule:
+    """Whether a group syncs in an iteration: the interleave schedule of the plan, counted from ``start``."""
+
+    __slots__ = ("period", "start", "profiling")
+
+    def __init__(self, period: int, start: int = 0):
+        self.period = period     # the plan's interleave period T
+        self.start = start       # the iteration the plan's schedule counts from (a cost plan's first)
+        self.profiling = False   # fusion cost profiles the first iterations: every group syncs in each
+
+    def syncs(self, group: int, iteration: int) -> bool:
+        """Whether ``group`` syncs in ``iteration`` (counted from the job's start)."""
+        return syncs(group, iteration - self.start, 1 if self.profiling else self.period)
+
+    def synced_last(self, group: int, iteration: int) -> bool:
+        """Whether ``group`` synced in the iteration before ``iteration`` (the plan's schedule, for flush)."""
+        return syncs(group, iteration - 1 - self.start, self.period)
+
+    def relative(self, iteration: int) -> int:
+        """``iteration`` counted from the schedule's start (what the timeline labels)."""
+        return iteration - self.start
+
+    def restart(self, iteration: int, period: int) -> None:
+        """A new plan's schedule counts from ``iteration``."""
+        self.start, self.period, self.profiling = iteration, period, False
+
+
+@dataclasses.dataclass(slots=True)
+class LoopState:
+    """The training thread's counters of the loop."""
+
+    rank: int
+    iteration: int = 0             # backward passes completed (no_sync micro-batches excepted)
+    in_backward: bool = False      # a backward started (its end-of-backward callback is queued)
+    forward_seen: bool = False     # a forward that records gradients ran since the last backward ended
+    accumulate: bool = False       # that forward ran inside no_sync(): its backward only accumulates
+    forward_started: float = 0.0   # wall clock of the latest forward's start
+    groups_enqueued: int = 0       # this iteration's groups sent
+    script_steps: bool = False     # the loop calls optimizer.step(): then each synced backward needs one
+    backwards_since_step: int = 0
+    round: RoundContext = RoundContext()  # the current (or latest) backward's
+
+    def backward_starts(self) -> None:
+        """Refuse a backward that would step the shards twice for one step of the script."""
+        if not self.forward_seen and self.iteration > 0 and not self.accumulate:
+            raise UnsupportedUse(
+                f"worker {self.rank}: a second backward after iteration {self.iteration} without a forward "
+                "of the wrapped model in between: every backward is one optimizer step on the shards, so it would "
+                "step twice (or, on one rank only, desynchronize the job); run the wrapped model's forward before "
+                "each backward, or accumulate gradients under model.no_sync()")
+        if self.script_steps and self.backwards_since_step and not self.accumulate:
+            raise UnsupportedUse(
+                f"worker {self.rank}: a second backward since the last optimizer.step(): with IMerge every "
+                "backward is an optimizer step on the shards, so accumulating gradients over several backward "
+                "passes before one step (as DDP allows) would take a step per backward. Accumulate under "
+                "model.no_sync() (or model.require_backward_grad_sync = False) for every backward but the last")
+        self.in_backward = True
+
+    def backward_ended(self, counted: bool) -> None:
+        """A backward ended; ``counted``: it was an iteration (not a no_sync micro-batch)."""
+        self.in_backward = self.forward_seen = False
+        if counted:
+            self.iteration += 1
+            self.backwards_since_step += 1
+            self.groups_enqueued = 0
+
+    def stepped(self) -> None:
+        """The loop called optimizer.step(): after more than one synced backward since the last, that step stands
+        for several shard steps (DDP-style accumulation without no_sync)."""
+        if self.backwards_since_step > 1:
+            self.backwards_since_step = 0
+            raise UnsupportedUse(
+                f"worker {self.rank}: optimizer.step() after several backward passes: with IMerge every "
+                "backward is an optimizer step on the shards, so gradients accumulated over several backward passes "
+                "were stepped once each. Accumulate under model.no_sync() (or model.require_backward_grad_sync = "
+                "False) for every backward but the last")
+        self.script_steps = True
+        self.backwards_since_step = 0
+
+    @property
+    def started(self) -> bool:
+        """Whether a round was pushed (or is being pushed) already."""
+        return self.iteration > 0 or self.in_backward

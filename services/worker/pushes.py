@@ -1,0 +1,265 @@
+"""The push side of the comm thread: blocks to the shards under the slot policy.
+
+Without slots, or with slots scoped to the shard port, a group's blocks join
+the queues of the shards' senders, one sender per shard, which push the queued
+blocks of any groups, highest priority first, a few MiB per stream, two
+streams in flight (with port slots each stream holds the port's flag). With
+slots scoped to (group, shard), the group's shards are pushed one after
+another, each under its flag (see :mod:`imerge.core.slots`). A push fenced off
+(its flag's lease had passed to another holder) takes the slot again and is
+retried. Everything here runs on the comm loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from imerge.control.messages import PORT, Flag
+from imerge.core.errors import Fenced
+from imerge.core.planning import BYTES_PER_ELEMENT, Block
+from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
+from imerge.core.slots import NoSlots
+from imerge.telemetry.timeline import Timeline
+
+from .buffers import FlatParams
+from .groups import Sync
+from .items import NO_OPTIONS, PushItem
+from .metrics import WorkerMetrics
+from .staging import HostStaging, Ready
+from .transport import ShardClient
+from .wire_compression import Compression, payload_nbytes
+
+log = logging.getLogger(__name__)
+FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another) takes the flag again this often
+
+
+class ShardPushes:
+    """The pushes of one sync's blocks, spread over the shards' senders: done when the last block is pushed."""
+
+    def __init__(self, sync: Sync, blocks: int, cancel_pull: Callable[[], None]):
+        self.sync, self.remaining = sync, blocks
+        self.cancel_pull = cancel_pull
+        self.failed = False
+
+    def block_pushed(self) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.sync.pushed.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failed:
+            return
+        self.failed = True
+        self.cancel_pull()
+        self.sync.fail(exc)
+
+
+@dataclasses.dataclass(eq=False)
+class ShardSender:
+    """One shard's queue of blocks to push (a comparator, as the group queue) and the task that drains it."""
+
+    shard: int
+    priority: dataclasses.InitVar[bool]
+    in_flight: asyncio.Semaphore  # push streams to the shard not yet answered
+    queue: CommQueue = dataclasses.field(init=False)
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    pushes: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)  # the push streams not yet answered
+    task: asyncio.Task[None] | None = None
+
+    def __post_init__(self, priority: bool) -> None:
+        self.queue = CommQueue(priority)
+
+    def cancel(self) -> None:
+        for task in (self.task, *self.pushes):
+            if task is not None:
+                task.cancel()
+
+
+async def wait_ready(ready: Ready) -> None:
+    """Wait (without blocking the comm loop) until a device copy is done."""
+    while not ready.query():
+        await asyncio.sleep(0.0002)
+
+
+@dataclasses.dataclass(eq=False)
+class Pusher:
+    """Pushes syncs' blocks to the shards (on the comm loop)."""
+
+    clients: list[ShardClient]
+    flat: FlatParams
+    slots: NoSlots
+    staging: HostStaging
+    compression: Compression
+    metrics: WorkerMetrics
+    timeline: Timeline
+    rank: int
+    priority: bool
+    rpc_timeout_s: float
+    generation: int
+    slot_scope: str = "group"
+    lane: int = 0  # with slot width k, worker w takes lane w mod k
+    plan_version: int = 0
+    on_push: Callable[[int, float], None] | None = None  # (bytes, seconds) of each shard's push
+    on_crash: Callable[[BaseException, list[Sync]], None] | None = None  # a sender failed (a bug)
+    senders: dict[int, ShardSender] = dataclasses.field(default_factory=dict)  # one per shard
+
+    @property
+    def per_group(self) -> bool:
+        """Whether a group is pushed whole, shard after shard, under its (group, shard) flags."""
+        return self.slots.holds_flags and self.slot_scope == "group"
+
+    # -- one sender per shard (no slots, or slots scoped to the shard port) ----------------------
+    def dispatch(self, sync: Sync, cancel_pull: Callable[[], None]) -> None:
+        """Queue the group's blocks at each shard's sender; the senders drain their queues independently, so
+        one shard's share of a group never waits for another shard's (a group split unevenly over the shards
+        would otherwise leave the lighter shards' links idle until the heaviest is done)."""
+        group = sync.group
+        pending = ShardPushes(sync, len(group.blocks), cancel_pull)
+        for shard, blocks in group.by_shard.items():
+            sender = self.senders.get(shard)
+            if sender is None:
+                in_flight = 1 if self.slots.holds_flags else PUSHES_IN_FLIGHT  # a flag is held until the reply
+                sender = self.senders[shard] = ShardSender(shard, self.priority, asyncio.Semaphore(in_flight))
+                sender.task = asyncio.get_running_loop().create_task(self._send_to(sender))
+            for block in self.push_order(blocks):
+                sender.queue.put(group.index, (pending, block))
+            sender.wake.set()
+
+    def push_order(self, blocks: list[Block]) -> list[Block]:
+        """With priority, a group's blocks in the order the next forward needs them (the reverse of backward
+        order), the same on every worker, so the shard completes the earliest layers' blocks first."""
+        return sorted(blocks, key=lambda block: -block.offset) if self.priority else blocks
+
+    async def _send_to(self, sender: ShardSender) -> None:
+        """Push the queued blocks to one shard, highest priority first, up to SEND_CREDIT bytes per stream."""
+        batch: list[tuple[ShardPushes, Block]] = []
+        try:
+            while True:
+                while not len(sender.queue):
+                    await sender.wake.wait()
+                    sender.wake.clear()
+                batch, nbytes = [], 0
+                while len(sender.queue) and (not batch or nbytes < SEND_CREDIT):
+                    pending, block = sender.queue.pop()
+                    if pending.failed:
+                        continue
+                    batch.append((pending, block))
+                    nbytes += self.compression.estimate(block)
+                if batch:
+                    await self._start_batch(sender, batch)
+        except Exception as exc:  # noqa: BLE001 - a bug here must fail the job at once, not leave it waiting
+            while len(sender.queue):
+                batch.append(sender.queue.pop())
+            if self.on_crash is not None:
+                self.on_crash(exc, [pending.sync for pending, _ in batch])
+
+    async def _start_batch(self, sender: ShardSender, batch: list[tuple[ShardPushes, Block]]) -> None:
+        """Start a push stream and return once its data is written, so the next stream's data follows without
+        waiting for this one's reply (the round trip through the link's queue would leave the stream idle);
+        at most PUSHES_IN_FLIGHT streams per shard are unanswered."""
+        await sender.in_flight.acquire()
+        written = asyncio.Event()
+        push = asyncio.get_running_loop().create_task(self._send_batch(sender.shard, batch, written))
+        sender.pushes.add(push)
+        push.add_done_callback(sender.pushes.discard)
+        push.add_done_callback(lambda _: sender.in_flight.release())
+        all_written = asyncio.ensure_future(written.wait())
+        await asyncio.wait([push, all_written], return_when=asyncio.FIRST_COMPLETED)
+        all_written.cancel()
+
+    async def _send_batch(self, shard: int, batch: list[tuple[ShardPushes, Block]], written: asyncio.Event) -> None:
+        """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
+        holding the port's flag."""
+        try:
+            for sync in {id(p.sync): p.sync for p, _ in batch}.values():
+                await wait_ready(sync.ready)
+            items = [self._item(p.sync, b) for p, b in batch]
+            nbytes = sum(payload_nbytes(item.grad) for item in items)
+            if self.slots.holds_flags:
+                span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
+                                           lambda fence: self._timed_push(shard, items, nbytes, fence, written))
+            else:
+                started = time.time()
+                await self._timed_push(shard, items, nbytes, 0, written)
+                span = started, time.time()
+        except Exception as exc:
+            for pending, _ in batch:
+                pending.fail(exc)
+            return
+        per_sync: dict[int, tuple[ShardPushes, int]] = {}
+        for (pending, _), item in zip(batch, items):
+            previous = per_sync.get(id(pending), (pending, 0))[1]
+            per_sync[id(pending)] = pending, previous + payload_nbytes(item.grad)
+        for pending, sync_bytes in per_sync.values():
+            self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
+                              iteration=pending.sync.iteration)
+        for pending, _ in batch:
+            pending.block_pushed()
+
+    def _record_push(self, shard: int, span: tuple[float, float], nbytes: int, **args: object) -> None:
+        """A push stream (its bytes of one group) on the timeline: from its slot's grant (its start, without
+        slots) to the shard's reply."""
+        self.timeline.record(f"push ps{shard}", "push", span[0], span[1], shard=shard, bytes=nbytes, **args)
+
+    # -- slots scoped to (group, shard) ----------------------------------------------------------
+    async def push_group(self, sync: Sync) -> None:
+        """Push the group to every shard that holds some of it, one shard after another, worker w starting at its
+        w-th shard, so the workers take the shards' ports in turn instead of all queueing for the same one."""
+        group = sync.group
+        shards = list(group.by_shard)
+        start = self.rank % len(shards)
+        await wait_ready(sync.ready)
+        for shard in shards[start:] + shards[:start]:
+            items = [self._item(sync, b) for b in self.push_order(group.by_shard[shard])]
+            nbytes = sum(payload_nbytes(item.grad) for item in items)
+            span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
+                                       lambda fence: self._timed_push(shard, items, nbytes, fence))
+            self._record_push(shard, span, nbytes, group=group.index, iteration=sync.iteration)
+
+    def _item(self, sync: Sync, block: Block) -> PushItem:
+        """What a push stream carries of one block, compressed once per sync."""
+        grad = self.staging.wire_grads(block.offset, block.numel)
+        options = sync.options.get(block.block_id, NO_OPTIONS)
+        payload = grad if options.assign else self.compression.compress(block, grad, options.loss_scale > 0)
+        if payload is not grad and options.no_grad:
+            options = dataclasses.replace(options, no_grad=self.compression.still_without_grad(
+                block, payload, options.no_grad, self.flat))
+        self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT, payload_nbytes(payload))
+        return PushItem(block.block_id, payload, sync.round, options)
+
+    async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
+        """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
+        when the push started (its slot granted) and when the shard acknowledged it (wall clock)."""
+        for attempt in range(FENCED_RETRIES + 1):
+            try:
+                async with self.slots.hold(flag, nbytes) as slot:
+                    self.timeline.record(f"flag {flag}", "flag-wait", slot.requested, slot.acquired,
+                                         group=flag.group, shard=flag.shard, contended=slot.contended)
+                    self.metrics.flag_wait.observe(slot.waited_s)
+                    await push(slot.fence)
+                    acknowledged = time.time()
+                self.metrics.flag_held(flag.group, slot.held_s)
+                return slot.acquired, acknowledged
+            except Fenced as exc:
+                if attempt == FENCED_RETRIES:
+                    raise
+                log.warning("worker %d: %s; taking the flag again", self.rank, exc)
+        raise AssertionError("unreachable: the last attempt re-raises")
+
+    async def _timed_push(self, shard: int, items: list[PushItem], nbytes: int, fence: int,
+                          written: asyncio.Event | None = None) -> None:
+        started = time.monotonic()
+        await self.clients[shard].push(items, self.rank, self.rpc_timeout_s, self.generation, fence, self.lane,
+                                       written=written)
+        seconds = time.monotonic() - started
+        self.metrics.pushed(shard, nbytes)
+        self.slots.observe(nbytes, seconds)
+        if self.on_push is not None:
+            self.on_push(nbytes, seconds)
+
+    def cancel(self) -> None:
+        for sender in self.senders.values():
+            sender.cancel()
