@@ -5,7 +5,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from imerge.core.errors import IMergeError
 from imerge.telemetry.metrics import role_registry
@@ -45,7 +45,7 @@ class _CoordinatorCollector(Collector):
 
 
 def coordinator_registry(store: Store, num_workers: int, link_mbps: float, plan_version: Callable[[], int],
-                         generation: Callable[[], int]):
+                         generation: Callable[[], int]) -> CollectorRegistry:
     registry = role_registry(link_mbps)
     registry.register(_CoordinatorCollector(store, num_workers, plan_version, generation))
     return registry

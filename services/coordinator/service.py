@@ -274,7 +274,10 @@ class Coordinator:
             raise RecoveryImpossible(f"the job already failed in generation {generation}: {event.error}")
         first = published.plan
         self.recovery.generation, self.recovery.period = generation, first.period
-        self.plan = self.store.latest_plan().result()
+        latest = self.store.latest_plan()
+        if latest is None:  # the first plan was read above; only a store that lost it answers None
+            return False
+        self.plan = latest.result()
         if self.plan.version == FIRST_PLAN:
             layout, options = check_layouts(self.store.layouts(self.config.num_workers))
             if options.fusion == "cost":  # the profile was not planned yet: plan it as the first run would

@@ -31,7 +31,7 @@ import torch
 
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import Payload, accumulate, all_finite, encode_pull, parse_mode
-from imerge.core.errors import FailedPrecondition, InvalidArgument
+from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
@@ -117,6 +117,12 @@ class BlockState:
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
 
+    def held_params(self) -> torch.Tensor:
+        """What every worker holds of the parameters (a top-k block's)."""
+        if self.held is None:
+            raise Internal(f"block {self.meta.block_id} is dense: the workers hold its every snapshot")
+        return self.held
+
     @property
     def grads(self) -> torch.Tensor:
         if self._grads is None:
@@ -126,12 +132,12 @@ class BlockState:
     def full_snapshot(self) -> Snapshot:
         """What a fetch sends: every element of what the workers hold (a top-k block's pull snapshot is an update
         of it)."""
-        return snapshot_of(self.held) if self.sparse else self.snapshot
+        return snapshot_of(self.held_params()) if self.sparse else self.snapshot
 
     def reset_held(self) -> Snapshot:
         """After an assignment or an import: the workers will hold the parameters as they are (every element)."""
         if self.sparse:
-            self.held.copy_(self.flat)
+            self.held_params().copy_(self.flat)
         return snapshot_of(self.flat, self.meta.compression)
 
     @classmethod
@@ -171,7 +177,9 @@ class BlockState:
         with metrics.aggregation.time(), torch.no_grad():
             if self.sparse:  # the workers' sparse gradients added in worker order; zeros elsewhere
                 mean = torch.zeros(self.meta.numel)
-                for payload in self.sparse_grads:
+                for worker, payload in enumerate(self.sparse_grads):
+                    if payload is None:
+                        raise Internal(f"block {self.meta.block_id}: worker {worker}'s gradient is missing")
                     accumulate(mean, payload)
             else:  # into a buffer kept from round to round (a fresh one costs its page faults every round)
                 if self._mean is None:
@@ -192,7 +200,7 @@ class BlockState:
             return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
-             total: RoundScalars) -> list[bytes]:
+             total: RoundScalars) -> Snapshot:
         """Step with the round's hyperparameters; a piece that no worker gave a gradient is skipped, as
         torch.optim skips a parameter whose grad is None. An assignment takes worker 0's data as the
         parameters; a round in which some shard found an inf or NaN is skipped on every block; clipping scales
@@ -203,6 +211,8 @@ class BlockState:
                 return self.reset_held()
             if total.found_inf:
                 return snapshot_of(self.flat, self.meta.compression, self.held) if self.sparse else self.snapshot
+            if mean is None:
+                raise Internal(f"block {self.meta.block_id}: a gradient round without its mean")
             if options.max_norm:
                 mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
                           .clamp(max=1.0))

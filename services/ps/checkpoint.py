@@ -29,6 +29,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -136,7 +137,7 @@ class CheckpointStore:
                  manifest["bytes"], time.monotonic() - started)
         return final
 
-    def _write_files(self, temporary: Path, round_: int, blocks: list[BlockImage]) -> dict:
+    def _write_files(self, temporary: Path, round_: int, blocks: list[BlockImage]) -> dict[str, Any]:
         """The tensors and the manifest, each fsynced, into ``temporary``; the manifest."""
         tensors = {f"{b.block_id}/param": b.param.contiguous() for b in blocks}
         tensors.update({f"{b.block_id}/state/{name}": value.contiguous()

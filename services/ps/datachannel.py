@@ -27,8 +27,8 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,9 +45,11 @@ from imerge.wire.rpc import ps_pb2
 
 from .config import PSConfig
 from .pace import Pace
+from .block import Snapshot
 from .state import Shard
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 DRAIN_BYTES = 64 << 20      # what a refused call may still read of what the worker had written
 DRAIN_S = 2.0               # and for at most this long
 
@@ -62,10 +64,15 @@ class ChannelStream:
         self._min_bytes_per_s, self._window_s = min_bytes_per_s, window_s
         self.pace: Pace | None = None  # while a payload is read: it must keep the minimum rate
 
-    def payload(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def payload(self) -> Iterator[None]:
         """While a payload is read, its bytes must keep --stream-min-bytes-per-s (between calls the connection
         may idle)."""
-        return _paced(self)
+        self.pace = Pace(self._min_bytes_per_s, self._window_s)
+        try:
+            yield
+        finally:
+            self.pace = None
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
         count = self.conn.recv_into(buffer, nbytes)
@@ -94,22 +101,14 @@ class ChannelStream:
             self.conn.shutdown(socket.SHUT_RDWR)
 
 
-@contextlib.contextmanager
-def _paced(stream: ChannelStream):
-    stream.pace = Pace(stream._min_bytes_per_s, stream._window_s)
-    try:
-        yield
-    finally:
-        stream.pace = None
-
-
 class Handoff:
     """The connection's thread reads a payload for the coroutine that applies the frame, once that coroutine
     has checked the frame and knows where the bytes go."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[tuple[memoryview | None, int, Callable[[], Any] | None, asyncio.Future[Any]] | None] = \
+            queue.SimpleQueue()
 
     async def read(self, target: memoryview | None, nbytes: int, after: Callable[[], Any] | None = None) -> Any:
         """On the loop: have ``nbytes`` read into ``target`` (None: read and dropped), then ``after()`` run on the
@@ -118,7 +117,7 @@ class Handoff:
         self._requests.put((target, nbytes, after, done))
         return await done
 
-    def serve(self, future: concurrent.futures.Future, stream: ChannelStream, what: str) -> Any:
+    def serve(self, future: concurrent.futures.Future[Any], stream: ChannelStream, what: str) -> Any:
         """On the connection's thread: answer the coroutine's reads until it is done; return its result."""
         future.add_done_callback(lambda _: self._requests.put(None))
         while (request := self._requests.get()) is not None:
@@ -137,7 +136,7 @@ class Handoff:
         return future.result()
 
 
-def _settle(done: asyncio.Future, outcome: Any, failed: bool) -> None:
+def _settle(done: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
     if done.done():
         return
     if failed:
@@ -157,7 +156,8 @@ class SocketPayload:
         if len(view) != self._nbytes:
             raise InvalidArgument(f"{what}: the frame carries {self._nbytes} bytes of payload, the block's is "
                                   f"{len(view)} bytes")
-        return await self._read(view, what, (lambda: all_finite(target)) if check_finite else None)
+        finite: bool | None = await self._read(view, what, (lambda: all_finite(target)) if check_finite else None)
+        return finite
 
     async def skip(self) -> None:
         await self._read(None, "duplicate push")
@@ -193,7 +193,7 @@ class DataChannel:
     def start(self) -> int:
         listener = socket.create_server((self.config.host, self.config.data_port), backlog=256)
         self._listener, self.port = listener, listener.getsockname()[1]
-        threading.Thread(target=self._accept, name=f"ps{self.shard.index}-data-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(listener,), name=f"ps{self.shard.index}-data-accept", daemon=True).start()
         return self.port
 
     def stop(self) -> None:
@@ -208,10 +208,10 @@ class DataChannel:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while not self._closing:
             try:
-                conn, peer = self._listener.accept()
+                conn, peer = listener.accept()
             except OSError:
                 return
             with self._lock:
@@ -305,7 +305,8 @@ class Connection:
         header = read_header(self.stream, self.max_payload, "data connection")
         expect(header, Kind.HELLO, what="data connection's first frame")
         hello = read_meta(self.stream, header, ps_pb2.ChannelHello, "data connection")
-        names = certificate_names(self.stream.conn.getpeercert()) if self.channel.tls is not None else None
+        conn = self.stream.conn
+        names = certificate_names(conn.getpeercert()) if isinstance(conn, ssl.SSLSocket) else None
         self.channel.check_hello(hello, names)
         self.worker = hello.worker
         send_frame(self.stream, Kind.WELCOME)
@@ -314,7 +315,7 @@ class Connection:
         if worker != self.worker:
             raise PermissionDenied(f"{what}: names worker {worker} on worker {self.worker}'s data connection")
 
-    def _run(self, coroutine: Any) -> concurrent.futures.Future:
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.channel.loop)
 
     def _push(self, frame: Any) -> None:
@@ -334,7 +335,7 @@ class Connection:
         self._check_worker(request.worker, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         timeout = self.config.pull_wait(request.timeout_s)
-        ready: queue.SimpleQueue = queue.SimpleQueue()
+        ready: queue.SimpleQueue[tuple[str, int, Snapshot, tuple[bool, float]] | BaseException] = queue.SimpleQueue()
         future = self._run(self._wait_blocks(request, timeout, ready))
         try:
             for _ in request.block_ids:
@@ -353,7 +354,9 @@ class Connection:
         finally:
             future.cancel()
 
-    async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float, ready: queue.SimpleQueue) -> None:
+    async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float,
+                           ready: queue.SimpleQueue[tuple[str, int, Snapshot, tuple[bool, float]] | BaseException]
+                           ) -> None:
         """Each block's (id, round, snapshot, result) into ``ready`` as soon as its round completes; the first
         failure ends the pull."""
         async def one(block_id: str) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from collections.abc import Awaitable, Callable
 
+from imerge.control.store import Store
 from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Restored
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
@@ -26,7 +27,7 @@ RESTORE_TIMEOUT_S = 300.0
 
 
 class ShardMembership:
-    def __init__(self, store: Any, shard: Shard, load_plan: Any, loop: asyncio.AbstractEventLoop,
+    def __init__(self, store: Store, shard: Shard, load_plan: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoop,
                  heartbeat_ttl_s: float, checkpoint_failures: int = 0):
         self.store = store
         self.shard = shard
@@ -64,7 +65,7 @@ class ShardMembership:
         await asyncio.to_thread(self.store.shard_heartbeat, self.shard.index, self.ttl_s,
                                 self.shard.generation)
         generation = await asyncio.to_thread(self.store.generation)
-        if generation is not None and await asyncio.to_thread(self.store.read_plan, FIRST_PLAN):
+        if generation is not None and await asyncio.to_thread(self.store.read_plan, FIRST_PLAN) is not None:
             await self._load_plan()
             if self.shard.checkpoints is not None:
                 await asyncio.to_thread(self._published, self.shard.checkpoints.rounds())
@@ -108,8 +109,11 @@ class ShardMembership:
     def _fall_back(self, round_: int) -> None:
         """A checkpoint this shard cannot read is set aside, and the rounds it can are published again (before
         the failure is reported), so the recovery that follows picks the newest round every shard still holds."""
-        self.shard.checkpoints.quarantine(round_)
-        self._published(self.shard.checkpoints.rounds())
+        checkpoints = self.shard.checkpoints
+        if checkpoints is None:  # only a shard with checkpoints restores one
+            return
+        checkpoints.quarantine(round_)
+        self._published(checkpoints.rounds())
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):

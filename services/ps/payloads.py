@@ -100,7 +100,7 @@ def same_payload(block: BlockState, worker: int, payload: Payload) -> bool:
     """Whether the worker's row holds ``payload``, bit for bit (NaN included)."""
     if payload.sparse:
         kept = block.sparse_grads[worker]
-        return kept is not None and _same_bits(kept.indices, payload.indices) and _same_bits(kept.values,
+        return kept is not None and _same_bits(kept.index, payload.index) and _same_bits(kept.values,
                                                                                               payload.values)
     return _same_bits(block.grads[worker], payload.values)
 

@@ -82,7 +82,7 @@ class Agreements:
 
     def __init__(self, exchange: Exchange | None = None):
         self.exchange = exchange
-        self._rounds: dict[int, tuple[RoundScalars, set[str], asyncio.Future]] = {}
+        self._rounds: dict[int, tuple[RoundScalars, set[str], asyncio.Future[RoundScalars]]] = {}
 
     def reset(self) -> None:
         """Forget the rounds in progress (a restore replaced the blocks; their waits fail with the old ones)."""

@@ -46,12 +46,13 @@ from .fencing import IssuedTokens
 from .membership import ShardMembership
 from .payloads import ChunkStream
 from .rounds import RoundScalars
-from .block import Snapshot
-from .state import BlockMeta, Shard
+from .block import BlockMeta, Snapshot
+from .state import Shard
 from .streams import (Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact,
                       receive_states)
 
 log = logging.getLogger(__name__)
+Context = grpc.aio.ServicerContext[Any, Any]
 PUSH_DRAIN_BYTES = 64 << 20  # what a refused push may still read of its stream before answering
 
 
@@ -62,7 +63,7 @@ def optimizer_from_proto(spec: ps_pb2.OptimizerSpec) -> OptimizerSpec:
     return OptimizerSpec(spec.name, **options)
 
 
-async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerContext) -> None:
+async def _status_from(exc: Exception, shard: Shard, context: Context) -> None:
     if isinstance(exc, RequestError):  # its text may quote a client's: clipped
         shard.counters.rejected += 1
         log.warning("rejected (%s %s): %s", exc.status, type(exc).__name__, clip(str(exc), 1000))
@@ -73,7 +74,7 @@ async def _status_from(exc: Exception, shard: Shard, context: grpc.aio.ServicerC
 
 
 def method_handlers(servicer: Any, module: Any = ps_pb2, service_name: str = "ParameterServer"
-                    ) -> grpc.GenericRpcHandler:
+                    ) -> grpc.GenericRpcHandler[Any, Any]:
     """The service's handlers, built from its descriptor, with deserializers that never raise."""
     service = module.DESCRIPTOR.services_by_name[service_name]
     factories = {(False, False): grpc.unary_unary_rpc_method_handler,
@@ -96,25 +97,25 @@ class HealthGate:
     def __init__(self, health: Any):
         self._health = health
 
-    async def Check(self, request, context):
+    async def Check(self, request: Any, context: Context) -> Any:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
         return await self._health.Check(request, context)
 
-    async def List(self, request, context):
+    async def List(self, request: Any, context: Context) -> Any:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
         return await self._health.List(request, context)
 
-    async def Watch(self, request, context):
+    async def Watch(self, request: Any, context: Context) -> None:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.what)
         await self._health.Watch(request, context)
 
 
-def _unary(method: Callable) -> Callable:
+def _unary(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
-    async def wrapper(self: "ParameterServerServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def wrapper(self: "ParameterServerServicer", request: Any, context: Context) -> Any:
         try:
             return await method(self, decoded(request), context)
         except Exception as exc:  # the one choke point for unary replies
@@ -123,10 +124,10 @@ def _unary(method: Callable) -> Callable:
     return wrapper
 
 
-def _streaming(method: Callable) -> Callable:
+def _streaming(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def wrapper(self: "ParameterServerServicer", request: Any,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                      context: Context) -> AsyncIterator[Any]:
         try:
             async for reply in method(self, decoded(request), context):
                 yield reply
@@ -136,20 +137,14 @@ def _streaming(method: Callable) -> Callable:
     return wrapper
 
 
-def _certificate_names(context: grpc.aio.ServicerContext) -> list[str]:
+def _certificate_names(context: Context) -> list[str]:
     auth = context.auth_context()
     return [value.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name")
             for value in auth.get(key, [])]
 
 
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    yield first
-    async for message in rest:
-        yield message
-
-
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, shard: Shard, config: PSConfig, store: Any = None):
+    def __init__(self, shard: Shard, config: PSConfig, store: Store | None = None):
         self.shard = shard
         self.config = config
         self.store = store
@@ -207,7 +202,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             return
         await self.load_plan()
         block_id = meta.block_id
-        if block_id not in self._owned:
+        if self._owned is None or block_id not in self._owned:
             where = self._mapping.get(block_id)
             raise FailedPrecondition(f"block {block_id} is mapped to "
                                      f"{'no shard' if where is None else f'shard {where}'}, not shard {self.shard.index}")
@@ -219,7 +214,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                   f"{self._num_workers} workers")
 
     @_unary
-    async def OpenChannel(self, request, context):
+    async def OpenChannel(self, request: ps_pb2.ChannelRequest, context: Context) -> ps_pb2.ChannelReply:
         """The data channel's port and the token of (worker, generation) its connections must carry."""
         what = f"OpenChannel of worker {request.worker}"
         if self.channel is None:
@@ -234,7 +229,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                    idle_s=self.config.stream_idle_s, tls=self.channel.tls is not None)
 
     @_unary
-    async def InitBlock(self, request_iterator, context):
+    async def InitBlock(self, request_iterator: AsyncIterator[ps_pb2.InitBlockChunk], context: Context
+                        ) -> ps_pb2.InitBlockReply:
         request_iterator = Progressing(request_iterator, self.config.stream_idle_s, "InitBlock",
                                        self.config.stream_min_bytes_per_s)
         spec = await first_part(request_iterator, "spec", "InitBlock")
@@ -249,13 +245,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         created, round_ = self.shard.create_block(meta, init)
         return ps_pb2.InitBlockReply(block_id=meta.block_id, created=created, round=round_)
 
-    def _check_identity(self, context: grpc.aio.ServicerContext, worker: int, what: str) -> None:
+    def _check_identity(self, context: Context, worker: int, what: str) -> None:
         """Strict worker identity: the client's certificate must name ``worker``."""
         if self.config.tls_worker_identity:
             require_worker(_certificate_names(context), worker, what)
 
     @_unary
-    async def Push(self, request_iterator, context):
+    async def Push(self, request_iterator: AsyncIterator[ps_pb2.PushChunk], context: Context) -> ps_pb2.PushReply:
         stream = Progressing(request_iterator, self.config.stream_idle_s, "Push", self.config.stream_min_bytes_per_s)
         segments, results = Segments(stream), []
         try:
@@ -272,7 +268,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise
         return ps_pb2.PushReply(results=results)
 
-    def _pull_timeout(self, request: ps_pb2.PullRequest, context: grpc.aio.ServicerContext) -> float:
+    def _pull_timeout(self, request: ps_pb2.PullRequest, context: Context) -> float:
         timeout = self.config.pull_wait(request.timeout_s)
         remaining = context.time_remaining()
         if remaining is not None:  # answer with our own message before the caller's deadline
@@ -280,7 +276,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return timeout
 
     async def _send(self, blocks: list[tuple[str, int, Snapshot, tuple[bool, float]]]
-                    ) -> AsyncIterator[ps_pb2.TensorChunk]:
+                    ) -> AsyncIterator[ps_pb2.TensorChunk | bytes]:
         for block_id, round_, snapshot, result in blocks:
             yield ps_pb2.TensorChunk(meta=tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
                                                       snapshot.nnz, result))
@@ -288,11 +284,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield frame
             self.shard.counters.bytes_sent += snapshot.nbytes
 
-    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float) -> tuple:
+    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float
+                      ) -> tuple[str, int, Snapshot, tuple[bool, float]]:
         return await self.shard.pull_result(block_id, request.worker, request.round, timeout, request.generation)
 
     @_streaming
-    async def Pull(self, request, context):
+    async def Pull(self, request: ps_pb2.PullRequest, context: Context) -> AsyncIterator[ps_pb2.TensorChunk | bytes]:
         """Each block is sent as soon as its round completes (pipelined), not when all of them have."""
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         self._check_identity(context, request.worker, "Pull")
@@ -323,14 +320,15 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                     wait.exception()
 
     @_streaming
-    async def Fetch(self, request, context):
+    async def Fetch(self, request: ps_pb2.FetchRequest, context: Context) -> AsyncIterator[ps_pb2.TensorChunk | bytes]:
         check_block_ids(request.block_ids, len(self.shard.blocks), "Fetch")
         replies = [self.shard.fetch(block_id, request.generation) for block_id in request.block_ids]
         async for chunk in self._send([(b, r, s, (False, 0.0)) for b, (r, s) in zip(request.block_ids, replies)]):
             yield chunk
 
     @_streaming
-    async def Export(self, request, context):
+    async def Export(self, request: ps_pb2.ExportRequest, context: Context
+                     ) -> AsyncIterator[ps_pb2.BlockStateChunk]:
         """Only worker 0 (imerge.save); at most MAX_EXPORTS at once, since a reply the client does not read holds
         the block's state it is sending."""
         check_block_ids(request.block_ids, len(self.shard.blocks), "Export")
@@ -354,23 +352,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield ps_pb2.BlockStateChunk(data=data[start:start + CHUNK_BYTES])
 
     @_unary
-    async def Import(self, request_iterator, context):
+    async def Import(self, request_iterator: AsyncIterator[ps_pb2.BlockStateChunk], context: Context
+                     ) -> ps_pb2.ImportReply:
         """Only worker 0, during an imerge.load it announced; every block's state is bounded when its meta arrives
         and checked whole before any is applied, all at once."""
         self._check_loader(context, "Import")
         stream = Progressing(request_iterator, self.config.stream_idle_s, "Import",
                              self.config.stream_min_bytes_per_s)
-        first = await anext(stream, None)
-        if first is None:
-            raise InvalidArgument("Import: empty stream (no block's state)")
-        if first.WhichOneof("part") != "meta":
-            raise InvalidArgument("Import: data before a block's meta")
-        await self._check_load_expected(first.meta.generation)
-        generation, states = await receive_states(_prepend(first, stream), self.shard.import_bound)
+        generation, states = await receive_states(stream, self.shard.import_bound, self._check_load_expected)
         self.shard.import_blocks(states, generation)
         return ps_pb2.ImportReply(block_ids=list(states))
 
-    def _check_loader(self, context: grpc.aio.ServicerContext, what: str) -> None:
+    def _check_loader(self, context: Context, what: str) -> None:
         if self.config.tls_worker_identity:
             require_loader(_certificate_names(context), what)
 
@@ -383,7 +376,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                      "announces one before it imports): a state is imported only by imerge.load")
 
     @_unary
-    async def Stats(self, request, context):
+    async def Stats(self, request: ps_pb2.StatsRequest, context: Context) -> ps_pb2.StatsReply:
         c = self.shard.counters
         blocks = [ps_pb2.BlockStats(block_id=b.meta.block_id, numel=b.meta.numel, round=b.round,
                                     pushed=len(b.pushed), num_workers=b.meta.num_workers)
@@ -406,7 +399,7 @@ class ShardServer:
         self._server: grpc.aio.Server | None = None
         self._store: Store | None = None
         self._membership: ShardMembership | None = None
-        self._health = health.aio.HealthServicer()
+        self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # health imports aio untyped
         self._channel: DataChannel | None = None
         self.shard.checkpoint_every = config.checkpoint_every
 

@@ -36,7 +36,7 @@ from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondit
 from imerge.core.limits import check_id, clip
 from imerge.wire.encoding import dtype_name, nnz_of
 
-from .block import BlockMeta, BlockState
+from .block import BlockMeta, BlockState, Snapshot
 from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradient, same_payload
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .fencing import IssuedTokens
@@ -57,7 +57,7 @@ class Shard:
         self.counters = ShardCounters()
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
         self._executor = concurrent.futures.ThreadPoolExecutor(threads or 2, thread_name_prefix=f"ps{index}-step")
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.generation = 0
         self.expected: set[str] | None = None  # the blocks the mapping table gives this shard
         self.checkpoints: CheckpointStore | None = None
@@ -66,9 +66,9 @@ class Shard:
         self.on_checkpoint_failed: Callable[[int, str, int], None] | None = None  # (round, why, failures in a row)
         self.failed_checkpoints = 0  # consecutive failed writes
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
-        self._writing: concurrent.futures.Future | None = None
+        self._writing: concurrent.futures.Future[None] | None = None
         self._last_checkpoint = -1
-        self._final: asyncio.Future | None = None  # a final checkpoint awaited at the next common round
+        self._final: asyncio.Future[None] | None = None  # a final checkpoint awaited at the next common round
         self._final_written = False
         self.agreements = Agreements()  # rounds whose step waits for scalars of every block (the server exchanges)
         self.issued_tokens: IssuedTokens | None = None  # the store's clock, which bounds the fencing tokens
@@ -95,7 +95,7 @@ class Shard:
         rounds = {block.round for block in self.blocks.values()}
         return rounds.pop() if len(rounds) == 1 else None
 
-    def maybe_checkpoint(self, final: bool = False) -> concurrent.futures.Future | None:
+    def maybe_checkpoint(self, final: bool = False) -> concurrent.futures.Future[None] | None:
         """Start writing a checkpoint if the blocks are at a common round due for one (or ``final``)."""
         round_ = self.common_round()
         if self.checkpoints is None or round_ is None or round_ <= self._last_checkpoint:
@@ -111,7 +111,7 @@ class Shard:
             self._writing.result()
         self._last_checkpoint = round_
         images = [self.blocks[block_id].image() for block_id in sorted(self.blocks)]
-        self._writing = self._writer.submit(self._write_checkpoint, round_, images)
+        self._writing = self._writer.submit(self._write_checkpoint, self.checkpoints, round_, images)
         return self._writing
 
     async def final_checkpoint(self) -> int | None:
@@ -134,16 +134,16 @@ class Shard:
             await asyncio.wrap_future(self._writing)
         return round_
 
-    def _write_checkpoint(self, round_: int, images: list[BlockImage]) -> None:
+    def _write_checkpoint(self, store: CheckpointStore, round_: int, images: list[BlockImage]) -> None:
         try:
             with self.metrics.checkpoint_write.time():
-                self.checkpoints.write(round_, images)
+                store.write(round_, images)
         except Exception as exc:  # noqa: BLE001 - a failed write leaves the previous checkpoint in place
             self.counters.checkpoint_failures += 1
             self.failed_checkpoints += 1
             reason = f"{type(exc).__name__}: {exc}"
             log.error("shard %d: checkpoint of round %d failed (%d in a row; the checkpoint of round %s stands): %s",
-                      self.index, round_, self.failed_checkpoints, max(self.checkpoints.rounds(), default=None),
+                      self.index, round_, self.failed_checkpoints, max(store.rounds(), default=None),
                       reason)
             if self.on_checkpoint_failed is not None:
                 self.on_checkpoint_failed(round_, reason, self.failed_checkpoints)
@@ -152,7 +152,7 @@ class Shard:
         self.counters.checkpoints_written += 1
         self.metrics.checkpoint_round.set(round_)
         if self.on_checkpoint is not None:
-            self.on_checkpoint(self.checkpoints.rounds())
+            self.on_checkpoint(store.rounds())
 
     def load_checkpoint(self, round_: int) -> Checkpoint:
         if self.checkpoints is None:
@@ -360,7 +360,7 @@ class Shard:
 
     # -- pull -----------------------------------------------------------------
     async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float,
-                   generation: int = 0) -> tuple[int, list[bytes]]:
+                   generation: int = 0) -> tuple[int, Snapshot]:
         """Wait until every worker pushed ``round_`` (this one's push may come later: a worker pulls while it
         pushes); return (new round, parameters)."""
         what = f"pull of block {block_id} by worker {worker} for round {round_}"
@@ -390,7 +390,7 @@ class Shard:
         return block.round, block.snapshot
 
     async def pull_result(self, block_id: str, worker: int, round_: int, timeout_s: float, generation: int = 0
-                          ) -> tuple[str, int, Any, tuple[bool, float]]:
+                          ) -> tuple[str, int, Snapshot, tuple[bool, float]]:
         """:meth:`pull`, with the round's (step skipped, gradient norm) that the snapshot is of."""
         new_round, snapshot = await self.pull(block_id, worker, round_, timeout_s, generation)
         return block_id, new_round, snapshot, self.block(block_id).snapshot_result  # no await between
@@ -429,7 +429,7 @@ class Shard:
             block.snapshot = block.reset_held()
         log.info("shard %d: imported the state of blocks %s", self.index, sorted(states))
 
-    def fetch(self, block_id: str, generation: int = 0) -> tuple[int, list[bytes]]:
+    def fetch(self, block_id: str, generation: int = 0) -> tuple[int, Snapshot]:
         self.check_generation(generation, f"fetch of block {block_id}")
         block = self.block(block_id)
         return block.round, block.full_snapshot()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -165,12 +165,16 @@ async def receive_exact(chunks: AsyncIterator[bytes], numel: int, what: str) -> 
     return tensor
 
 
-async def receive_states(stream: AsyncIterator[Any], bound: Callable[[str, int], int]) -> tuple[int, dict[str, bytes]]:
+async def receive_states(stream: AsyncIterator[Any], bound: Callable[[str, int], int],
+                         expected: Callable[[int], Awaitable[None]] | None = None) -> tuple[int, dict[str, bytes]]:
     """An Import stream's (generation, block id -> state bytes). Each block is named once, with the generation of
     the others, and declares at most ``bound(block_id, generation)`` bytes (which raises for an unknown block),
-    all checked when its meta arrives, before a byte of its data is kept."""
+    all checked when its meta arrives, before a byte of its data is kept; ``expected(generation)`` raises where
+    no import of that generation is expected (checked at the first meta)."""
     states: dict[str, bytes] = {}
-    meta, parts, received, generation = None, [], 0, None
+    meta: Any = None
+    parts: list[bytes] = []
+    received, generation = 0, None
     async for chunk in stream:
         if chunk.WhichOneof("part") == "meta":
             if meta is not None:
@@ -181,6 +185,8 @@ async def receive_states(stream: AsyncIterator[Any], bound: Callable[[str, int],
                 raise InvalidArgument(f"Import: block {clip(meta.block_id)} is named twice")
             if generation is not None and meta.generation != generation:
                 raise InvalidArgument(f"Import: generations {generation} and {meta.generation} in one stream")
+            if generation is None and expected is not None:
+                await expected(meta.generation)
             generation, most = meta.generation, bound(meta.block_id, meta.generation)
             if meta.nbytes > most:
                 raise InvalidArgument(f"Import: block {meta.block_id}: {meta.nbytes} bytes, more than its state "
@@ -196,7 +202,7 @@ async def receive_states(stream: AsyncIterator[Any], bound: Callable[[str, int],
             states[meta.block_id], meta = b"".join(parts), None
     if meta is not None:
         raise InvalidArgument(f"Import: block {meta.block_id} got {received} of {meta.nbytes} bytes")
-    if not states:
+    if not states or generation is None:
         raise InvalidArgument("Import: empty stream (no block's state)")
     return generation, states
 
@@ -243,13 +249,13 @@ class Row:
     ``STALLED_S`` (a stalled, dripping or abandoned push never holds up its retry for longer); at most
     ``MAX_ROW_WAITERS`` wait."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self.holder: tuple[int, Progressing] | None = None  # (round, the push stream holding the row)
         self.waiters = 0
 
     @contextlib.asynccontextmanager
-    async def held(self, round_: int, stream: Progressing | None, what: str):
+    async def held(self, round_: int, stream: Progressing | None, what: str) -> AsyncIterator[None]:
         if self.waiters >= MAX_ROW_WAITERS:
             raise ResourceExhausted(f"{what}: {MAX_ROW_WAITERS} pushes of this worker already wait for the block")
         self.waiters += 1

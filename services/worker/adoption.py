@@ -52,7 +52,7 @@ class OptimizerWatch:
         self.param_ids = {id(p) for p in module.parameters()}
         self.given = given
         self.joined = False
-        self._built: list[weakref.ref] = []
+        self._built: list[weakref.ref[torch.optim.Optimizer]] = []
         _install()
         for optimizer in self._existing():
             self._add(optimizer)
@@ -131,7 +131,7 @@ def _install() -> None:
     __init__.imerge_watch = True  # type: ignore[attr-defined]
     with _lock:  # the optimizers built before the wrapper: found once among every live object
         _live.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and not _is_proxy(o))
-        torch.optim.Optimizer.__init__ = __init__
+        torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]  # the watch (see the module)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:

@@ -37,7 +37,7 @@ class ShardGradScaler(torch.amp.GradScaler):
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)
         if self._enabled:
-            self._engine().settings.loss_scale = float(self._scale)
+            self._engine().settings.loss_scale = self.get_scale()
         return scaled
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -58,8 +58,10 @@ class ShardGradScaler(torch.amp.GradScaler):
         result = self._engine().last_round_result()
         if result is None:
             raise UnsupportedUse("grad_scaler.step() before any backward of the wrapped model")
-        state["found_inf_per_device"] = {self._scale.device: torch.full((), float(result.skipped),
-                                                                        device=self._scale.device)}
+        if self._scale is None:
+            raise UnsupportedUse("grad_scaler.step() before grad_scaler.scale(loss)")
+        device = self._scale.device
+        state["found_inf_per_device"] = {device: torch.full((), float(result.skipped), device=device)}
         state["stage"] = OptState.STEPPED
         if result.skipped:  # the shards skipped the round; it still counts as the loop's step
             self._engine().stepped()

@@ -101,7 +101,7 @@ class DistributedModel(DDPIdioms):
             raise
 
     # -- joining the job -------------------------------------------------------------------
-    def _join_at_forward(self, _module: torch.nn.Module, args: tuple) -> None:
+    def _join_at_forward(self, _module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         """The inner module's first forward (called directly, not through this wrapper) joins the job; the hooks
         the join installs run from the next forward on, so this one runs their forward start itself."""
         if self._engine is None:
@@ -128,7 +128,7 @@ class DistributedModel(DDPIdioms):
         else:
             chosen = check_launch_flags(chosen, config)
         layout, self._optimizer = shard_optimizer(self.module, chosen)
-        if self.rejoined:
+        if self.rejoined and self._plan is not None:
             plan = self._plan
         else:
             self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
@@ -162,6 +162,8 @@ class DistributedModel(DDPIdioms):
                 raise IMergeError("this DistributedModel is closed")
             with self._reporting():
                 self._join()
+        if self._engine is None:  # a join that fails raises; one that returns made the engine
+            raise IMergeError("this DistributedModel has no engine: its join did not complete")
         return self._engine
 
     @property
@@ -174,6 +176,8 @@ class DistributedModel(DDPIdioms):
         pushes carry (attach any torch.optim.lr_scheduler to it); step() and zero_grad() have nothing to do.
         Reading it joins the job (with the optimizer built so far, or the default)."""
         self.engine
+        if self._optimizer is None:  # made by the join, with the engine
+            raise IMergeError("this DistributedModel has no optimizer: its join did not complete")
         return self._optimizer
 
     @property

@@ -43,7 +43,7 @@ def apply_payload(target: torch.Tensor, payload: Payload) -> None:
     """A pulled compressed block into its target: widened, or a sparse update written at its indices (the
     other elements keep what the worker holds, which is what the shard last sent)."""
     if payload.sparse:
-        target[payload.indices.long()] = payload.values.float()
+        target[payload.index.long()] = payload.values.float()
     else:
         target.copy_(payload.values)
 
@@ -55,12 +55,13 @@ class CallThreads:
 
     def __init__(self, name: str):
         self._name = name
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = self._threads = 0
 
-    def submit(self, function: Callable, *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
+    def submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
             spawn = self._idle == 0
             self._idle -= 0 if spawn else 1
@@ -181,10 +182,10 @@ class SocketDataPath:
         expect(header, kind, *((Kind.END,) if kind == Kind.BLOCK else ()), what=what)
         return header
 
-    async def _run(self, function: Callable, *args: Any) -> Any:
+    async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._threads.submit(self._translated, function, *args))
 
-    def _translated(self, function: Callable, *args: Any) -> Any:
+    def _translated(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
             return function(*args)
         except RequestError:
@@ -194,7 +195,8 @@ class SocketDataPath:
         except (ChannelClosed, OSError) as exc:
             raise Unavailable(f"data channel: {exc}", address=self.address) from None
 
-    async def _call(self, worker: int, generation: int, timeout_s: float, function: Callable, *args: Any) -> Any:
+    async def _call(self, worker: int, generation: int, timeout_s: float, function: Callable[..., Any],
+                    *args: Any) -> Any:
         """``function(sock, *args)`` on a pooled connection; the connection goes back to the pool only when the
         call succeeded."""
         kind = function.__name__
@@ -223,7 +225,8 @@ class SocketDataPath:
         results = await self._call(worker, generation, timeout_s, self._push, frames, on_written)
         return ps_pb2.PushReply(results=results)
 
-    def _push(self, sock: socket.socket, frames: list, on_written: Callable[[], Any] | None) -> list:
+    def _push(self, sock: socket.socket, frames: list[tuple[ps_pb2.PushHeader, list[memoryview]]],
+              on_written: Callable[[], Any] | None) -> list[ps_pb2.BlockPushResult]:
         for header, parts in frames:
             send_frame(sock, Kind.PUSH, header, parts)
         if on_written is not None:
@@ -235,13 +238,13 @@ class SocketDataPath:
         return results
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
-                        generation: int = 0, on_block: Callable | None = None) -> list[int]:
+                        generation: int = 0, on_block: Callable[[str, int, Any], None] | None = None) -> list[int]:
         """As ShardClient.pull_into: each block in place as soon as the shard sends it, ``on_block`` told on the
         comm loop as each one arrives (a failure of it fails the pull); the new rounds, in the targets' order."""
         loop = asyncio.get_running_loop()
         failures: list[BaseException] = []
 
-        def arrived(item: tuple) -> None:  # on the loop, in the order the blocks came, before the call returns
+        def arrived(item: tuple[str, int, Any]) -> None:  # on the loop, in the order the blocks came, before the call returns
             if on_block is not None and not failures:
                 try:
                     on_block(*item)
@@ -284,7 +287,7 @@ class SocketDataPath:
         dense = meta.dtype == ps_pb2.FLOAT32 and meta.encoding == ps_pb2.DENSE
         receiver = None if dense else PayloadReceiver(target.numel(), dtype_name(meta.dtype, what), nnz_of(meta),
                                                       what)
-        place = tensor_view(target) if dense else tensor_view(receiver.buffer)
+        place = tensor_view(target) if receiver is None else tensor_view(receiver.buffer)
         if nbytes != len(place):
             raise InvalidArgument(f"{what}: {nbytes} bytes of payload, expected {len(place)}", address=self.address)
         read_exact(sock, place, what)

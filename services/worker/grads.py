@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from imerge.core.errors import IMergeError
+
 from .buffers import FlatParams
 from .groups import GroupRuntime
 from .guarded import internal
@@ -59,6 +61,8 @@ class LocalGrads:
         waited); returns the gradient (for a local step)."""
         if group.dirty:  # its slice still held the pushed gradient at the forward: clear it before adding
             self.clear(group)
+        if param.grad is None:  # the hook runs after autograd accumulated into .grad
+            raise IMergeError(f"parameter of {group}: its gradient hook ran without a gradient")
         grad = param.grad.detach()
         if not self.bucket_views:
             self.flat.add_grad(param, grad)  # .grad stays this iteration's gradient until the next forward

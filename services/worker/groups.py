@@ -46,8 +46,8 @@ class Sync:
     options: dict[str, PushOptions]  # block id -> what its push says besides the data
     ready: Ready = DONE  # when the group's gradients may be read for the wire (a device copy's event)
     pushed: threading.Event = dataclasses.field(default_factory=threading.Event)
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    block_futures: dict[str, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
+    future: concurrent.futures.Future[int] = dataclasses.field(default_factory=concurrent.futures.Future)
+    block_futures: dict[str, concurrent.futures.Future[int]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.block_futures.update({b.block_id: concurrent.futures.Future() for b in self.group.blocks})

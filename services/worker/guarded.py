@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -79,7 +79,7 @@ class GuardedParameter(torch.nn.Parameter):
     _guard: ParamGuard
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name, accessor = _name(func)
         if name not in _METADATA:
@@ -89,7 +89,7 @@ class GuardedParameter(torch.nn.Parameter):
         with internal():
             return func(*args, **kwargs)
 
-    def __deepcopy__(self, memo: dict) -> torch.nn.Parameter:
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.nn.Parameter:
         """A copy (an EMA model, say) is an ordinary parameter: it is not the job's."""
         with internal():
             copied = torch.nn.Parameter(self._settled().clone(memory_format=torch.preserve_format),
@@ -97,7 +97,7 @@ class GuardedParameter(torch.nn.Parameter):
         memo[id(self)] = copied
         return copied
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         """Pickled (``torch.save(model)``) as an ordinary parameter of the step's values."""
         with internal():
             return torch.nn.Parameter(self._settled(), self.requires_grad).__reduce_ex__(protocol)
@@ -117,7 +117,7 @@ def _guarded_in(value: Any) -> GuardedParameter | None:
     return None
 
 
-def _guard_of(args: tuple, kwargs: dict) -> ParamGuard | None:
+def _guard_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> ParamGuard | None:
     for arg in (*args, *kwargs.values()):
         found = _guarded_in(arg)
         if found is not None:
@@ -125,7 +125,7 @@ def _guard_of(args: tuple, kwargs: dict) -> ParamGuard | None:
     return None
 
 
-def _params_in(args: Iterable, kwargs: dict) -> list[int]:
+def _params_in(args: Iterable[Any], kwargs: dict[str, Any]) -> list[int]:
     found = []
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, GuardedParameter):
@@ -135,7 +135,7 @@ def _params_in(args: Iterable, kwargs: dict) -> list[int]:
     return found
 
 
-def _check(guard: ParamGuard, name: str, accessor: str, args: tuple, kwargs: dict) -> None:
+def _check(guard: ParamGuard, name: str, accessor: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     param = args[0]
     if accessor == "set":
         if name == "data" and not (isinstance(args[1], torch.Tensor) and _same_storage(param, args[1])):

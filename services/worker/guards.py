@@ -24,7 +24,7 @@ from imerge.core.errors import UnsupportedUse
 INSTEAD = {"clip_grad_norm_": "model.clip_grad_norm_(max_norm), called before the first backward",
            "clip_grad_norm": "model.clip_grad_norm_(max_norm), called before the first backward",
            "clip_grad_value_": "nothing: clipping by value is not supported on the shards"}
-_distributed: dict[int, weakref.ref] = {}  # id(param) -> the parameter, for every live distributed model
+_distributed: dict[int, weakref.ref[torch.nn.Parameter]] = {}  # id(param) -> the parameter, for every live distributed model
 
 
 def _is_distributed(param: Any) -> bool:
@@ -32,7 +32,7 @@ def _is_distributed(param: Any) -> bool:
     return ref is not None and ref() is param
 
 
-def _guarded(original: Callable, name: str) -> Callable:
+def _guarded(original: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def guarded(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

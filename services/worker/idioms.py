@@ -57,9 +57,12 @@ class DDPIdioms(torch.nn.Module):
         self.engine.metrics.loss.set(value)
         if progress.connected():
             now, iteration = time.monotonic(), self.engine.iteration
-            figures = {"seconds": (now - self._logged[0]) / max(1, iteration - self._logged[1])} \
-                if self._logged is not None and iteration > self._logged[1] else {}
-            progress.report(iteration=iteration, loss=value, **({"total": total} if total else {}), **figures)
+            figures: dict[str, float | int] = {"iteration": iteration, "loss": value}
+            if total:
+                figures["total"] = total
+            if self._logged is not None and iteration > self._logged[1]:
+                figures["seconds"] = (now - self._logged[0]) / (iteration - self._logged[1])
+            progress.report("iteration", **figures)
             self._logged = (now, iteration)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -60,9 +60,10 @@ def run_job(worker: WorkerConfig, job: JobConfig) -> dict[str, float]:
     started = time.monotonic()
     with model:
         try:
-            if job.resume_file() is not None and not model.rejoined:
-                info = load(model, job.resume_file())
-                log.info("resumed from %s at iteration %d", job.resume_file(), info["iteration"])
+            resume = job.resume_file()
+            if resume is not None and not model.rejoined:
+                info = load(model, resume)
+                log.info("resumed from %s at iteration %d", resume, info["iteration"])
             iteration, loss_value = _train(model, train, worker, job, per_epoch, total, device)
             if job.state_file:
                 save(model, job.state_file)

@@ -19,8 +19,8 @@ import os
 import socket
 import time
 import uuid
-from typing import Any
 
+from imerge.control.store import Store
 from imerge.core.errors import RankInUse
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def _holder_gone(lease_value: str) -> bool:
 
 
 class RankLease:
-    def __init__(self, store: Any, job: str, rank: int, ttl_s: float):
+    def __init__(self, store: Store, job: str, rank: int, ttl_s: float):
         self.store, self.job, self.rank, self.ttl_s = store, job, rank, ttl_s
         self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.beat = 0

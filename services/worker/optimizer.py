@@ -72,7 +72,7 @@ class _NothingToStep:
         _refuse_torch_scaler(optimizer)
         self.proxy.stepped()
         self.aside = [(param, param.grad) for group in optimizer.param_groups for param in group["params"]]
-        for param, _ in self.aside:
+        for param, _grad in self.aside:
             param.grad = None
 
     def after(self, *_: Any) -> None:
@@ -103,7 +103,7 @@ class ShardOptimizer(torch.optim.Optimizer):
             self.param_groups = shared.param_groups
             shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
-            shared._step_supports_amp_scaling = True  # torch.amp.GradScaler then marks the optimizer before step()
+            shared._step_supports_amp_scaling = True  # type: ignore[attr-defined]  # torch.amp.GradScaler then marks the optimizer before step()
             _NothingToStep(shared, self)
         self.on_step: Callable[[], None] | None = None  # the engine counts the script's steps
         self.hyper_keys = list(defaults)

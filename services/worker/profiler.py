@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from imerge.control.store import Store
 from imerge.control.messages import COST_PLAN, Profile
 from imerge.core.errors import IMergeError
 from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost
@@ -106,7 +107,7 @@ class Profiler:
                  profile.compute_s, path)
 
 
-def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
+def cost_plan(store: Store, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
               wire_bytes: Callable[[Any], int] | None = None) -> Plan:
     """After the profiled iterations: submit the profile (worker 0), wait for the cost plan and check that it
     only regroups the blocks of ``current``. ``wire_bytes(block)``: what a push of the block carries (after
@@ -121,7 +122,7 @@ def cost_plan(store: Any, profiler: Profiler, current: Plan, rank: int, wait_tim
         log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", profile.alpha_s,
                  profile.beta_s_per_byte, profile.ready_s[-1])
         store.submit_profile(profile)
-    plan = store.wait_plan(COST_PLAN, wait_timeout_s, f"the coordinator's cost plan (v{COST_PLAN})").result()
+    plan: Plan = store.wait_plan(COST_PLAN, wait_timeout_s, f"the coordinator's cost plan (v{COST_PLAN})").result()
     if plan.blocks != current.blocks:
         raise IMergeError("the cost plan changed the blocks; only the groups may change")
     return plan

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from imerge.control.messages import PORT, Flag
+from imerge.core.compression import Payload
 from imerge.core.errors import Fenced
 from imerge.core.planning import BYTES_PER_ELEMENT, Block
 from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
@@ -39,7 +40,7 @@ FENCED_RETRIES = 3  # a push fenced off (its flag's lease had passed to another)
 class ShardPushes:
     """The pushes of one sync's blocks, spread over the shards' senders: done when the last block is pushed."""
 
-    def __init__(self, sync: Sync, blocks: int, cancel_pull: Callable[[], None]):
+    def __init__(self, sync: Sync, blocks: int, cancel_pull: Callable[[], object]):
         self.sync, self.remaining = sync, blocks
         self.cancel_pull = cancel_pull
         self.failed = False
@@ -112,7 +113,7 @@ class Pusher:
         return self.slots.holds_flags and self.slot_scope == "group"
 
     # -- one sender per shard (no slots, or slots scoped to the shard port) ----------------------
-    def dispatch(self, sync: Sync, cancel_pull: Callable[[], None]) -> None:
+    def dispatch(self, sync: Sync, cancel_pull: Callable[[], object]) -> None:
         """Queue the group's blocks at each shard's sender; the senders drain their queues independently, so
         one shard's share of a group never waits for another shard's (a group split unevenly over the shards
         would otherwise leave the lighter shards' links idle until the heaviest is done)."""
@@ -224,7 +225,7 @@ class Pusher:
         grad = self.staging.wire_grads(block.offset, block.numel)
         options = sync.options.get(block.block_id, NO_OPTIONS)
         payload = grad if options.assign else self.compression.compress(block, grad, options.loss_scale > 0)
-        if payload is not grad and options.no_grad:
+        if isinstance(payload, Payload) and options.no_grad:
             options = dataclasses.replace(options, no_grad=self.compression.still_without_grad(
                 block, payload, options.no_grad, self.flat))
         self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT, payload_nbytes(payload))

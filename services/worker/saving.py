@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -28,17 +28,22 @@ from imerge.control.messages import Loaded
 from imerge.core.blockstate import block_state_bytes
 from imerge.core.errors import IMergeError, InvalidArgument, JobFailed
 from imerge.core.optim import OptimizerSpec
+from imerge.core.planning import Block
+
+if TYPE_CHECKING:
+    from .api import DistributedModel
+    from .engine import SyncEngine
 
 FORMAT = "imerge-save-1"
 
 
-def _block_pieces(engine: Any, block: Any) -> list[tuple[str, int, int]]:
+def _block_pieces(engine: SyncEngine, block: Block) -> list[tuple[str, int, int]]:
     """(parameter name, offset of the piece within the parameter, elements) of each piece of ``block``."""
     names, ranges = engine.names, engine.flat.range
     return [(names[pid], max(block.offset - ranges[pid][0], 0), numel) for pid, numel in engine.flat.pieces(block)]
 
 
-def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
+def save_model(model: DistributedModel, path: str | os.PathLike[str], iteration: int) -> None:
     engine = model.engine
     engine.synchronize()
     if model.config.rank != 0:
@@ -71,7 +76,7 @@ def save_model(model: Any, path: str | os.PathLike, iteration: int) -> None:
     os.replace(temporary, target)
 
 
-def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_file(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
@@ -85,7 +90,7 @@ def read_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[st
     return tensors, metadata
 
 
-def block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, bytes]:
+def block_states(engine: SyncEngine, optim: dict[str, dict[str, torch.Tensor]]) -> dict[str, bytes]:
     """Each block's parameters (the loaded module's) and optimizer state, cut from the file's per-parameter state."""
     engine.flat.stage_to_host()
     states = {}
@@ -98,7 +103,7 @@ def block_states(engine: Any, optim: dict[str, dict[str, torch.Tensor]]) -> dict
     return states
 
 
-def check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
+def check_optimizer_state(engine: SyncEngine, optim: dict[str, dict[str, torch.Tensor]], path: Any) -> None:
     """Refuse a file whose optimizer state names a parameter this model does not train, or whose per-element
     state does not match the parameter's size: loading it would drop or misplace that state silently."""
     numel = {engine.names[pid]: count for pid, (_, count) in engine.flat.range.items()}
@@ -113,7 +118,7 @@ def check_optimizer_state(engine: Any, optim: dict[str, dict[str, torch.Tensor]]
                                       f"{value.numel()} elements; the parameter has {numel[name]}")
 
 
-def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
+def load_model(model: DistributedModel, path: str | os.PathLike[str]) -> dict[str, str]:
     engine, config = model.engine, model.config
     engine.synchronize()
     engine.loads += 1
@@ -146,10 +151,11 @@ def load_model(model: Any, path: str | os.PathLike) -> dict[str, str]:
         raise JobFailed(loaded.error)
     engine.fetch_all("the loaded parameters from the shards")
     engine.share_module_state(-1 - sequence)
-    return json.loads(loaded.metadata)
+    metadata_read: dict[str, str] = json.loads(loaded.metadata)
+    return metadata_read
 
 
-def save(model: Any, path: str | os.PathLike) -> None:
+def save(model: DistributedModel, path: str | os.PathLike[str]) -> None:
     """Save the model (parameters and buffers) and the shards' optimizer state to ``path`` (safetensors).
 
     Every worker calls it at the same point of its loop; worker 0 writes the file. An LR scheduler's or a grad
@@ -159,7 +165,7 @@ def save(model: Any, path: str | os.PathLike) -> None:
         save_model(model, path, model.engine.iteration)
 
 
-def load(model: Any, path: str | os.PathLike) -> dict[str, Any]:
+def load(model: DistributedModel, path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a file of :func:`save` into the job: worker 0 reads it (only it needs the file) and the shards take its
     parameters and optimizer state; every worker calls it at the same point (before training, or between two
     iterations). Returns the file's metadata, with ``iteration`` (the iterations done when it was saved: the

@@ -7,7 +7,7 @@ does), so every call takes the plan's block list.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Block, Plan
@@ -40,21 +40,21 @@ class ShardBlocks:
                                              self.compression.mode(b.block_id))
             for b in plan.blocks))
 
-    async def export(self, blocks: list[Block]) -> dict[str, bytes]:
+    async def export(self, blocks: Sequence[Block]) -> dict[str, bytes]:
         """Every block's parameters and optimizer state (safetensors bytes), from its shard."""
         replies = await asyncio.gather(*(
             self.clients[shard].export_blocks([b.block_id for b in held], self.rpc_timeout_s, self.generation)
             for shard, held in by_shard(blocks).items()))
         return {block_id: data for reply in replies for block_id, data in reply.items()}
 
-    async def load(self, blocks: list[Block], states: dict[str, bytes]) -> None:
+    async def load(self, blocks: Sequence[Block], states: dict[str, bytes]) -> None:
         """Replace every block's state by ``states`` (block id -> safetensors bytes)."""
         await asyncio.gather(*(
             self.clients[shard].import_blocks({b.block_id: states[b.block_id] for b in held}, self.rpc_timeout_s,
                                               self.generation)
             for shard, held in by_shard(blocks).items()))
 
-    async def fetch(self, blocks: list[Block]) -> dict[str, int]:
+    async def fetch(self, blocks: Sequence[Block]) -> dict[str, int]:
         """Every block's current parameters, in place; returns each block's round."""
         grouped = by_shard(blocks)
         replies = await asyncio.gather(*(

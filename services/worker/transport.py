@@ -35,7 +35,7 @@ BlockArrived = Callable[[str, int, Any], None]
 OPEN_CHANNEL_TIMEOUT_S = 30.0
 
 
-def _translated(method: Callable) -> Callable:
+def _translated(method: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(method)
     async def wrapper(self: "ShardClient", *args: Any, **kwargs: Any) -> Any:
         try:
@@ -95,13 +95,14 @@ class ShardClient:
     async def close(self) -> None:
         if self._data is not None:
             await self._data.close()
-        await self._channel.close()
+        await self._channel.close(grace=None)
 
     @_translated
     async def open_channel(self, worker: int, generation: int) -> ps_pb2.ChannelReply:
         """The shard's data channel: its port and this worker's token for ``generation``."""
-        return await self._stub.OpenChannel(ps_pb2.ChannelRequest(worker=worker, generation=generation),
-                                            timeout=OPEN_CHANNEL_TIMEOUT_S)
+        reply: ps_pb2.ChannelReply = await self._stub.OpenChannel(
+            ps_pb2.ChannelRequest(worker=worker, generation=generation), timeout=OPEN_CHANNEL_TIMEOUT_S)
+        return reply
 
     @_translated
     async def init_block(self, block_id: str, num_workers: int, optimizer: OptimizerSpec,
@@ -117,7 +118,8 @@ class ShardClient:
             for frame in data_frames(tensor_view(init), CHUNK_BYTES):
                 yield frame
 
-        return await self._init(chunks(), timeout=timeout_s)
+        reply: ps_pb2.InitBlockReply = await self._init(chunks(), timeout=timeout_s)
+        return reply
 
     @_translated
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float,
@@ -139,7 +141,8 @@ class ShardClient:
             if written is not None:
                 written.set()
 
-        return await self._push(segments(), timeout=timeout_s)
+        reply: ps_pb2.PushReply = await self._push(segments(), timeout=timeout_s)
+        return reply
 
     async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str,
                             on_block: BlockArrived | None = None) -> list[int]:
@@ -152,6 +155,8 @@ class ShardClient:
         current: tuple[str, ChunkAssembler | BlockReceiver] | None = None
 
         def finish() -> None:
+            if current is None:
+                return
             block_id, assembler = current
             assembler.finish()
             if on_block is not None:
@@ -240,4 +245,5 @@ class ShardClient:
 
     @_translated
     async def stats(self, timeout_s: float) -> ps_pb2.StatsReply:
-        return await self._stub.Stats(ps_pb2.StatsRequest(), timeout=timeout_s)
+        reply: ps_pb2.StatsReply = await self._stub.Stats(ps_pb2.StatsRequest(), timeout=timeout_s)
+        return reply

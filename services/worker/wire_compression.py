@@ -72,7 +72,7 @@ class Compression:
             starts.append(start)
             start += numel
         starts.append(start)
-        indices = payload.indices.tolist()
+        indices = payload.index.tolist()
         kept = []
         for piece in no_grad:
             first = bisect.bisect_left(indices, starts[piece])

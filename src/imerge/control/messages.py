@@ -24,7 +24,8 @@ class Message:
     """JSON of the dataclass's fields; subclasses with nested values override ``_to_dict``/``_from_dict``."""
 
     def _to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        fields: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return fields
 
     @classmethod
     def _from_dict(cls: type[M], raw: dict[str, Any]) -> M:
@@ -54,7 +55,8 @@ class PlanPublished(Message):
 
     def _to_dict(self) -> dict[str, Any]:
         if self.plan is not None:
-            return json.loads(self.plan.to_json())
+            plan: dict[str, Any] = json.loads(self.plan.to_json())
+            return plan
         return {"error": self.error, "kind": "layout-mismatch" if self.layout_mismatch else "plan"}
 
     @classmethod

@@ -169,6 +169,11 @@ return 0
 """
 
 
+def _text(value: bytes | str) -> str:
+    """A reply of the store's connection (made with decode_responses: always text)."""
+    return value if isinstance(value, str) else value.decode()
+
+
 def _slice(seconds: float) -> float:
     """A BLPOP timeout: at most one slice, and never below 10 ms (Redis reads a timeout under 1 ms as 0, which
     blocks forever)."""
@@ -221,7 +226,7 @@ class Store:
                 raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
             item = self._redis.blpop([key], timeout=_slice(remaining))
             if item is not None:
-                return item[1]
+                return _text(item[1])
 
     def _collect(self, queue: str, count: int, timeout_s: float, what: str) -> None:
         """Pop indexes from ``queue`` until each of 0..count-1 was seen; others are logged and skipped."""
@@ -250,7 +255,7 @@ class Store:
         while True:
             value = self._redis.get(value_key)
             if value is not None:
-                return value
+                return _text(value)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}")
@@ -259,7 +264,8 @@ class Store:
 
     def _read_event(self, name: str) -> str | None:
         """The payload of event ``name`` if it is set, without waiting."""
-        return self._redis.get(self._key("event", name, "value"))
+        value = self._redis.get(self._key("event", name, "value"))
+        return None if value is None else _text(value)
 
     # -- the plan ---------------------------------------------------------------
     @_translated
@@ -310,7 +316,7 @@ class Store:
         """Addresses of shards 0..count-1, once all of them registered."""
         self._collect("shards", count, timeout_s, "PS shards {missing} to register")
         addresses = self._redis.hgetall(self._key("shards"))
-        return [addresses[str(i)] for i in range(count)]
+        return [_text(addresses[str(i)]) for i in range(count)]
 
     @_translated
     def registered_shards(self) -> int:
@@ -426,7 +432,7 @@ class Store:
     def wait_profile(self, timeout_s: float) -> Profile:
         self._pop(self._key("profile", "queue"), time.monotonic() + timeout_s,
                   "worker 0's profile of its first iterations", timeout_s)
-        return Profile.decode(self._redis.get(self._key("profile")) or "")
+        return Profile.decode(_text(self._redis.get(self._key("profile")) or ""))
 
     # -- imerge.load ------------------------------------------------------------
     @_translated
@@ -491,7 +497,7 @@ class Store:
     def wait_round_scalars(self, generation: int, round_: int, shard: int, shards: list[int],
                            timeout_s: float) -> dict[int, str]:
         """Every shard's scalars of ``round_`` (by shard), as they post them to ``shard``."""
-        deadline, received = time.monotonic() + timeout_s, {}
+        deadline, received = time.monotonic() + timeout_s, dict[int, str]()
         while len(received) < len(shards):
             missing = sorted(set(shards) - set(received))
             sender, _, scalars = self._pop(self._key("scalars", generation, round_, "to", shard), deadline,
@@ -531,7 +537,7 @@ class Store:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for slot flag {flag} "
-                                  f"(held by {self._redis.get(holder)})")
+                                  f"(held by {self._redis.get(holder)!s})")
             wait = min(remaining, max(remaining_lease_ms, 10) / 1000, _BLOCK_SLICE_S)
             self._redis.blpop([wake], timeout=_slice(wait))
 
@@ -563,8 +569,9 @@ class Store:
             user = f"imerge-{role}"
             keys = [f"%R~{self._prefix}*"] + [f"~{self._prefix}{pattern}" for pattern in ROLE_WRITES[role]]
             commands = ROLE_COMMANDS[role] + (("client|setinfo",) if major_minor >= (7, 2) else ())
-            self._redis.execute_command("ACL", "SETUSER", user, "reset", "on", f">{password}", *keys,
-                                        "resetchannels", "-@all", *(f"+{command}" for command in commands))
+            acl = ["ACL", "SETUSER", user, "reset", "on", f">{password}", *keys, "resetchannels", "-@all",
+                   *(f"+{command}" for command in commands)]
+            self._redis.execute_command(*acl)  # type: ignore[no-untyped-call]
             users.append(user)
         return users
 
@@ -585,7 +592,7 @@ class Store:
     @_translated
     def job_lease(self) -> JobLease | None:
         text = self._redis.get(self._key("lease"))
-        return JobLease.decode(text) if text else None
+        return JobLease.decode(_text(text)) if text else None
 
     def check_job(self, token: str, what: str) -> None:
         """JobTaken where another run's token holds the job's name (``token`` empty: nothing to tell apart)."""
@@ -675,7 +682,7 @@ class Store:
     @_translated
     def checkpoint_rounds(self) -> dict[int, list[int]]:
         """Each shard's complete checkpoint rounds, as it last published them."""
-        return {int(k): CheckpointRounds.decode(v).rounds
+        return {int(k): CheckpointRounds.decode(_text(v)).rounds
                 for k, v in self._redis.hgetall(self._key("checkpoints")).items()}
 
     @_translated
@@ -692,6 +699,6 @@ class Store:
             return None
         done = item[0] == self._key("done", "queue")
         try:
-            return WorkerDone.decode(item[1]) if done else FailureReport.decode(item[1])
+            return WorkerDone.decode(_text(item[1])) if done else FailureReport.decode(_text(item[1]))
         except StoreError as exc:
             return Malformed("done" if done else "failures", str(exc))

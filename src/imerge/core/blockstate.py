@@ -80,7 +80,7 @@ def parse_block_state(data: bytes, numel: int, pieces: tuple[int, ...], what: st
     return param, state
 
 
-def _check_complete(state: dict[str, torch.Tensor], kinds: dict, what: str) -> None:
+def _check_complete(state: dict[str, torch.Tensor], kinds: dict[str, tuple[int, str]], what: str) -> None:
     """Each piece has all of its optimizer's state or none (a step needs all of it)."""
     names: dict[str, set[str]] = {}
     for key in state:

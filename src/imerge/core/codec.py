@@ -9,10 +9,15 @@ from __future__ import annotations
 import hashlib
 import sys
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from imerge.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from imerge.core.compression import Payload
 
 CHUNK_BYTES = 1 << 20
 assert sys.byteorder == "little", "IMerge sends tensors as little-endian memory"
@@ -22,7 +27,7 @@ def tensor_view(flat: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     if flat.device.type != "cpu" or not flat.is_contiguous():
         raise ValueError("tensor_view needs a contiguous CPU tensor")
-    return memoryview(flat.detach().numpy()).cast("B")
+    return memoryview(flat.detach().numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs: Buffer on 3.12+
 
 
 def digest(data: bytes | memoryview) -> str:
@@ -78,7 +83,7 @@ class PayloadReceiver:
     def feed(self, data: bytes) -> None:
         self._assembler.feed(data)
 
-    def finish(self, fed: bool = True):
+    def finish(self, fed: bool = True) -> Payload:
         """The payload; ``fed``: its bytes came through :meth:`feed` (else they were written into ``buffer``)."""
         from imerge.core.compression import Payload, check_sparse
 

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from imerge.core.codec import tensor_view
 from imerge.core.errors import ConfigError, InvalidArgument
+
+if TYPE_CHECKING:
+    from imerge.core.planning import Plan
 
 MODES = ("none", "fp16", "bf16", "topk", "mixed")
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -58,18 +62,28 @@ class Payload:
         return self.indices is not None
 
     @property
+    def index(self) -> torch.Tensor:
+        """A sparse payload's indices."""
+        if self.indices is None:
+            raise ValueError("a dense payload has no indices")
+        return self.indices
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What goes on the wire, in order: [indices,] values."""
+        return [self.values] if self.indices is None else [self.indices, self.values]
+
+    @property
     def nnz(self) -> int:
         return self.values.numel() if self.sparse else 0
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.indices, self.values] if self.sparse else [self.values]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def parts(self) -> list[memoryview]:
         """The payload's bytes as they go on the wire, without a copy: [indices,] values."""
-        tensors = [self.indices, self.values] if self.sparse else [self.values]
-        return [memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B") for t in tensors]
+        return [tensor_view(t.contiguous().view(torch.uint8)) for t in self.tensors]
 
 
 class Compressor(Protocol):
@@ -136,13 +150,13 @@ def accumulate(total: torch.Tensor, payload: Payload) -> torch.Tensor:
     """``total`` (fp32) plus the tensor ``payload`` stands for, in place: a sparse payload is added at its
     indices (nothing dense is made of it), a dense one widened."""
     if payload.sparse:
-        return total.index_add_(0, payload.indices.long(), payload.values.float())
+        return total.index_add_(0, payload.index.long(), payload.values.float())
     return total.add_(payload.values)
 
 
 def densify(payload: Payload, numel: int) -> torch.Tensor:
     dense = torch.zeros(numel)
-    dense[payload.indices.long()] = payload.values.float()
+    dense[payload.index.long()] = payload.values.float()
     return dense
 
 
@@ -274,7 +288,7 @@ def check_sparse(indices: torch.Tensor, numel: int, what: str) -> None:
         raise InvalidArgument(f"{what}: sparse indices are not strictly increasing")
 
 
-def block_modes(spec: CompressionSpec, plan) -> dict[str, str]:
+def block_modes(spec: CompressionSpec, plan: Plan) -> dict[str, str]:
     """Each block's mode, by the size of its group in ``plan`` (the job's first plan: a block keeps its mode when a
     cost plan regroups the blocks later)."""
     modes = {}

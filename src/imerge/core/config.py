@@ -16,11 +16,14 @@ import re
 import typing
 from pathlib import Path
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from imerge.core.errors import ConfigError
 
-C = TypeVar("C")
+C = TypeVar("C", bound="DataclassInstance")
 LAUNCH_FLAGS_ENV = "IMERGE_LAUNCH_FLAGS"  # the fields whose flags ``imerge launch`` was given with a script
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -60,7 +63,7 @@ def parse_value(kind: type, raw: str, source: str) -> Any:
         raise ConfigError(source, f"expected {kind.__name__}, got {raw!r}") from None
 
 
-def _env_value(field: dataclasses.Field, kind: type, env: Mapping[str, str]) -> Any:
+def _env_value(field: dataclasses.Field[Any], kind: type, env: Mapping[str, str]) -> Any:
     for name in (env_name(field.name), *field.metadata.get("aliases", ())):
         if env.get(name, "") != "":
             return parse_value(kind, env[name], f"{name} (environment twin of {flag_name(field.name)})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 _WORKER = re.compile(r"worker-(\d+)(?:\.|$)")
 _OPERATOR = re.compile(r"imerge-operator(?:\.|$)")
@@ -46,7 +47,7 @@ def require_loader(names: Iterable[str], what: str) -> None:
                                "(--tls-worker-identity)")
 
 
-def certificate_names(peer: dict | None) -> list[str]:
+def certificate_names(peer: dict[str, Any] | None) -> list[str]:
     """The DNS names and common names of a certificate as Python's ``ssl`` gives it (``getpeercert()``)."""
     if not peer:
         return []

@@ -29,7 +29,7 @@ from imerge.core.optim_args import (checked_arguments, checked_hypers, parse_jso
 REFUSED = {"lbfgs": "needs a closure that re-evaluates the model", "sparseadam": "needs sparse gradients",
            "muon": "works on each parameter's matrix shape, which a shard's flat pieces do not keep",
            "adafactor": "works on each parameter's matrix shape, which a shard's flat pieces do not keep"}
-Scalar = float | int | bool | tuple
+Scalar = float | int | bool | tuple[Any, ...]
 
 
 def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
@@ -79,6 +79,9 @@ class OptimizerSpec:
     """
 
     __slots__ = ("name", "options", "groups")
+    name: str
+    options: tuple[tuple[str, Any], ...]
+    groups: tuple[tuple[tuple[str, Any], ...], ...]
 
     def __init__(self, name: str = "sgd", groups: Sequence[Mapping[str, Any]] = (), **options: Any):
         if "beta1" in options or "beta2" in options:

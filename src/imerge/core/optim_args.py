@@ -19,8 +19,8 @@ import functools
 import inspect
 import json
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -28,6 +28,13 @@ from imerge.core.errors import InvalidArgument
 from imerge.core.limits import MAX_OPTIONS_CHARS, clip
 
 MAX_JSON_DEPTH = 3      # {"betas": [0.9, 0.999]} is depth 2
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def cached(maxsize: int | None) -> Callable[[F], F]:
+    """functools.lru_cache keeping the function's signature for the type checker (an optimizer class is the key:
+    hashable, though torch's stubs declare Optimizer's __hash__ for instances only)."""
+    return cast(Callable[[F], F], functools.lru_cache(maxsize=maxsize))
 
 
 def parse_json_object(text: str, what: str) -> dict[str, Any]:
@@ -48,7 +55,7 @@ def parse_json_object(text: str, what: str) -> dict[str, Any]:
     return value
 
 
-@functools.cache
+@cached(None)
 def signature_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     """The optimizer's keyword arguments and their defaults."""
     return {name: param.default for name, param in inspect.signature(cls.__init__).parameters.items()
@@ -104,7 +111,7 @@ def checked_arguments(cls: type[torch.optim.Optimizer], options: Mapping[str, An
         raise InvalidArgument(f"{what}: {problem}")
 
 
-@functools.lru_cache(maxsize=512)
+@cached(512)
 def trial_problem(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, Any], ...], step: bool = True) -> str:
     """Why torch refuses to build the optimizer with ``options`` or (``step``) to step it once ("" if it does
     not)."""
@@ -136,7 +143,7 @@ def checked_hypers(initial: Mapping[str, Any], delta: Mapping[str, Any], what: s
     return parsed
 
 
-@functools.lru_cache(maxsize=256)
+@cached(256)
 def state_layout(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, Any], ...]
                  ) -> tuple[tuple[str, int, str], ...]:
     """(name, dimensions, dtype) of each state tensor the optimizer keeps for a parameter once it stepped."""

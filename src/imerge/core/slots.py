@@ -34,8 +34,11 @@ SLOT_SCOPES = ("group", "shard")
 
 
 class Grant(Protocol):
-    contended: bool
-    fence: int
+    @property
+    def contended(self) -> bool: ...
+
+    @property
+    def fence(self) -> int: ...
 
 
 class FlagStore(Protocol):
@@ -160,9 +163,9 @@ def make_slots(name: str, store: FlagStore, *, owner: str, lease_s: float, timeo
     """The slot policy ``name`` (one of SLOTS)."""
     if name == "off":
         return NoSlots()
-    options = dict(owner=owner, lease_s=lease_s, timeout_s=timeout_s, generation=generation)
     if name == "ack":
-        return AckSlots(store, **options)
+        return AckSlots(store, owner=owner, lease_s=lease_s, timeout_s=timeout_s, generation=generation)
     if name == "fixed":
-        return FixedSlots(store, bandwidth_bps=bandwidth_mbps * 1e6 / 8, **options)
+        return FixedSlots(store, owner=owner, lease_s=lease_s, timeout_s=timeout_s, generation=generation,
+                          bandwidth_bps=bandwidth_mbps * 1e6 / 8)
     raise ValueError(f"unknown slot policy {name!r}; choose from {', '.join(SLOTS)}")

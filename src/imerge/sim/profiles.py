@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -79,7 +79,7 @@ class ModelProfile:
         if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
             raise ConfigError("profile", f"{source} is not an IMerge profile (format {PROFILE_FORMAT}); write one "
                                          "with imerge worker --profile-out FILE")
-        units = []
+        units: list[UnitProfile] = []
         for index, entry in enumerate(raw.get("units") or []):
             try:
                 module, numel, group, forward_s, backward_s = entry
@@ -175,10 +175,10 @@ def resnet_layers(depth: int, classes: int = 1000) -> list[Layer]:
 
 
 def vgg16_layers(classes: int = 1000) -> list[Layer]:
-    plan = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    plan: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
     layers, cin, side = [], 3, 224
     for index, item in enumerate(plan):
-        if item == "M":
+        if isinstance(item, str):  # "M": a max pool halves the side
             side //= 2
             continue
         layers.append(Layer(f"features.{index}", 9 * cin * item + item, 2.0 * 9 * cin * item * side * side))
@@ -204,7 +204,7 @@ def transformer_layers(blocks: int = 12, width: int = 768, tokens: int = 128, vo
     return layers
 
 
-SYNTHETIC = {
+SYNTHETIC: dict[str, Callable[[], list[Layer]]] = {
     "resnet18-like": lambda: resnet_layers(18),
     "resnet50-like": lambda: resnet_layers(50),
     "vgg16-like": vgg16_layers,

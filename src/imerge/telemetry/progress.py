@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 PROGRESS_FD_ENV = "IMERGE_PROGRESS_FD"
-_stream = None
+_stream: TextIO | None = None
 
 
-def _channel():
+def _channel() -> TextIO | None:
     global _stream
     if _stream is None and os.environ.get(PROGRESS_FD_ENV, "").isdigit():
         try:

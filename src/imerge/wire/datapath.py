@@ -104,7 +104,7 @@ class FrameHeader:
         return HEADER.pack(MAGIC, self.kind, self.flags, 0, self.meta_len, self.payload_len)
 
     @classmethod
-    def decode(cls, raw: bytes | memoryview, max_payload: int) -> "FrameHeader":
+    def decode(cls, raw: bytes | bytearray | memoryview, max_payload: int) -> "FrameHeader":
         magic, kind, flags, reserved, meta_len, payload_len = HEADER.unpack(raw)
         if magic != MAGIC or reserved:
             raise InvalidArgument(f"data channel: not a frame (header {bytes(raw[:8]).hex()}...): the peer does not "

@@ -1,11 +1,13 @@
 """The proto's element types and payload encodings, by the names the rest of IMerge uses."""
 from __future__ import annotations
 
+from typing import Any
+
 from imerge.core.errors import InvalidArgument
 from imerge.wire.rpc import ps_pb2
 
 DTYPE_ENUM = {"float32": ps_pb2.FLOAT32, "float16": ps_pb2.FLOAT16, "bfloat16": ps_pb2.BFLOAT16}
-DTYPE_NAME = {value: name for name, value in DTYPE_ENUM.items()}
+DTYPE_NAME: dict[int, str] = {value: name for name, value in DTYPE_ENUM.items()}
 
 
 def dtype_name(value: int, what: str) -> str:
@@ -15,16 +17,16 @@ def dtype_name(value: int, what: str) -> str:
         raise InvalidArgument(f"{what}: unsupported dtype {value}") from None
 
 
-def nnz_of(message) -> int:
+def nnz_of(message: Any) -> int:
     """A PushHeader's or TensorMeta's sparse pair count, or -1 for a dense payload."""
     if message.encoding == ps_pb2.DENSE:
         return -1
     if message.encoding == ps_pb2.SPARSE:
-        return message.nnz
+        return int(message.nnz)
     raise InvalidArgument(f"unsupported payload encoding {message.encoding}")
 
 
-def encoding_fields(nnz: int) -> dict:
+def encoding_fields(nnz: int) -> dict[str, Any]:
     """The PushHeader / TensorMeta fields of a payload with ``nnz`` pairs (-1: dense)."""
     return {"encoding": ps_pb2.SPARSE, "nnz": nnz} if nnz >= 0 else {"encoding": ps_pb2.DENSE}
 

@@ -84,7 +84,8 @@ def carries_data(message_type: Any) -> bool:
 def deserializer(message_type: Any) -> Callable[[bytes], Any]:
     """Parse a message of ``message_type``: a data frame as a view of the bytes, anything else by protobuf."""
     if not carries_data(message_type):
-        return message_type.FromString
+        parse_message: Callable[[bytes], Any] = message_type.FromString
+        return parse_message
 
     def parse(raw: bytes) -> Any:
         offset = _payload_offset(raw)

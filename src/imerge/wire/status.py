@@ -11,6 +11,9 @@ right: recoverable stays recoverable and fatal stays fatal.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import grpc
 
 from imerge.core.errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, Fenced, Internal,
@@ -43,7 +46,8 @@ def error_from(exc: grpc.RpcError, address: str) -> RequestError:
     """The IMerge error a failed call stands for, naming the shard at ``address``."""
     code = exc.code()
     details = exc.details() or code.name
-    named = dict(exc.trailing_metadata() or ()).get(ERROR_KEY)
+    trailer = cast(Iterable[tuple[str, str | bytes]], exc.trailing_metadata() or ())  # aio: (key, value) pairs
+    named = next((str(value) for key, value in trailer if key == ERROR_KEY), None)
     cls = _BY_CLASS.get(named) if named else None
     if cls is None or cls.status != code.name:  # no (or a foreign) class name: go by the status code
         cls = _BY_STATUS.get(code, RequestError)

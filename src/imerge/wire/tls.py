@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 
 from imerge.core.config import TlsConfig
+from imerge.core.errors import ConfigError
 
 
 def _read(path: str) -> bytes | None:
@@ -21,7 +22,10 @@ def _read(path: str) -> bytes | None:
 
 
 def server_credentials(config: TlsConfig) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(_read(config.tls_key), _read(config.tls_cert))],
+    key, cert = _read(config.tls_key), _read(config.tls_cert)
+    if key is None or cert is None:
+        raise ConfigError("--tls-cert", "a TLS server needs --tls-key and --tls-cert")
+    return grpc.ssl_server_credentials([(key, cert)],
                                        root_certificates=_read(config.tls_ca),
                                        require_client_auth=bool(config.tls_ca))
 

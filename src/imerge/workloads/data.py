@@ -50,9 +50,9 @@ def make_dataset(name: str, model: str, split: str, seed: int = 0, samples: int 
 
 
 def worker_loader(dataset: TensorDataset, batch_size: int, rank: int, world_size: int, seed: int,
-                  epoch: int = 0) -> DataLoader:
+                  epoch: int = 0) -> DataLoader[tuple[torch.Tensor, ...]]:
     """This worker's disjoint shard of ``dataset``, reshuffled per epoch."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
     sampler.set_epoch(epoch)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ class JobConfig:
 
     def optimizer_spec(self) -> OptimizerSpec:
         """The optimizer the options describe (momentum and nesterov are SGD's; others via --optimizer-args)."""
-        options: dict = {"lr": self.lr, "weight_decay": self.weight_decay}
+        options: dict[str, Any] = {"lr": self.lr, "weight_decay": self.weight_decay}
         if self.optimizer == "sgd":
             options.update(momentum=self.momentum, nesterov=self.nesterov)
         try:
@@ -87,6 +88,6 @@ def accuracy(model: torch.nn.Module, dataset: torch.utils.data.TensorDataset) ->
     with torch.no_grad():
         inputs, labels = dataset.tensors
         correct = sum(int((model(x.to(device)).argmax(1).cpu() == y).sum())
-                      for x, y in zip(inputs.split(256), labels.split(256)))
+                      for x, y in zip(torch.split(inputs, 256), torch.split(labels, 256)))
     model.train()
     return correct / len(labels)

@@ -23,7 +23,8 @@ class DigitsCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.conv1(x))
         x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+        out: torch.Tensor = self.fc2(torch.relu(self.fc1(x.flatten(1))))
+        return out
 
 
 class BasicBlock(nn.Module):
@@ -59,7 +60,8 @@ class ResNet18(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(torch.relu(self.bn1(self.conv1(x))))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+        out: torch.Tensor = self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+        return out
 
 
 class VGGStyle(nn.Module):
@@ -76,7 +78,8 @@ class VGGStyle(nn.Module):
                                         nn.ReLU(), nn.Linear(2048, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.features(x).flatten(1))
+        out: torch.Tensor = self.classifier(self.features(x).flatten(1))
+        return out
 
 
 class Linear4(nn.Sequential):
