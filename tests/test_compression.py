@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import imerge
-from imerge.core.compression import CompressionSpec, TopKCompressor, block_modes, densify, parse_mode
+from imerge.core.compression import BlockMode, CompressionSpec, TopKCompressor, block_modes, densify, parse_mode
 from imerge.core.errors import ConfigError
 from imerge.core.optim import OptimizerSpec
 from imerge.workloads.models import build_model
@@ -50,7 +50,7 @@ def distributed_run(cluster, spec, data, options):
         engine = model.engine
         layout = sorted((engine.flat.range[pid][0], engine.names[pid], engine.flat.range[pid][1])
                         for pid in engine.flat.range)
-        blocks = [(b.offset, b.numel, engine.comm.compression.mode(b.block_id)) for b in engine.plan.blocks]
+        blocks = [(b.offset, b.numel, str(engine.comm.compression.mode(b.block_id))) for b in engine.plan.blocks]
         for step in data:
             x, y = step[rank]
             torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -168,7 +168,7 @@ def test_each_mode_equals_one_process_that_compresses_the_same_way(cluster, case
 
 
 def test_topk_error_feedback_sends_the_residual_later():
-    compressor = TopKCompressor(0.25, 8)
+    compressor = TopKCompressor(BlockMode("topk", 0.25), 8)
     payload, _ = compressor.compress(torch.tensor([0.0, 5.0, 0.0, 1.0, 0.0, 0.0, -3.0, 0.5]))
     assert payload.indices.tolist() == [1, 6] and payload.values.tolist() == [5.0, -3.0]
     assert compressor.residual.tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.5]
@@ -179,14 +179,17 @@ def test_topk_error_feedback_sends_the_residual_later():
 
 def test_mixed_sends_small_groups_fp16_and_large_ones_topk():
     spec = CompressionSpec("mixed", ratio=0.01, threshold_bytes=1024)
-    assert spec.block_mode(1000) == "fp16" and spec.block_mode(1024) == "topk:0.01"
-    assert CompressionSpec("bf16").block_mode(1 << 30) == "bf16" and CompressionSpec().block_mode(8) == ""
+    assert spec.block_mode(1000) == BlockMode("fp16") and spec.block_mode(1024) == BlockMode("topk", 0.01)
+    assert CompressionSpec("bf16").block_mode(1 << 30) == BlockMode("bf16") and CompressionSpec().block_mode(8) == BlockMode()
+    assert [str(parse_mode(name)) for name in ("", "fp16", "topk:0.01", "topk:0.01:0.5")] == \
+        ["", "fp16", "topk:0.01", "topk:0.01:0.5"]  # the wire's names round-trip
 
     class Plan:  # the two attributes block_modes reads
         blocks = [type("B", (), {"block_id": i}) for i in "abc"]
         groups = [type("G", (), {"numel": 100, "blocks": (0,)}), type("G", (), {"numel": 1000, "blocks": (1, 2)})]
 
-    assert block_modes(spec, Plan) == {"a": "fp16", "b": "topk:0.01", "c": "topk:0.01"}
+    assert {b: str(mode) for b, mode in block_modes(spec, Plan).items()} == \
+        {"a": "fp16", "b": "topk:0.01", "c": "topk:0.01"}
 
 
 def test_bad_compression_options_name_the_option():

@@ -95,22 +95,23 @@ def test_a_rank_whose_holder_is_gone_is_taken_at_once_and_an_expired_one_within_
     import sys
 
     from helpers import new_job
+    from imerge.control.messages import RankHolder
     from imerge.control.store import Store
     from imerge.worker.lease import RankLease
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     store = Store(redis_url, new_job())
     try:
-        assert store.claim_rank(0, f"{socket.gethostname()}:{int(gone.stdout)}:x", 30) is None
+        assert store.claim_rank(0, RankHolder(socket.gethostname(), int(gone.stdout), "x"), 30) is None
         started = time.monotonic()
         RankLease(store, store.job, 0, 30).claim()
         assert time.monotonic() - started < 1.0
-        assert store.claim_rank(1, "elsewhere:1:x", 1.5) is None
+        assert store.claim_rank(1, RankHolder("elsewhere", 1, "x"), 1.5) is None
         started = time.monotonic()
         lease = RankLease(store, store.job, 1, 1.5)
         lease.claim()
         assert 0.5 < time.monotonic() - started < 3.5
-        assert store.claim_rank(1, "late:2:x", 10) is not None  # now held by the new lease
+        assert store.claim_rank(1, RankHolder("late", 2, "x"), 10) is not None  # now held by the new lease
         lease.renew()
         assert not lease.lost
     finally:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 
-from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease,
+from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease, Member,
                                      LayoutSubmission, Malformed, PlanPublished, Profile, WorkerDone)
 from imerge.control.store import Store
 from imerge.core.config import CommonConfig, option, require
@@ -78,7 +78,7 @@ class Coordinator:
         self._stop = threading.Event()
         self.plan: Plan | None = None  # the latest published plan
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
-        self._alive: set[str] = set()  # members seen alive in the current generation
+        self._alive: set[Member] = set()  # members seen alive in the current generation
         self._claimed: set[int] = set()  # workers reported done (counted done once they left the job)
         self._claimed_at: dict[int, float] = {}
         self._doubted: set[int] = set()  # reported done long ago, still in the job (logged once)
@@ -212,8 +212,8 @@ class Coordinator:
             self._redis_back_at = time.monotonic()
             return
         live = {member for member, generation in generations.items() if generation == current}
-        members = {f"worker {r}" for r in range(cfg.num_workers) if r not in done}
-        members |= {f"shard {i}" for i in range(cfg.num_shards)}
+        members = {Member.worker(r) for r in range(cfg.num_workers) if r not in done}
+        members |= {Member.shard(i) for i in range(cfg.num_shards)}
         if time.monotonic() - self._redis_back_at < cfg.heartbeat_ttl_s:
             # Redis was unreachable or stalled within the last TTL: a lapsed heartbeat proves nothing until every
             # member had a whole TTL to renew it
@@ -222,11 +222,11 @@ class Coordinator:
         # A member lost once it was alive in this generation is a new failure; one not back in this generation
         # since the last recovery is still restarting (the others wait for it, up to their timeouts). A worker that
         # claimed done and is gone has left: the next step counts it done.
-        members -= {f"worker {r}" for r in self._claimed}
+        members -= {Member.worker(r) for r in self._claimed}
         for member in sorted((self._alive & members) - live):
             self._alive.discard(member)
-            self.handle_failure(FailureReport(self.recovery.generation, member, "its heartbeat expired (dead, "
-                                                                                 "frozen or partitioned)"))
+            self.handle_failure(FailureReport(self.recovery.generation, str(member), "its heartbeat expired (dead, "
+                                                                                      "frozen or partitioned)"))
         if self.recovery.generation == current:
             self._alive |= live
 

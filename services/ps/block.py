@@ -29,15 +29,16 @@ from collections.abc import Sequence
 
 import torch
 
+from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.compression import Payload, accumulate, all_finite, encode_pull, parse_mode
+from imerge.core.compression import BlockMode, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage
 from .metrics import ShardMetrics
-from .rounds import RoundOptions, RoundScalars
+from .rounds import RoundOptions
 from .streams import Row
 
 
@@ -61,7 +62,7 @@ class Snapshot:
         return [frame for part in self.parts for frame in data_frames(part, CHUNK_BYTES)]
 
 
-def snapshot_of(param: torch.Tensor, mode: str = "", held: torch.Tensor | None = None) -> Snapshot:
+def snapshot_of(param: torch.Tensor, mode: BlockMode = BlockMode(), held: torch.Tensor | None = None) -> Snapshot:
     """The parameters encoded as a block in ``mode`` sends them: fp16/bf16 rounded; for top-k, given what the
     workers hold (``held``, brought up to date), the sparse update (see :func:`sparse_update`)."""
     payload = encode_pull(param, mode, held)
@@ -78,7 +79,12 @@ class BlockMeta:
     num_workers: int
     optimizer: OptimizerSpec
     segments: tuple[int, ...] = ()  # sizes of the pieces of model parameters the block holds (empty: one piece)
-    compression: str = ""           # how its data travel (see imerge.core.compression)
+    compression: str = ""           # how its data travel, as the wire names it (see imerge.core.compression)
+
+    @functools.cached_property
+    def mode(self) -> BlockMode:
+        """The compression mode, parsed once (InvalidArgument where the wire's name is not a mode)."""
+        return parse_mode(self.compression)
 
     @property
     def pieces(self) -> tuple[int, ...]:
@@ -98,7 +104,7 @@ class BlockState:
         self.optimizer = meta.optimizer.build(self.pieces)
         self.state_layout = meta.optimizer.state_layout()  # what an import's optimizer state must hold
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
-        self.sparse = parse_mode(meta.compression).kind == "topk"
+        self.sparse = meta.mode.sparse
         self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters
         self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
         self._mean: torch.Tensor | None = None   # the round's average of the rows (the steps' gradient)
@@ -112,7 +118,7 @@ class BlockState:
         self.receiving: set[int] = set()
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
         self.row_sources: list[tuple[int, str] | None] = [None] * meta.num_workers  # (round, client) last counted
-        self.snapshot = snapshot_of(self.flat, meta.compression)
+        self.snapshot = snapshot_of(self.flat, meta.mode)
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
@@ -138,7 +144,7 @@ class BlockState:
         """After an assignment or an import: the workers will hold the parameters as they are (every element)."""
         if self.sparse:
             self.held_params().copy_(self.flat)
-        return snapshot_of(self.flat, self.meta.compression)
+        return snapshot_of(self.flat, self.meta.mode)
 
     @classmethod
     def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
@@ -210,7 +216,7 @@ class BlockState:
                 self.flat.copy_(self.grads[0])
                 return self.reset_held()
             if total.found_inf:
-                return snapshot_of(self.flat, self.meta.compression, self.held) if self.sparse else self.snapshot
+                return snapshot_of(self.flat, self.meta.mode, self.held) if self.sparse else self.snapshot
             if mean is None:
                 raise Internal(f"block {self.meta.block_id}: a gradient round without its mean")
             if options.max_norm:
@@ -223,7 +229,7 @@ class BlockState:
             self.optimizer.step()
         for piece in self.pieces:
             piece.grad = None
-        return snapshot_of(self.flat, self.meta.compression, self.held)
+        return snapshot_of(self.flat, self.meta.mode, self.held)
 
     def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
         """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the

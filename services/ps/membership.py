@@ -17,7 +17,7 @@ import threading
 from collections.abc import Awaitable, Callable
 
 from imerge.control.store import Store
-from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Restored
+from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Member, Restored
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
 from .state import Shard
@@ -55,7 +55,7 @@ class ShardMembership:
         why = (f"{in_a_row} checkpoints in a row failed (--checkpoint-failures {self.checkpoint_failures}), the "
                f"last of round {round_}: {reason}")
         try:
-            self.store.report_failure(FailureReport(self.shard.generation, f"shard {self.shard.index}", why,
+            self.store.report_failure(FailureReport(self.shard.generation, str(Member.shard(self.shard.index)), why,
                                                     fatal=True))
         except StoreError as exc:
             log.error("shard %d: could not report %s: %s", self.shard.index, why, exc)
@@ -103,7 +103,7 @@ class ShardMembership:
         await asyncio.to_thread(self.store.announce_restored, Restored(generation, index, outcome))
         if outcome and round_ is not None:  # the coordinator starts another generation, from an older round
             await asyncio.to_thread(self.store.report_failure,
-                                    FailureReport(generation, f"shard {index}", outcome))
+                                    FailureReport(generation, str(Member.shard(index)), outcome))
         await asyncio.to_thread(self.store.shard_heartbeat, index, self.ttl_s, self.shard.generation)
 
     def _fall_back(self, round_: int) -> None:

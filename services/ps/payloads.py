@@ -27,10 +27,10 @@ def check_encoding(meta: BlockMeta, assign: bool, dtype: str, nnz: int, what: st
     """Refuse a payload whose encoding is not the one the block's mode makes (an assignment is dense fp32)."""
     if dtype not in WIRE_DTYPES:
         raise InvalidArgument(f"{what}: dtype {dtype} is not one of {', '.join(WIRE_DTYPES)}")
-    want_dtype, want_sparse = ("float32", False) if assign else expected_encoding(meta.compression)
+    want_dtype, want_sparse = ("float32", False) if assign else expected_encoding(meta.mode)
     if (dtype, nnz >= 0) != (want_dtype, want_sparse):
-        mode = meta.compression or "none"
-        raise InvalidArgument(f"{what}: a {describe(dtype, nnz)} payload, but the block's compression is {mode!r}, "
+        raise InvalidArgument(f"{what}: a {describe(dtype, nnz)} payload, but the block's compression is "
+                              f"{str(meta.mode) or 'none'!r}, "
                               f"whose {'assignments' if assign else 'gradients'} travel "
                               f"{'sparse' if want_sparse else 'dense'} {want_dtype}")
     if nnz > meta.numel:

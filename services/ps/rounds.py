@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Awaitable, Callable
 
+from imerge.control.messages import RoundScalars
 from imerge.core.errors import FailedPrecondition, InvalidArgument
 
 
@@ -49,29 +50,6 @@ class RoundOptions:
             return (f"loss scale {self.loss_scale:g} / max norm {self.max_norm:g} and {other.loss_scale:g} / "
                     f"{other.max_norm:g}: the workers' grad scalers or clipping disagree")
         return ""
-
-
-@dataclasses.dataclass(frozen=True)
-class RoundScalars:
-    """What averaged gradients hold that the step of every block depends on."""
-
-    sumsq: float = 0.0       # sum of squares (float64) of the averaged, unscaled gradient
-    found_inf: bool = False  # some element is infinite or NaN
-
-    def plus(self, other: "RoundScalars") -> "RoundScalars":
-        return RoundScalars(self.sumsq + other.sumsq, self.found_inf or other.found_inf)
-
-    @property
-    def grad_norm(self) -> float:
-        return math.inf if self.found_inf else math.sqrt(self.sumsq)
-
-    def encode(self) -> str:
-        return f"{self.sumsq!r} {int(self.found_inf)}"
-
-    @classmethod
-    def decode(cls, text: str) -> "RoundScalars":
-        sumsq, found_inf = text.split()
-        return cls(float(sumsq), found_inf == "1")
 
 
 Exchange = Callable[[int, RoundScalars], Awaitable[RoundScalars]]

@@ -21,7 +21,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2
 
-from imerge.control.messages import FIRST_PLAN
+from imerge.control.messages import FIRST_PLAN, PostedScalars, RoundScalars
 from imerge.control.store import Store
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
@@ -45,7 +45,6 @@ from .datachannel import DataChannel
 from .fencing import IssuedTokens
 from .membership import ShardMembership
 from .payloads import ChunkStream
-from .rounds import RoundScalars
 from .block import BlockMeta, Snapshot
 from .state import Shard
 from .streams import (Progressing, Segments, Undecodable, data_parts, decoded, first_part, parser, receive_exact,
@@ -186,13 +185,13 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if self._holders == [self.shard.index]:
             return scalars
         generation, index, timeout = self.shard.generation, self.shard.index, self.config.pull_timeout_s
-        await asyncio.to_thread(self.store.post_round_scalars, generation, round_, index, scalars.encode(),
+        await asyncio.to_thread(self.store.post_round_scalars, generation, round_, PostedScalars(index, scalars),
                                 self._holders, max(600.0, 4 * timeout))
         received = await asyncio.to_thread(self.store.wait_round_scalars, generation, round_, index, self._holders,
                                            timeout)
         total = RoundScalars()
         for shard in self._holders:
-            total = total.plus(RoundScalars.decode(received[shard]))
+            total = total.plus(received[shard])
         return total
 
     async def _check_owner(self, meta: BlockMeta) -> None:

@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from imerge.control.messages import RoundScalars
 from imerge.core.blockstate import block_state_bytes, parse_block_state, state_bytes_bound
 from imerge.core.codec import digest, tensor_view
-from imerge.core.compression import all_finite, parse_mode, payload_bytes
+from imerge.core.compression import all_finite, payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.limits import check_id, clip
@@ -41,7 +42,7 @@ from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradi
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .fencing import IssuedTokens
 from .metrics import ShardCounters, ShardMetrics
-from .rounds import Agreements, RoundOptions, RoundScalars
+from .rounds import Agreements, RoundOptions
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class Shard:
                                   f"outside 1..{self.max_workers}")
         meta.optimizer.validate(step=True)  # the shard steps it anyway: what the step refuses is refused now
         try:
-            parse_mode(meta.compression)
+            meta.mode  # noqa: B018 - the wire's name parsed once, here
         except InvalidArgument as exc:
             raise InvalidArgument(f"block {meta.block_id}: {exc}") from None
         if meta.segments and (min(meta.segments) < 1 or sum(meta.segments) != meta.numel):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from imerge.control.messages import FailureReport, LayoutSubmission, WorkerInfo, WorkerPosition
+from imerge.control.messages import FailureReport, Member, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import Store
 from imerge.core.errors import IMergeError, StoreError
 from imerge.core.optim import OptimizerSpec
@@ -212,7 +212,7 @@ class DistributedModel(DDPIdioms):
         ``fatal`` error that a recovery would only repeat, ends the job with ``reason``."""
         self.failure_reported = True
         try:
-            self._store.report_failure(FailureReport(self.generation, f"worker {self.config.rank}", reason, fatal))
+            self._store.report_failure(FailureReport(self.generation, str(Member.worker(self.config.rank)), reason, fatal))
         except StoreError as exc:
             log.warning("could not report the failure to the coordinator: %s", exc)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from imerge.control.store import Store
-from imerge.core.compression import block_modes
+from imerge.core.compression import BlockMode, block_modes
 from imerge.core.errors import IMergeError, WaitTimeout
 from imerge.core.planning import Plan
 from imerge.core.queue import CommQueue
@@ -71,7 +71,7 @@ class Communicator:
     def __init__(self, comm: CommLoop, clients: list[ShardClient], flat: FlatParams, slots: NoSlots, *,
                  rank: int, priority: bool, rpc_timeout_s: float, pull_timeout_s: float, generation: int,
                  metrics: WorkerMetrics, timeline: Timeline, slot_scope: str = "group", slot_width: int = 1,
-                 compression: dict[str, str] | None = None):
+                 compression: dict[str, BlockMode] | None = None):
         self.comm, self.clients, self.flat = comm, clients, flat
         self.rank, self.generation, self.pull_timeout_s = rank, generation, pull_timeout_s
         self.metrics, self.timeline = metrics, timeline

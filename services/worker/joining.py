@@ -5,7 +5,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from imerge.control.messages import FIRST_PLAN, FailureReport, WorkerPosition
+from imerge.control.messages import FIRST_PLAN, FailureReport, Member, WorkerPosition
 from imerge.control.store import Store
 from imerge.core.errors import IMergeError, JobFailed, StoreError
 from imerge.core.planning import Plan
@@ -23,7 +23,7 @@ def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[i
         raise StoreError("Redis holds no generation for a running job: it lost the job's state")
     mine = store.worker_generation(config.rank)
     if mine is not None and mine >= current:  # this worker died and no recovery followed yet: ask for one
-        store.report_failure(FailureReport(current, f"worker {config.rank}", "restarted after its process died"))
+        store.report_failure(FailureReport(current, str(Member.worker(config.rank)), "restarted after its process died"))
         store.wait_generation(current + 1, config.wait_timeout_s, f"the coordinator to start generation {current + 1}")
         current = store.generation() or current + 1
     while True:

@@ -20,21 +20,20 @@ import socket
 import time
 import uuid
 
+from imerge.control.messages import RankHolder, RankLeaseValue
 from imerge.control.store import Store
 from imerge.core.errors import RankInUse
 
 log = logging.getLogger(__name__)
 
 
-def _holder_gone(lease_value: str) -> bool:
-    """Whether the lease holder named in ``lease_value`` ("host:pid:nonce beat") is a process of this host that
-    no longer exists (another host's, or this process's own pid, cannot be judged here)."""
-    host, _, rest = lease_value.partition(":")
-    pid_text = rest.split(":", 1)[0]
-    if host != socket.gethostname() or not pid_text.isdigit() or int(pid_text) == os.getpid():
+def _holder_gone(holder: RankHolder) -> bool:
+    """Whether ``holder`` is a process of this host that no longer exists (another host's, or this process's own
+    pid, cannot be judged here)."""
+    if holder.host != socket.gethostname() or holder.pid == os.getpid():
         return False
     try:
-        os.kill(int(pid_text), 0)
+        os.kill(holder.pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:
@@ -45,7 +44,7 @@ def _holder_gone(lease_value: str) -> bool:
 class RankLease:
     def __init__(self, store: Store, job: str, rank: int, ttl_s: float):
         self.store, self.job, self.rank, self.ttl_s = store, job, rank, ttl_s
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.holder = RankHolder(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:8])
         self.beat = 0
         self.lost = False
 
@@ -53,14 +52,14 @@ class RankLease:
         """Take the rank, waiting at most one TTL for a dead holder's lease to expire."""
         started = time.monotonic()
         deadline = started + self.ttl_s + 2.0
-        replacing = ""
+        replacing: RankLeaseValue | None = None
         while True:
-            held = self.store.claim_rank(self.rank, self.token, self.ttl_s, replacing)
+            held = self.store.claim_rank(self.rank, self.holder, self.ttl_s, replacing)
             if held is None:
                 return
             value, remaining_ms = held
-            holder = value.rsplit(" ", 1)[0]
-            if _holder_gone(value):
+            holder = value.holder
+            if _holder_gone(holder):
                 log.info("rank %d: its previous holder %s is gone; taking its lease", self.rank, holder)
                 replacing = value
                 continue
@@ -71,14 +70,14 @@ class RankLease:
                 raise RankInUse(self._refusal(holder, f"it renewed its lease {time.monotonic() - started:.1f}s "
                                                       "after this process asked"))
 
-    def _refusal(self, holder: str, evidence: str) -> str:
+    def _refusal(self, holder: RankHolder, evidence: str) -> str:
         return (f"rank {self.rank} of job {self.job} is held by a live process ({holder}; {evidence}): a second "
                 f"process cannot join as the same rank; check RANK / --rank (the job is untouched)")
 
     def renew(self) -> None:
         """Renew the lease (or take it again if it expired unclaimed); mark it lost if another holds it."""
         self.beat += 1
-        if not self.lost and not self.store.renew_rank(self.rank, self.token, self.beat, self.ttl_s):
+        if not self.lost and not self.store.renew_rank(self.rank, self.holder, self.beat, self.ttl_s):
             self.lost = True
             log.error("rank %d: another process took this rank's lease (this one did not renew it within %gs)",
                       self.rank, self.ttl_s)
@@ -89,4 +88,4 @@ class RankLease:
                             f"(it did not renew it within --heartbeat-ttl-s {self.ttl_s:g}); it must not train on")
 
     def release(self) -> None:
-        self.store.release_rank(self.rank, self.token)
+        self.store.release_rank(self.rank, self.holder)

@@ -15,23 +15,22 @@ every worker's, as DDP's construction broadcasts them (:meth:`BufferSync.share`)
 """
 from __future__ import annotations
 
-import base64
-
 import torch
 from safetensors.torch import load, save
 
+from imerge.control.messages import ModuleState
 from imerge.control.store import Store
 from imerge.core.errors import UnsupportedUse
 
 SHARED_STATE_TTL_S = 30 * 86400.0  # worker 0's state at the job's start: read again by workers restarted later
 
 
-def encode(tensors: dict[str, torch.Tensor]) -> str:
-    return base64.b64encode(save({name: t.detach().cpu().contiguous() for name, t in tensors.items()})).decode()
+def encode(tensors: dict[str, torch.Tensor]) -> ModuleState:
+    return ModuleState(save({name: t.detach().cpu().contiguous() for name, t in tensors.items()}))
 
 
-def decode(payload: str) -> dict[str, torch.Tensor]:
-    return load(base64.b64decode(payload)) if payload else {}
+def decode(state: ModuleState) -> dict[str, torch.Tensor]:
+    return load(state.data) if state.data else {}
 
 
 class BufferSync:

@@ -37,7 +37,7 @@ class ShardBlocks:
             self.clients[b.shard].init_block(b.block_id, plan.num_workers, optimizer.group(plan.units[b.unit].group),
                                              self.flat.host_slice(b), self.rpc_timeout_s,
                                              [numel for _, numel in self.flat.pieces(b)],
-                                             self.compression.mode(b.block_id))
+                                             str(self.compression.mode(b.block_id)))
             for b in plan.blocks))
 
     async def export(self, blocks: Sequence[Block]) -> dict[str, bytes]:

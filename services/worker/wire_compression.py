@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
-from imerge.core.compression import (Compressor, Payload, all_finite, make_compressor, parse_mode, payload_bytes,
+from imerge.core.compression import (BlockMode, Compressor, Payload, all_finite, make_compressor, payload_bytes,
                                      topk_count)
 from imerge.core.errors import UnsupportedUse
 from imerge.core.planning import BYTES_PER_ELEMENT
 from imerge.wire.encoding import dtype_name, nnz_of
+
+NO_COMPRESSION = BlockMode()
 
 
 def payload_nbytes(payload: Payload | torch.Tensor) -> int:
@@ -31,24 +33,24 @@ def meta_nbytes(meta: Any) -> int:
 
 
 class Compression:
-    def __init__(self, modes: dict[str, str]):
-        self.modes = modes  # block id -> mode ("" none)
+    def __init__(self, modes: dict[str, BlockMode]):
+        self.modes = modes  # block id -> its mode (none where absent)
         self._compressors: dict[str, Compressor] = {}
 
-    def mode(self, block_id: str) -> str:
-        return self.modes.get(block_id, "")
+    def mode(self, block_id: str) -> BlockMode:
+        return self.modes.get(block_id, NO_COMPRESSION)
 
     def compress(self, block: Any, grad: torch.Tensor, scaled: bool = False) -> Payload | torch.Tensor:
         """The block's payload. An fp16 payload that overflowed is an error, unless the gradient is loss-scaled
         (``scaled``: the grad scaler expects the overflow, and the shards skip the round)."""
         mode = self.mode(block.block_id)
-        if not mode:
+        if not mode.compressed:
             return grad
         compressor = self._compressors.get(block.block_id)
         if compressor is None:
             compressor = self._compressors[block.block_id] = make_compressor(mode, block.numel)
         payload = compressor.compress(grad)[0]
-        if mode == "fp16" and not scaled and not all_finite(payload.values) and all_finite(grad):
+        if mode.kind == "fp16" and not scaled and not all_finite(payload.values) and all_finite(grad):
             raise UnsupportedUse(f"block {block.block_id}: a gradient element beyond fp16's range (65504) "
                                  f"became infinite with --compression fp16; use bf16 (fp32's range), or a grad "
                                  f"scaler (model.grad_scaler()), which skips such a round")
@@ -56,8 +58,8 @@ class Compression:
 
     def estimate(self, block: Any) -> int:
         """The bytes a push of the block will carry (before it is compressed)."""
-        mode = parse_mode(self.mode(block.block_id))
-        if mode.kind == "topk":
+        mode = self.mode(block.block_id)
+        if mode.sparse:
             return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
         return payload_bytes(block.numel, mode.cast, -1)
 

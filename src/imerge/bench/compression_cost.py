@@ -68,7 +68,7 @@ def run_compression_cost(model: str = "resnet18", workers: int = 3, iters: int =
         block_mode = CompressionSpec(mode, ratio).block_mode(1 << 30)
         compressors = [make_compressor(block_mode, b.numel()) for b in blocks]
         params = [torch.zeros(b.numel()) for b in blocks]
-        helds = [p.clone() if mode == "topk" else None for p in params]
+        helds = [p.clone() if block_mode.sparse else None for p in params]
         runs = [one_iteration(mode, blocks, compressors, helds, params, workers) for _ in range(iters + 1)][1:]
         worker_s = statistics.median(r[0] for r in runs)
         shard_s = statistics.median(r[1] for r in runs)

@@ -7,8 +7,10 @@ or foreign value never turns into a half-read message.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import math
 from typing import Any, TypeVar
 
 from imerge.core.errors import JobFailed, LayoutMismatchError, PlanError, StoreError
@@ -245,3 +247,126 @@ class CheckpointRounds(Message):
     """The rounds of a shard's complete checkpoints."""
 
     rounds: list[int]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Member:
+    """A member of the job whose heartbeat the coordinator watches: ``worker 0``, ``shard 1``."""
+
+    kind: str   # "worker" or "shard"
+    index: int
+
+    KINDS = ("worker", "shard")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS or not isinstance(self.index, int) or self.index < 0:
+            raise StoreError(f"malformed member ({self.kind!r}, {self.index!r}): a worker or shard and an index")
+
+    @classmethod
+    def worker(cls, rank: int) -> "Member":
+        return cls("worker", rank)
+
+    @classmethod
+    def shard(cls, index: int) -> "Member":
+        return cls("shard", index)
+
+    @classmethod
+    def parse(cls, text: str) -> "Member":
+        kind, _, index = text.partition(" ")
+        if not index.isdigit():
+            raise StoreError(f"malformed member {text[:40]!r}: expected 'worker N' or 'shard N'")
+        return cls(kind, int(index))
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundScalars(Message):
+    """What averaged gradients hold that the step of every block depends on (the shards agree on their sum)."""
+
+    sumsq: float = 0.0       # sum of squares (float64) of the averaged, unscaled gradient
+    found_inf: bool = False  # some element is infinite or NaN
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sumsq, (int, float)) or isinstance(self.sumsq, bool) \
+                or not isinstance(self.found_inf, bool):
+            raise TypeError(f"sumsq must be a number and found_inf a bool, got {self.sumsq!r}, {self.found_inf!r}")
+
+    def plus(self, other: "RoundScalars") -> "RoundScalars":
+        return RoundScalars(self.sumsq + other.sumsq, self.found_inf or other.found_inf)
+
+    @property
+    def grad_norm(self) -> float:
+        return math.inf if self.found_inf else math.sqrt(self.sumsq)
+
+
+@dataclasses.dataclass(frozen=True)
+class PostedScalars(Message):
+    """One shard's :class:`RoundScalars` of a round, as it posts them to every shard holding blocks."""
+
+    shard: int
+    scalars: RoundScalars
+
+    def _to_dict(self) -> dict[str, Any]:
+        return {"shard": self.shard, "sumsq": self.scalars.sumsq, "found_inf": self.scalars.found_inf}
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "PostedScalars":
+        if not isinstance(raw["shard"], int):
+            raise TypeError(f"shard must be an int, got {raw['shard']!r}")
+        return cls(raw["shard"], RoundScalars(raw["sumsq"], raw["found_inf"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHolder:
+    """Who holds a rank's lease: a process (host, pid) and a nonce of its claim. Its ``token`` is the lease's
+    value before the beat count (the store's scripts compare the ``token + ' '`` prefix)."""
+
+    host: str
+    pid: int
+    nonce: str
+
+    def __post_init__(self) -> None:
+        if ":" in self.host or " " in self.host or not self.nonce.isalnum():
+            raise StoreError(f"malformed rank holder {self.host!r}/{self.nonce!r}")
+
+    @property
+    def token(self) -> str:
+        return f"{self.host}:{self.pid}:{self.nonce}"
+
+    def __str__(self) -> str:
+        return self.token
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLeaseValue:
+    """A rank lease as the store keeps it: ``host:pid:nonce beats`` (beats: renewals so far)."""
+
+    holder: RankHolder
+    beats: int = 0
+
+    def encode(self) -> str:
+        return f"{self.holder.token} {self.beats}"
+
+    @classmethod
+    def decode(cls, text: str) -> "RankLeaseValue":
+        token, _, beats = text.rpartition(" ")
+        host, pid, nonce = (token.split(":") + ["", "", ""])[:3]
+        if not (pid.isdigit() and beats.isdigit() and host and nonce):
+            raise StoreError(f"malformed rank lease {text[:80]!r}: expected 'host:pid:nonce beats'")
+        return cls(RankHolder(host, int(pid), nonce), int(beats))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleState(Message):
+    """Model buffers (and frozen parameters) a worker publishes: safetensors bytes, base64 in the store."""
+
+    data: bytes = b""
+
+    def _to_dict(self) -> dict[str, Any]:
+        return {"safetensors": base64.b64encode(self.data).decode()}
+
+    @classmethod
+    def _from_dict(cls, raw: dict[str, Any]) -> "ModuleState":
+        return cls(base64.b64decode(raw["safetensors"], validate=True))

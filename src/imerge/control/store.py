@@ -17,7 +17,8 @@ key                         type     meaning
 ``shards``                  hash     shard index -> advertised gRPC address
 ``shards:queue``            list     shard indexes, pushed on each registration
 ``workers``                 hash     worker rank -> JSON {host, pid}
-``worker:{rank}:lease``     string   the rank lease: "<holder token> <beat>", renewed by the holder's heartbeat
+``worker:{rank}:lease``     string   the rank lease (:class:`RankLeaseValue`: "host:pid:nonce beats"), renewed by the
+                                     holder's heartbeat
                                      (the beat counts renewals), expires after the heartbeat TTL
 ``worker:{rank}:beats``     list     one token pushed by each renewal of the lease (wakes a claimant)
 ``worker:{rank}:alive``     string   heartbeat: the generation the worker serves (-1 while joining),
@@ -48,11 +49,12 @@ key                         type     meaning
 ``failures:queue``          list     JSON {generation, who, reason}: a process saw a peer fail
 ``worker:{rank}:generation`` string  the generation the worker last joined
 ``positions``               hash     worker rank -> JSON {iteration, generation}: data position
-``buffers:{g}:{i}:{rank}``  string   the model buffers (safetensors, base64) a worker published after iteration i
+``buffers:{g}:{i}:{rank}``  string   the model buffers (:class:`ModuleState`) a worker published after iteration i
                                      of generation g (broadcast_buffers); expires
 ``buffers:{g}:{i}:{rank}:ready`` list  a latch: holds a token once those buffers are published; expires
-``scalars:{g}:{r}:to:{s}``  list     "<shard> <sum of squares> <found inf>": each shard's scalars of round r that
-                                     shard s needs before it steps (clipping, loss scaling); expires
+``scalars:{g}:{r}:to:{s}``  list     :class:`PostedScalars` (shard, sum of squares, found inf): each shard's
+                                     scalars of round r that shard s needs before it steps (clipping, loss
+                                     scaling); expires
 ==========================  =======  ==============================================
 
 Events in use: ``plan:{version}`` (:class:`PlanPublished`; version 1 is the
@@ -85,8 +87,9 @@ from imerge.core.config import redacted
 from imerge.core.errors import GenerationChanged, JobTaken, StoreError, WaitTimeout
 
 from .messages import (COST_PLAN, FIRST_PLAN, BlocksReady, CheckpointRounds, FailureReport, Flag, FlagGrant,
-                       GenerationEvent, JobLease, LayoutSubmission, Loaded, PlanPublished, Profile, Restored,
-                       Malformed, WorkerDone, WorkerInfo, WorkerPosition)
+                       GenerationEvent, JobLease, LayoutSubmission, Loaded, Malformed, Member, ModuleState,
+                       PlanPublished, PostedScalars, Profile, RankHolder, RankLeaseValue, Restored, RoundScalars,
+                       WorkerDone, WorkerInfo, WorkerPosition)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -324,12 +327,13 @@ class Store:
 
     # -- workers ------------------------------------------------------------
     @_translated
-    def claim_rank(self, rank: int, token: str, ttl_s: float, replacing: str = "") -> tuple[str, int] | None:
-        """Take rank ``rank``'s lease for ``token`` if it is free (or its value is ``replacing``: a holder known
-        dead); else (the holder's lease value, its remaining milliseconds)."""
+    def claim_rank(self, rank: int, holder: RankHolder, ttl_s: float, replacing: RankLeaseValue | None = None
+                   ) -> tuple[RankLeaseValue, int] | None:
+        """Take rank ``rank``'s lease for ``holder`` if it is free (or it is ``replacing``: a holder known dead);
+        else (the lease as it is, its remaining milliseconds)."""
         held = self._claim_rank(keys=[self._key("worker", rank, "lease"), self._key("worker", rank, "beats")],
-                                args=[token, int(ttl_s * 1000), replacing or "\x00"])
-        return None if held is None else (held[0], int(held[1]))
+                                args=[holder.token, int(ttl_s * 1000), replacing.encode() if replacing else "\x00"])
+        return None if held is None else (RankLeaseValue.decode(_text(held[0])), int(held[1]))
 
     @_translated
     def wait_rank_renewed(self, rank: int, timeout_s: float) -> bool:
@@ -337,15 +341,15 @@ class Store:
         return self._redis.blpop([self._key("worker", rank, "beats")], timeout=_slice(timeout_s)) is not None
 
     @_translated
-    def renew_rank(self, rank: int, token: str, beat: int, ttl_s: float) -> bool:
+    def renew_rank(self, rank: int, holder: RankHolder, beat: int, ttl_s: float) -> bool:
         """Renew rank ``rank``'s lease if ``token`` holds it (or take it again if it expired unclaimed); False: it
         passed to another holder."""
         return bool(self._renew_rank(keys=[self._key("worker", rank, "lease"), self._key("worker", rank, "beats")],
-                                     args=[token, int(ttl_s * 1000), beat]))
+                                     args=[holder.token, int(ttl_s * 1000), beat]))
 
     @_translated
-    def release_rank(self, rank: int, token: str) -> None:
-        self._release_rank(keys=[self._key("worker", rank, "lease")], args=[token])
+    def release_rank(self, rank: int, holder: RankHolder) -> None:
+        self._release_rank(keys=[self._key("worker", rank, "lease")], args=[holder.token])
 
     @_translated
     def register_worker(self, rank: int, info: WorkerInfo, ttl_s: float) -> None:
@@ -462,16 +466,16 @@ class Store:
 
     # -- model buffers (broadcast_buffers) --------------------------------------
     @_translated
-    def publish_buffers(self, generation: int, iteration: int, rank: int, payload: str, ttl_s: float) -> None:
+    def publish_buffers(self, generation: int, iteration: int, rank: int, state: ModuleState, ttl_s: float) -> None:
         key, ttl_ms = self._key("buffers", generation, iteration, rank), int(ttl_s * 1000)
         pipe = self._redis.pipeline()
-        pipe.set(key, payload, px=ttl_ms)
+        pipe.set(key, state.encode(), px=ttl_ms)
         pipe.rpush(key + ":ready", "1")
         pipe.pexpire(key + ":ready", ttl_ms)
         pipe.execute()
 
     @_translated
-    def wait_buffers(self, generation: int, iteration: int, rank: int, timeout_s: float) -> str:
+    def wait_buffers(self, generation: int, iteration: int, rank: int, timeout_s: float) -> ModuleState:
         """The buffers worker ``rank`` published after ``iteration`` (waits for them; the latch stays set)."""
         key = self._key("buffers", generation, iteration, rank)
         self._pop(key + ":ready", time.monotonic() + timeout_s,
@@ -480,30 +484,31 @@ class Store:
         pipe.rpush(key + ":ready", "1")
         pipe.pexpire(key + ":ready", max(int(self._redis.pttl(key)), 1000))
         pipe.get(key)
-        return pipe.execute()[-1] or ""
+        published = pipe.execute()[-1]
+        return ModuleState.decode(_text(published)) if published else ModuleState()
 
     # -- round scalars (the shards agree before they step) ---------------------------------
     @_translated
-    def post_round_scalars(self, generation: int, round_: int, shard: int, scalars: str, to_shards: list[int],
+    def post_round_scalars(self, generation: int, round_: int, posted: PostedScalars, to_shards: list[int],
                            ttl_s: float) -> None:
         pipe = self._redis.pipeline()
         for target in to_shards:
             key = self._key("scalars", generation, round_, "to", target)
-            pipe.rpush(key, f"{shard} {scalars}")
+            pipe.rpush(key, posted.encode())
             pipe.pexpire(key, int(ttl_s * 1000))
         pipe.execute()
 
     @_translated
     def wait_round_scalars(self, generation: int, round_: int, shard: int, shards: list[int],
-                           timeout_s: float) -> dict[int, str]:
+                           timeout_s: float) -> dict[int, RoundScalars]:
         """Every shard's scalars of ``round_`` (by shard), as they post them to ``shard``."""
-        deadline, received = time.monotonic() + timeout_s, dict[int, str]()
+        deadline, received = time.monotonic() + timeout_s, dict[int, RoundScalars]()
         while len(received) < len(shards):
             missing = sorted(set(shards) - set(received))
-            sender, _, scalars = self._pop(self._key("scalars", generation, round_, "to", shard), deadline,
-                                           f"shards {missing} to post their scalars of round {round_}",
-                                           timeout_s).partition(" ")
-            received[int(sender)] = scalars
+            posted = PostedScalars.decode(self._pop(self._key("scalars", generation, round_, "to", shard), deadline,
+                                                    f"shards {missing} to post their scalars of round {round_}",
+                                                    timeout_s))
+            received[posted.shard] = posted.scalars
         return received
 
     # -- slot flags -------------------------------------------------------------
@@ -667,12 +672,12 @@ class Store:
         self._redis.set(self._key("shard", index, "alive"), str(generation), px=int(ttl_s * 1000))
 
     @_translated
-    def member_generations(self, num_workers: int, num_shards: int) -> dict[str, int]:
-        """The generation each live member's heartbeat names ("worker 0", "shard 1", ...)."""
-        members = [f"worker {r}" for r in range(num_workers)] + [f"shard {i}" for i in range(num_shards)]
+    def member_generations(self, num_workers: int, num_shards: int) -> dict[Member, int]:
+        """The generation each live member's heartbeat names."""
+        members = [Member.worker(r) for r in range(num_workers)] + [Member.shard(i) for i in range(num_shards)]
         pipe = self._redis.pipeline()
         for member in members:
-            pipe.get(self._key(*member.split(" "), "alive"))
+            pipe.get(self._key(member.kind, member.index, "alive"))
         return {member: int(value) for member, value in zip(members, pipe.execute()) if value is not None}
 
     @_translated

@@ -86,14 +86,44 @@ class Payload:
         return [tensor_view(t.contiguous().view(torch.uint8)) for t in self.tensors]
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockMode:
+    """How one block's data travel: ``kind`` (none, fp16, bf16, topk), the top-k ``ratio`` of a push, and the
+    most a pull sends of the block (``pull_ratio``; 0: every parameter that changed)."""
+
+    kind: str = "none"
+    ratio: float = 0.0
+    pull_ratio: float = 0.0
+
+    def __str__(self) -> str:
+        if self.kind != "topk":
+            return "" if self.kind == "none" else self.kind
+        return f"topk:{self.ratio:g}" + (f":{self.pull_ratio:g}" if self.pull_ratio else "")
+
+    @property
+    def cast(self) -> str:
+        """The wire dtype of a dense payload."""
+        return CAST_MODES.get(self.kind, "float32")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a push carries (index, value) pairs (top-k)."""
+        return self.kind == "topk"
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind != "none"
+
+
 class Compressor(Protocol):
-    mode: str
+    @property
+    def mode(self) -> BlockMode: ...
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]: ...
 
 
 class NoneCompressor:
-    mode = ""
+    mode = BlockMode()
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
         return Payload(tensor), tensor.numel()
@@ -102,9 +132,9 @@ class NoneCompressor:
 class CastCompressor:
     """The tensor rounded to fp16 or bf16 (round to nearest even, as ``Tensor.to``)."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: BlockMode):
         self.mode = mode
-        self.dtype = WIRE_DTYPES[CAST_MODES[mode]]
+        self.dtype = WIRE_DTYPES[mode.cast]
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
         return Payload(tensor.to(self.dtype)), tensor.numel()
@@ -123,9 +153,9 @@ def select_topk(tensor: torch.Tensor, k: int) -> torch.Tensor:
 class TopKCompressor:
     """Top-k by magnitude with error feedback: one instance per block (it holds the block's residual)."""
 
-    def __init__(self, ratio: float, numel: int):
-        self.mode = f"topk:{ratio:g}"
-        self.k = topk_count(ratio, numel)
+    def __init__(self, mode: BlockMode, numel: int):
+        self.mode = mode
+        self.k = topk_count(mode.ratio, numel)
         self.residual = torch.zeros(numel)
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
@@ -160,32 +190,11 @@ def densify(payload: Payload, numel: int) -> torch.Tensor:
     return dense
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockMode:
-    """How one block's data travel: ``kind`` (none, fp16, bf16, topk), the top-k ``ratio`` of a push, and the
-    most a pull sends of the block (``pull_ratio``; 0: every parameter that changed)."""
-
-    kind: str = "none"
-    ratio: float = 0.0
-    pull_ratio: float = 0.0
-
-    def __str__(self) -> str:
-        if self.kind != "topk":
-            return "" if self.kind == "none" else self.kind
-        return f"topk:{self.ratio:g}" + (f":{self.pull_ratio:g}" if self.pull_ratio else "")
-
-    @property
-    def cast(self) -> str:
-        """The wire dtype of a dense payload."""
-        return CAST_MODES.get(self.kind, "float32")
-
-
-def make_compressor(mode: str, numel: int) -> Compressor:
-    """The compressor of a block whose mode is ``mode`` (see :func:`parse_mode`)."""
-    block = parse_mode(mode)
-    if block.kind == "topk":
-        return TopKCompressor(block.ratio, numel)
-    return CastCompressor(block.kind) if block.kind in CAST_MODES else NoneCompressor()
+def make_compressor(mode: BlockMode, numel: int) -> Compressor:
+    """The compressor of a block whose mode is ``mode``."""
+    if mode.sparse:
+        return TopKCompressor(mode, numel)
+    return CastCompressor(mode) if mode.kind in CAST_MODES else NoneCompressor()
 
 
 def _ratio(text: str, zero_ok: bool) -> float:
@@ -197,7 +206,8 @@ def _ratio(text: str, zero_ok: bool) -> float:
 
 
 def parse_mode(mode: str) -> BlockMode:
-    """A block's mode: "" (none), "fp16", "bf16", "topk:<ratio>" or "topk:<ratio>:<pull ratio>"."""
+    """A block's mode as the wire names it (``str(mode)``): "" (none), "fp16", "bf16", "topk:<ratio>" or
+    "topk:<ratio>:<pull ratio>"; parsed once, where a block's spec arrives."""
     kind, *ratios = mode.split(":")
     if mode in ("", "none"):
         return BlockMode()
@@ -211,10 +221,9 @@ def parse_mode(mode: str) -> BlockMode:
                           f"[:<pull ratio in [0, 1]>]")
 
 
-def expected_encoding(mode: str) -> tuple[str, bool]:
+def expected_encoding(mode: BlockMode) -> tuple[str, bool]:
     """(dtype, sparse) of a gradient payload of a block in ``mode``."""
-    block = parse_mode(mode)
-    return block.cast, block.kind == "topk"
+    return mode.cast, mode.sparse
 
 
 def sparse_update(param: torch.Tensor, held: torch.Tensor, pull_ratio: float) -> Payload:
@@ -231,14 +240,13 @@ def sparse_update(param: torch.Tensor, held: torch.Tensor, pull_ratio: float) ->
     return Payload(held)
 
 
-def encode_pull(param: torch.Tensor, mode: str, held: torch.Tensor | None = None) -> Payload:
+def encode_pull(param: torch.Tensor, mode: BlockMode, held: torch.Tensor | None = None) -> Payload:
     """The parameters as a pull of a block in ``mode`` sends them: fp32 as they are, fp16/bf16 rounded; for
     top-k, given what the workers hold (``held``, brought up to date in place), the sparse update (see
     :func:`sparse_update`)."""
-    block = parse_mode(mode)
     if held is not None:
-        return sparse_update(param, held, block.pull_ratio)
-    return Payload(param.to(WIRE_DTYPES[block.cast]) if block.cast != "float32" else param)
+        return sparse_update(param, held, mode.pull_ratio)
+    return Payload(param.to(WIRE_DTYPES[mode.cast]) if mode.cast != "float32" else param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,14 +269,14 @@ class CompressionSpec:
         if not 0 <= self.pull_ratio <= 1:
             raise ConfigError("--topk-pull-ratio", f"{self.pull_ratio} is not in [0, 1]")
 
-    def block_mode(self, group_bytes: int) -> str:
+    def block_mode(self, group_bytes: int) -> BlockMode:
         """The mode of a block of a group of ``group_bytes`` (fp32) bytes."""
-        topk = str(BlockMode("topk", self.ratio, self.pull_ratio))
+        topk = BlockMode("topk", self.ratio, self.pull_ratio)
         if self.mode == "mixed":
-            return "fp16" if group_bytes < self.threshold_bytes else topk
+            return BlockMode("fp16") if group_bytes < self.threshold_bytes else topk
         if self.mode == "topk":
             return topk
-        return "" if self.mode == "none" else self.mode
+        return BlockMode(self.mode)
 
 
 def payload_bytes(numel: int, dtype: str, nnz: int) -> int:
@@ -288,10 +296,10 @@ def check_sparse(indices: torch.Tensor, numel: int, what: str) -> None:
         raise InvalidArgument(f"{what}: sparse indices are not strictly increasing")
 
 
-def block_modes(spec: CompressionSpec, plan: Plan) -> dict[str, str]:
+def block_modes(spec: CompressionSpec, plan: Plan) -> dict[str, BlockMode]:
     """Each block's mode, by the size of its group in ``plan`` (the job's first plan: a block keeps its mode when a
     cost plan regroups the blocks later)."""
-    modes = {}
+    modes: dict[str, BlockMode] = {}
     for group in plan.groups:
         for index in group.blocks:
             modes[plan.blocks[index].block_id] = spec.block_mode(group.numel * 4)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 import simpy
 
 from imerge.core.errors import ConfigError
-from imerge.core.compression import block_modes, parse_mode, payload_bytes, topk_count
+from imerge.core.compression import block_modes, payload_bytes, topk_count
 from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost, fuse_cost, make_plan
 from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
 from imerge.core.schedule import syncs
@@ -188,7 +188,7 @@ class PSJob:
     # -- wire bytes -----------------------------------------------------------------------------
     def push_bytes(self, block_index: int) -> int:
         block = self.first_plan.blocks[block_index]
-        mode = parse_mode(self.modes[block.block_id])
+        mode = self.modes[block.block_id]
         if mode.kind == "topk":
             return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
         return payload_bytes(block.numel, mode.cast, -1)
@@ -196,7 +196,7 @@ class PSJob:
     def topk_s(self, block_index: int, pull: bool = False) -> float:
         """The CPU seconds a top-k selection over the block costs: a worker compresses every top-k push (in the
         push stream, as the real worker does); a shard selects what a pull sends only with --topk-pull-ratio."""
-        mode = parse_mode(self.modes[self.first_plan.blocks[block_index].block_id])
+        mode = self.modes[self.first_plan.blocks[block_index].block_id]
         if mode.kind != "topk" or (pull and not mode.pull_ratio):
             return 0.0
         return self.first_plan.blocks[block_index].numel * BYTES_PER_ELEMENT * self.k.topk_cpu_per_byte
@@ -215,7 +215,7 @@ class PSJob:
         SGD) every parameter a gradient ever touched keeps changing, so an exact pull is taken as dense; with
         --topk-pull-ratio r, r of the block as (index, value) pairs."""
         block = self.first_plan.blocks[block_index]
-        mode = parse_mode(self.modes[block.block_id])
+        mode = self.modes[block.block_id]
         if mode.kind != "topk" or not mode.pull_ratio:
             return payload_bytes(block.numel, mode.cast, -1)
         return min(payload_bytes(block.numel, "float32", topk_count(mode.pull_ratio, block.numel)),
