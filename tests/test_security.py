@@ -16,6 +16,7 @@ import torch
 import trustme
 
 from imerge.coordinator.service import Coordinator, CoordinatorConfig
+from imerge.control.messages import GenerationEvent, WorkerInfo
 from imerge.control.store import Store
 from imerge.core.config import TlsConfig
 from imerge.core.errors import IMergeError, StoreError
@@ -438,3 +439,49 @@ def test_redis_acl_needs_every_password_from_the_environment(secured_redis):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and "IMERGE_REDIS_PASSWORD_PS" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_each_role_facet_holds_only_its_own_roles_writes():
+    """A shard's store cannot even call a worker's write: the facets share only StoreBase's reads and reports."""
+    from imerge.control.store import CoordinatorStore, ShardStore, StoreBase, WorkerStore
+
+    facets = {"worker": WorkerStore, "ps": ShardStore, "coordinator": CoordinatorStore}
+    own = {role: {name for name in vars(facet) if not name.startswith("_")} for role, facet in facets.items()}
+    assert own["worker"] >= {"claim_rank", "publish_buffers", "acquire_flag", "mark_done", "submit_layout"}
+    assert own["ps"] >= {"register_shard", "publish_checkpoints", "post_round_scalars", "announce_restored"}
+    assert own["coordinator"] >= {"publish_plan", "start_generation", "pop_report", "clear_job"}
+    for role, facet in facets.items():
+        for other, names in own.items():
+            if other != role:
+                assert not any(hasattr(facet, name) for name in names), (role, other, names & set(dir(facet)))
+    assert not {name for name in vars(StoreBase) if not name.startswith("_")} & set().union(*own.values())
+
+
+FACET_WRITES = {  # one write of each facet, as its role's ACL user makes it
+    "worker": lambda store: store.register_worker(0, WorkerInfo("host", 1), 5.0),
+    "ps": lambda store: store.register_shard(0, "127.0.0.1:1"),
+    "coordinator": lambda store: store.start_generation(GenerationEvent(7, 0)),
+}
+
+
+@pytest.mark.parametrize("role", sorted(FACET_WRITES))
+def test_a_role_user_makes_its_facets_writes_and_no_other_facets(secured_redis, role):
+    from imerge.control.store import CoordinatorStore, ShardStore, WorkerStore
+
+    facet = {"worker": WorkerStore, "ps": ShardStore, "coordinator": CoordinatorStore}[role]
+    own = facet(role_url(secured_redis, role), "secured")  # the job the role users were made for
+    everything = Store(role_url(secured_redis, role), "secured")  # the other facets' methods, with this user
+    admin = redis.Redis.from_url(secured_redis.url)
+    try:
+        FACET_WRITES[role](own)
+        for other, write in FACET_WRITES.items():
+            if other != role and role != "coordinator":  # the coordinator's user may write every key
+                with pytest.raises(StoreError, match="no permissions"):
+                    write(everything)
+    finally:
+        admin.delete(*(f"imerge:secured:{key}" for key in ("workers", "worker:0:alive", "shards", "shards:queue",
+                                                            "generation", "event:generation:7",
+                                                            "event:generation:7:value")))
+        admin.close()
+        own.close()
+        everything.close()

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from imerge.core.errors import IMergeError
 from imerge.telemetry.metrics import role_registry
 
-from imerge.control.store import FLAG_STATS, Store
+from imerge.control.store import FLAG_STATS, StoreBase
 
 log = logging.getLogger(__name__)
 FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted after waiting for another holder",
@@ -18,7 +18,7 @@ FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted a
 
 
 class _CoordinatorCollector(Collector):
-    def __init__(self, store: Store, num_workers: int, plan_version: Callable[[], int],
+    def __init__(self, store: StoreBase, num_workers: int, plan_version: Callable[[], int],
                  generation: Callable[[], int]):
         self.store, self.num_workers, self.plan_version = store, num_workers, plan_version
         self.generation = generation
@@ -44,7 +44,7 @@ class _CoordinatorCollector(Collector):
         yield members
 
 
-def coordinator_registry(store: Store, num_workers: int, link_mbps: float, plan_version: Callable[[], int],
+def coordinator_registry(store: StoreBase, num_workers: int, link_mbps: float, plan_version: Callable[[], int],
                          generation: Callable[[], int]) -> CollectorRegistry:
     registry = role_registry(link_mbps)
     registry.register(_CoordinatorCollector(store, num_workers, plan_version, generation))

@@ -20,7 +20,7 @@ import uuid
 
 from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease, Member,
                                      LayoutSubmission, Malformed, PlanPublished, Profile, WorkerDone)
-from imerge.control.store import Store
+from imerge.control.store import CoordinatorStore
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
                                 WaitTimeout)
@@ -72,9 +72,9 @@ def check_layouts(submissions: dict[int, LayoutSubmission]) -> tuple[Layout, Pla
 
 
 class Coordinator:
-    def __init__(self, config: CoordinatorConfig, store: Store | None = None):
+    def __init__(self, config: CoordinatorConfig, store: CoordinatorStore | None = None):
         self.config = config
-        self.store = store or Store(config.redis_url, config.job)
+        self.store = store or CoordinatorStore(config.redis_url, config.job)
         self._stop = threading.Event()
         self.plan: Plan | None = None  # the latest published plan
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)

@@ -16,7 +16,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
-from imerge.control.store import Store
+from imerge.control.store import ShardStore
 from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Member, Restored
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
@@ -27,7 +27,7 @@ RESTORE_TIMEOUT_S = 300.0
 
 
 class ShardMembership:
-    def __init__(self, store: Store, shard: Shard, load_plan: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoop,
+    def __init__(self, store: ShardStore, shard: Shard, load_plan: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoop,
                  heartbeat_ttl_s: float, checkpoint_failures: int = 0):
         self.store = store
         self.shard = shard

@@ -22,7 +22,7 @@ import torch
 from grpc_health.v1 import health, health_pb2
 
 from imerge.control.messages import FIRST_PLAN, PostedScalars, RoundScalars
-from imerge.control.store import Store
+from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
                                 ResourceExhausted)
@@ -143,7 +143,7 @@ def _certificate_names(context: Context) -> list[str]:
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, shard: Shard, config: PSConfig, store: Store | None = None):
+    def __init__(self, shard: Shard, config: PSConfig, store: ShardStore | None = None):
         self.shard = shard
         self.config = config
         self.store = store
@@ -396,7 +396,7 @@ class ShardServer:
         self.address = ""
         self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
-        self._store: Store | None = None
+        self._store: ShardStore | None = None
         self._membership: ShardMembership | None = None
         self._health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # health imports aio untyped
         self._channel: DataChannel | None = None
@@ -405,7 +405,7 @@ class ShardServer:
     async def start(self) -> str:
         cfg = self.config
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        self._store = Store(cfg.redis_url, cfg.job) if cfg.register else None
+        self._store = ShardStore(cfg.redis_url, cfg.job) if cfg.register else None
         servicer = ParameterServerServicer(self.shard, cfg, self._store)
         self.shard.agreements.exchange = servicer.exchange
         self._server.add_generic_rpc_handlers((method_handlers(servicer),))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from imerge.control.messages import FailureReport, Member, LayoutSubmission, WorkerInfo, WorkerPosition
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, StoreError
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
@@ -64,7 +64,7 @@ class DistributedModel(DDPIdioms):
         self.config = config
         self._watch = OptimizerWatch(module, optimizer)
         self._optimizer: ShardOptimizer | None = None
-        self._store = Store(config.redis_url, config.job)
+        self._store = WorkerStore(config.redis_url, config.job)
         self._lease = RankLease(self._store, config.job, config.rank, config.heartbeat_ttl_s)
         try:
             self._store.check_job(config.job_token, f"worker {config.rank}")

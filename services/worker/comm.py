@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.core.compression import BlockMode, block_modes
 from imerge.core.errors import IMergeError, WaitTimeout
 from imerge.core.planning import Plan
@@ -223,7 +223,7 @@ class Communicator:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
 
-def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: Store, flat: FlatParams, metrics: WorkerMetrics,
+def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: WorkerStore, flat: FlatParams, metrics: WorkerMetrics,
               timeline: Timeline, generation: int) -> Communicator:
     """The worker's communicator for ``plan``: a channel per shard, the slot policy the flags call for."""
 

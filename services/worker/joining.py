@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 
 from imerge.control.messages import FIRST_PLAN, FailureReport, Member, WorkerPosition
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, JobFailed, StoreError
 from imerge.core.planning import Plan
 
@@ -16,7 +16,7 @@ from .lease import RankLease
 log = logging.getLogger(__name__)
 
 
-def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
+def rejoin_point(store: WorkerStore, config: WorkerConfig, num_shards: int) -> tuple[int, int]:
     """(generation, checkpoint round) a restarted worker resumes at, once every shard restored it."""
     current = store.generation()
     if current is None:
@@ -43,11 +43,11 @@ def rejoin_point(store: Store, config: WorkerConfig, num_shards: int) -> tuple[i
         current += 1
 
 
-def wait_plan(store: Store, config: WorkerConfig) -> Plan:
+def wait_plan(store: WorkerStore, config: WorkerConfig) -> Plan:
     return store.wait_plan(FIRST_PLAN, config.wait_timeout_s, "the coordinator to publish the plan").result()
 
 
-def latest_plan(store: Store, config: WorkerConfig) -> Plan:
+def latest_plan(store: WorkerStore, config: WorkerConfig) -> Plan:
     """The plan a rejoining worker uses: the cost plan once published, else the first."""
     latest = store.latest_plan()
     return latest.result() if latest is not None else wait_plan(store, config)
@@ -56,14 +56,14 @@ def latest_plan(store: Store, config: WorkerConfig) -> Plan:
 class Heartbeat:
     """Renews this worker's rank lease, refreshes its liveness key and its data position until stopped."""
 
-    def __init__(self, store: Store, lease: RankLease):
+    def __init__(self, store: WorkerStore, lease: RankLease):
         self.position: Callable[[], tuple[int, int]] | None = None  # (generation, iterations done) once joined
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(store, lease), daemon=True,
                                         name=f"imerge-heartbeat-{lease.rank}")
         self._thread.start()
 
-    def _run(self, store: Store, lease: RankLease) -> None:
+    def _run(self, store: WorkerStore, lease: RankLease) -> None:
         rank, ttl_s = lease.rank, lease.ttl_s
         while not self._stop.wait(ttl_s / 3):
             try:

@@ -21,7 +21,7 @@ import time
 import uuid
 
 from imerge.control.messages import RankHolder, RankLeaseValue
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.core.errors import RankInUse
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def _holder_gone(holder: RankHolder) -> bool:
 
 
 class RankLease:
-    def __init__(self, store: Store, job: str, rank: int, ttl_s: float):
+    def __init__(self, store: WorkerStore, job: str, rank: int, ttl_s: float):
         self.store, self.job, self.rank, self.ttl_s = store, job, rank, ttl_s
         self.holder = RankHolder(socket.gethostname(), os.getpid(), uuid.uuid4().hex[:8])
         self.beat = 0

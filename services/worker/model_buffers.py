@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load, save
 
 from imerge.control.messages import ModuleState
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.core.errors import UnsupportedUse
 
 SHARED_STATE_TTL_S = 30 * 86400.0  # worker 0's state at the job's start: read again by workers restarted later
@@ -34,7 +34,7 @@ def decode(state: ModuleState) -> dict[str, torch.Tensor]:
 
 
 class BufferSync:
-    def __init__(self, module: torch.nn.Module, store: Store, *, rank: int, world_size: int, mode: str, generation: int,
+    def __init__(self, module: torch.nn.Module, store: WorkerStore, *, rank: int, world_size: int, mode: str, generation: int,
                  timeout_s: float):
         self.module = module
         self.store, self.rank, self.world_size, self.mode = store, rank, world_size, mode

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from imerge.control.store import Store
+from imerge.control.store import WorkerStore
 from imerge.control.messages import COST_PLAN, Profile
 from imerge.core.errors import IMergeError
 from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost
@@ -107,7 +107,7 @@ class Profiler:
                  profile.compute_s, path)
 
 
-def cost_plan(store: Store, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
+def cost_plan(store: WorkerStore, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
               wire_bytes: Callable[[Any], int] | None = None) -> Plan:
     """After the profiled iterations: submit the profile (worker 0), wait for the cost plan and check that it
     only regroups the blocks of ``current``. ``wire_bytes(block)``: what a push of the block carries (after
