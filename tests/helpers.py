@@ -144,3 +144,16 @@ def redis7_binary() -> str:
     wrapper.write_text(f'#!/bin/sh\nLD_LIBRARY_PATH="{libraries}" exec "{cache}/root/usr/bin/redis-server" "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
+
+
+def status_of(call: Callable[[], Any]) -> tuple[Any, str]:
+    """(status code, details) of the gRPC call ``call`` makes, which must fail (a streamed reply is read to its
+    end, where a failure of a server-streaming call shows)."""
+    import grpc
+    import pytest
+
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__"):
+            list(result)
+    return info.value.code(), info.value.details()

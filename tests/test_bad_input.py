@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import imerge
+from helpers import status_of
 from imerge.ops.redis_server import free_port
 from imerge.control.messages import FIRST_PLAN
 from imerge.ps.config import PSConfig
@@ -63,12 +64,6 @@ def push(stub, block_id="b", worker=0, round_=0, data=None, numel=NUMEL, dtype=p
 def pull(stub, block_id="b", worker=0, round_=0, timeout_s=0.0):
     return list(stub.Pull(ps_pb2.PullRequest(block_ids=[block_id], worker=worker, round=round_,
                                              timeout_s=timeout_s), timeout=30))
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code(), info.value.details()
 
 
 def test_unknown_block_is_not_found(stub):

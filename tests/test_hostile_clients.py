@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from helpers import status_of
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
@@ -50,14 +51,6 @@ def push_messages(block_id: str, worker: int = 0, round_: int = 0, value: float 
             ps_pb2.PushChunk(data=floats(np.full(NUMEL, value)))]
 
 
-def refusal(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        result = call()
-        if hasattr(result, "__iter__"):
-            list(result)
-    return info.value.code(), info.value.details()
-
-
 def params(stub, block_id: str) -> np.ndarray:
     chunks = list(stub.Fetch(ps_pb2.FetchRequest(block_ids=[block_id]), timeout=10))
     return np.frombuffer(b"".join(c.data for c in chunks if c.WhichOneof("part") == "data"), "<f4")
@@ -81,7 +74,7 @@ BAD_OPTIONS = [
 
 @pytest.mark.parametrize("options, named", BAD_OPTIONS)
 def test_malformed_optimizer_options_are_invalid_argument_naming_the_field(stub, options, named):
-    code, details = refusal(lambda: init(stub, "b", options))
+    code, details = status_of(lambda: init(stub, "b", options))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert named in details
     assert not stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks  # nothing was created
@@ -109,7 +102,7 @@ def test_malformed_hyperparameters_are_refused_before_the_round_counts_them(stub
     """Every worker of the block sends them (workers=1): agreed, they would be counted, and the step would raise
     and leave the block stuck; refused, the block steps the next honest push as if nothing had come."""
     init(stub, "b", '{"lr": 0.1}')
-    code, details = refusal(lambda: stub.Push(iter(push_messages("b", hypers=hypers)), timeout=10))
+    code, details = status_of(lambda: stub.Push(iter(push_messages("b", hypers=hypers)), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert named in details
     stats = stub.Stats(ps_pb2.StatsRequest(), timeout=10)
@@ -299,7 +292,7 @@ def test_an_import_is_bounded_by_its_block_and_checked_whole_before_anything_is_
                                               timeout=10), "named twice"),
     }
     for case, (call, named) in cases.items():
-        code, details = refusal(call)
+        code, details = status_of(call)
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (case, code, details)
         assert named in details, (case, details)
         assert {block: export(stub, block) for block in ("a", "b")} == before, f"{case} changed a block"
@@ -321,7 +314,7 @@ def test_unread_exports_and_parked_pulls_are_bounded(redis_url):
             unread = [stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=30) for _ in range(4)]
             for call in unread:
                 next(call)  # under way, the rest not read
-            code, details = refusal(lambda: stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=10))
+            code, details = status_of(lambda: stub.Export(ps_pb2.ExportRequest(block_ids=["b"]), timeout=10))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 4" in details
             for call in unread:
                 call.cancel()
@@ -329,7 +322,7 @@ def test_unread_exports_and_parked_pulls_are_bounded(redis_url):
             assert export(stub, "b")  # the slots came back
 
             started = time.monotonic()
-            code, details = refusal(lambda: list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0,
+            code, details = status_of(lambda: list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0,
                                                                               timeout_s=1e9), timeout=30)))
             assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "timed out after 2s" in details
             assert time.monotonic() - started < 5
@@ -370,7 +363,7 @@ def test_an_import_outside_imerge_load_is_refused_and_changes_nothing(cluster):
             stub = ps_pb2_grpc.ParameterServerStub(channel)
             block = stub.Stats(ps_pb2.StatsRequest(), timeout=10).blocks[0].block_id
             state = export(stub, block)
-            code, details = refusal(lambda: stub.Import(state_chunks(block, state), timeout=10))
+            code, details = status_of(lambda: stub.Import(state_chunks(block, state), timeout=10))
             assert code == grpc.StatusCode.FAILED_PRECONDITION and "no imerge.load" in details
             assert export(stub, block) == state
     finally:
@@ -455,7 +448,7 @@ def test_every_refused_push_leaves_the_block_as_it_was(served):
     }
     for case, (messages, code) in refusals.items():
         before = state()
-        got, details = refusal(lambda: stub.Push(messages, timeout=10))
+        got, details = status_of(lambda: stub.Push(messages, timeout=10))
         assert got.name == code, (case, got, details)
         assert state() == before, f"{case} changed the block"
     assert stub.Push(iter(push_messages("b", 1, value=3.0, fence=6)), timeout=10).results[0].pushed == 2

@@ -153,24 +153,6 @@ model.close()
 """
 
 
-def test_launch_flags_reach_a_script_that_reads_them_and_its_output_is_prefixed_with_its_rank(tmp_path):
-    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--optimizer", "adam", "--lr", "0.3", "--",
-                 sys.executable, "-c", SCRIPT.format(from_env=True))
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 0, output
-    assert "[rank0]: trains with adam 0.3" in output and "[rank1]: trains with adam 0.3" in output
-    assert "trains with adam 0.3" in (tmp_path / "logs" / "worker1.log").read_text()
-
-
-def test_launch_flags_that_a_script_overrides_are_refused_naming_them(tmp_path):
-    run = launch(tmp_path, "--shards", "1", "--workers", "1", "--max-restarts", "0", "--optimizer", "adam", "--lr",
-                 "0.3", "--", sys.executable, "-c", SCRIPT.format(from_env=False))
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 1, output
-    assert "--lr 0.3 --optimizer adam: imerge launch was given these optimizer flags" in output
-    assert "trains with" not in output
-
-
 def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_path):
     """6 iterations (state saved at 3 and at the end), resumed to 10, equal 10 uninterrupted ones."""
     from safetensors.torch import load_file
@@ -194,19 +176,6 @@ def test_resume_continues_a_finished_run_exactly_like_an_uninterrupted_one(tmp_p
     resumed = result("resumed", start("resumed", "--iters", "10", "--resume", str(tmp_path / "first" / "logs")))
     for name, value in uninterrupted.items():
         torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0, msg=name)
-
-
-def test_nproc_per_node_gives_each_worker_its_local_rank(tmp_path):
-    script = ("import torch, imerge\n"
-              "model = imerge.distribute(torch.nn.Linear(4, 2))\n"
-              "print('local rank', model.config.local_rank, flush=True)\n"
-              "model(torch.ones(1, 4)).sum().backward()\n"
-              "model.close()\n")
-    run = launch(tmp_path, "--shards", "1", "--workers", "3", "--nproc-per-node", "2", "--", sys.executable, "-c",
-                 script)
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 0, output
-    assert {"[rank0]: local rank 0", "[rank1]: local rank 1", "[rank2]: local rank 0"} <= set(output.splitlines())
 
 
 @pytest.mark.timeout(300)
@@ -264,37 +233,85 @@ dist.destroy_process_group()
 """  # and no model.close(): the script ends, IMerge leaves the job at exit
 
 
-def test_a_script_gets_torchruns_variables_and_ends_without_close(tmp_path):
+NPROC_SCRIPT = ("import torch, imerge\n"
+                "model = imerge.distribute(torch.nn.Linear(4, 2))\n"
+                "print('local rank', model.config.local_rank, flush=True)\n"
+                "model(torch.ones(1, 4)).sum().backward()\n"
+                "model.close()\n")
+SCRIPT_RUNS = {  # short launches of a script that the tests below read, started together (each has its own Redis
+    # and ports): their processes mostly wait on each other, so together they take about as long as the slowest
+    "flags read": ("--shards", "1", "--workers", "2", "--optimizer", "adam", "--lr", "0.3", "--", sys.executable,
+                   "-c", SCRIPT.format(from_env=True)),
+    "flags overridden": ("--shards", "1", "--workers", "1", "--max-restarts", "0", "--optimizer", "adam", "--lr",
+                         "0.3", "--", sys.executable, "-c", SCRIPT.format(from_env=False)),
+    "nproc per node": ("--shards", "1", "--workers", "3", "--nproc-per-node", "2", "--", sys.executable, "-c",
+                       NPROC_SCRIPT),
+    "torchrun variables": ("--shards", "1", "--workers", "2", "--summary-json", "{dir}/summary.json", "--",
+                           sys.executable, "-c", TORCHRUN_SCRIPT),
+    "failure repeats": ("--shards", "1", "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
+                        "import os; os.environ['IMERGE_RANK'] == '1' and os.environ['A_VARIABLE_NOBODY_SET']"),
+    "never joins": ("--shards", "1", "--workers", "1", "--", sys.executable, "-c", "print('no job here')"),
+}
+
+
+@pytest.fixture(scope="module")
+def script_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """name -> (exit code, output, its folder) of each of SCRIPT_RUNS, all launched at once."""
+    started = {}
+    for name, args in SCRIPT_RUNS.items():
+        folder = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        started[name] = (launch(folder, *(arg.replace("{dir}", str(folder)) for arg in args)), folder)
+    runs = {}
+    for name, (run, folder) in started.items():
+        output, _ = run.communicate(timeout=300)
+        runs[name] = (run.returncode, output, folder)
+    return runs
+
+
+def test_launch_flags_reach_a_script_that_reads_them_and_its_output_is_prefixed_with_its_rank(script_runs):
+    code, output, folder = script_runs["flags read"]
+    assert code == 0, output
+    assert "[rank0]: trains with adam 0.3" in output and "[rank1]: trains with adam 0.3" in output
+    assert "trains with adam 0.3" in (folder / "logs" / "worker1.log").read_text()
+
+
+def test_launch_flags_that_a_script_overrides_are_refused_naming_them(script_runs):
+    code, output, _ = script_runs["flags overridden"]
+    assert code == 1, output
+    assert "--lr 0.3 --optimizer adam: imerge launch was given these optimizer flags" in output
+    assert "trains with" not in output
+
+
+def test_nproc_per_node_gives_each_worker_its_local_rank(script_runs):
+    code, output, _ = script_runs["nproc per node"]
+    assert code == 0, output
+    assert {"[rank0]: local rank 0", "[rank1]: local rank 1", "[rank2]: local rank 0"} <= set(output.splitlines())
+
+
+def test_a_script_gets_torchruns_variables_and_ends_without_close(script_runs):
     """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT as torchrun gives them: the
     script's own process group, all_reduce and DistributedSampler work beside IMerge; it never calls close(), and
     leaves cleanly at exit (exit 0, no restart); model.log_loss feeds the launcher's summary."""
-    summary = tmp_path / "summary.json"
-    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--summary-json", str(summary), "--", sys.executable,
-                 "-c", TORCHRUN_SCRIPT)
-    output, _ = run.communicate(timeout=180)
-    assert run.returncode == 0, output
+    code, output, folder = script_runs["torchrun variables"]
+    assert code == 0, output
     assert "[rank0]: rank 0 of 2 local 0 2 sum 1.0 sampled [0, 2, 4, 6]" in output
     assert "[rank1]: rank 1 of 2 local 1 2 sum 1.0 sampled [1, 3, 5, 7]" in output
     assert "Traceback" not in output and "restarting" not in output
-    result = json.loads(summary.read_text())
+    result = json.loads((folder / "summary.json").read_text())
     assert result["iterations"] == 3 and result["final_loss"] is not None and result["restarts"] == 0
 
 
-def test_a_failure_that_repeats_is_not_restarted_again_and_each_restart_is_one_line(tmp_path):
-    script = "import os; os.environ['IMERGE_RANK'] == '1' and os.environ['A_VARIABLE_NOBODY_SET']"
-    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
-                 script)
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 1, output
+def test_a_failure_that_repeats_is_not_restarted_again_and_each_restart_is_one_line(script_runs):
+    code, output, _ = script_runs["failure repeats"]
+    assert code == 1, output
     assert output.count("restarting it") == 1, output
     assert "worker1: failed twice the same way (exit code 1: KeyError: 'A_VARIABLE_NOBODY_SET'); not restarted " \
            "again" in " ".join(output.split()), output
 
 
-def test_a_worker_script_that_never_joins_fails_the_job(tmp_path):
-    run = launch(tmp_path, "--shards", "1", "--workers", "1", "--", sys.executable, "-c", "print('no job here')")
-    output, _ = run.communicate(timeout=120)
-    assert run.returncode == 1, output
+def test_a_worker_script_that_never_joins_fails_the_job(script_runs):
+    code, output, _ = script_runs["never joins"]
+    assert code == 1, output
     assert "worker0: exited with code 0 without finishing its part of the job: it never joined it" in \
         " ".join(output.split()), output
 

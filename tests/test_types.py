@@ -5,28 +5,40 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import lint_imports  # noqa: E402
 import typecheck  # noqa: E402
 
 
-def test_the_package_type_checks_strictly(tmp_path):
-    result = typecheck.check(lint_imports.assemble(tmp_path))
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> tuple[Path, Path]:
+    """The package assembled once, and a mypy cache the module's checks share (the second is incremental)."""
+    return lint_imports.assemble(tmp_path_factory.mktemp("types")), tmp_path_factory.mktemp("mypy-cache")
+
+
+def test_the_package_type_checks_strictly(tree):
+    folder, cache = tree
+    result = typecheck.check(folder, cache=cache)
     assert result.returncode == 0, typecheck.source_paths(result.stdout + result.stderr)
     assert "Success: no issues found" in result.stdout
 
 
-def test_a_deliberate_type_error_fails_the_check(tmp_path):
+def test_a_deliberate_type_error_fails_the_check(tree):
     """Shard.pull annotated as returning the raw frames (tuple[int, list[bytes]]) while it returns a Snapshot: the
     annotation this check was made to catch."""
-    tree = lint_imports.assemble(tmp_path)
-    state = tree / "imerge/ps/state.py"
+    folder, cache = tree
+    state = folder / "imerge/ps/state.py"
     source = state.read_text()
     correct = "generation: int = 0) -> tuple[int, Snapshot]:\n        \"\"\"Wait until every worker pushed"
     assert correct in source
     state.write_text(source.replace(correct, correct.replace("tuple[int, Snapshot]", "tuple[int, list[bytes]]")))
-    result = typecheck.check(tree)
+    try:
+        result = typecheck.check(folder, cache=cache)
+    finally:
+        state.write_text(source)
     report = typecheck.source_paths(result.stdout)
     assert result.returncode == 1, report
     assert "services/ps/state.py:" in report and "[return-value]" in report, report

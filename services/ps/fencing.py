@@ -38,5 +38,7 @@ class IssuedTokens:
         self._reading = (clock_us, at)
         return clock_us
 
-    async def issued(self, token: int) -> bool:
-        return token <= await self.newest_us(token) + SLACK_US
+    async def unissued(self, token: int) -> int | None:
+        """None if ``token`` could have been issued; else Redis' clock (µs) that it is ahead of, for the refusal."""
+        clock_us = await self.newest_us(token)
+        return None if token <= clock_us + SLACK_US else clock_us

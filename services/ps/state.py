@@ -271,10 +271,11 @@ class Shard:
                 self.counters.fenced_pushes += 1
                 raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
                              f"{newest} already seen in lane {lane} (the lease passed to another holder)")
-            if fence > newest and self.issued_tokens is not None and not await self.issued_tokens.issued(fence):
-                raise InvalidArgument(f"{what}: slot flag token {fence} is ahead of the store's clock "
-                                      f"({await self.issued_tokens.newest_us(fence)} µs), which issues every token: "
-                                      "no flag gave it")
+            clock_us = await self.issued_tokens.unissued(fence) \
+                if fence > newest and self.issued_tokens is not None else None
+            if clock_us is not None:
+                raise InvalidArgument(f"{what}: slot flag token {fence} is ahead of the store's clock ({clock_us} µs), "
+                                      "which issues every token: no flag gave it")
             block.receiving.add(worker)
             block.row_sources[worker] = None  # the row is overwritten: it no longer holds the round counted before
             self.metrics.pushes_in_flight.inc()
