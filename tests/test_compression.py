@@ -252,8 +252,8 @@ def test_the_compression_cost_bench_measures_each_mode_on_the_shards_code_path()
     from imerge.bench.compression_cost import compression_markdown, run_compression_cost
 
     report = run_compression_cost(model="digits-cnn", workers=2, iters=1, partition_mib=0.01)
-    modes = report["modes"]
-    assert modes["fp16"]["push_mb"] == modes["bf16"]["push_mb"] == pytest.approx(modes["none"]["push_mb"] / 2)
-    assert modes["topk"]["push_mb"] < modes["none"]["push_mb"] * 0.02 * 2  # (index, value) pairs of 1%
-    assert modes["none"]["link_s_saved"] == 0 and modes["topk"]["link_s_saved"] > modes["fp16"]["link_s_saved"]
+    modes = report.modes
+    assert modes["fp16"].push_mb == modes["bf16"].push_mb == pytest.approx(modes["none"].push_mb / 2)
+    assert modes["topk"].push_mb < modes["none"].push_mb * 0.02 * 2  # (index, value) pairs of 1%
+    assert modes["none"].link_s_saved == 0 and modes["topk"].link_s_saved > modes["fp16"].link_s_saved
     assert all(f"| {mode} |" in compression_markdown(report) for mode in modes)

@@ -24,7 +24,7 @@ def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
     assert [limit["frame_bytes"] for limit in limits] == [1 << 20, 4 << 20]
     assert all(0 < limit[key] < 100 for limit in limits
                for key in ("receive_cpu_s_per_gb", "send_cpu_s_per_gb", "gb_per_s"))
-    assert "shard_gb_per_s" not in ddp  # a DDP rank is reported in the worker columns only
+    assert ddp["shard_gb_per_s"] is None  # a DDP rank is reported in the worker columns only
     table = (tmp_path / "results.md").read_text()
     assert "| ddp |" in table and "| imerge |" in table
     assert "worker CPU s/GB" in table and "| raw socket, 4 MiB frames |" in table

@@ -239,10 +239,6 @@ class SyncEngine:
         finally:
             self.state.loading = False
 
-    def assign(self) -> None:
-        """This worker's parameters to the shards as a round of their own (worker 0's are kept)."""
-        rounds.assign(self.state)
-
     def finish(self) -> None:
         """The last syncs of a worker leaving the job: with T > 1 every group that did not sync last, then every
         group's latest; every worker ends with the same parameters and buffers."""

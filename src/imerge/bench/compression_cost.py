@@ -12,6 +12,7 @@ the machine's torch threads; the network is not involved.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -59,8 +60,32 @@ def one_iteration(mode: str, blocks: list[torch.Tensor], compressors: list[Any],
     return worker_s, shard_s, sum(p.nbytes for p in payloads), pull_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class ModeCost:
+    """One compression mode's cost and gain per iteration."""
+
+    worker_cpu_ms: float   # one worker compressing its gradient
+    shards_cpu_ms: float   # the shards receiving every worker's payload and encoding the pull
+    push_mb: float
+    pull_mb: float
+    link_s_saved: float    # the busier direction (a link carries both at once), against fp32
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionCostReport:
+    model: str
+    workers: int
+    iters: int
+    partition_mib: float
+    ratio: float
+    rate_mbit: float
+    fp32_mb: float
+    threads: int
+    modes: dict[str, ModeCost]
+
+
 def run_compression_cost(model: str = "resnet18", workers: int = 3, iters: int = 5, partition_mib: float = 1.0,
-                         ratio: float = 0.01, rate_mbit: float = 1000.0) -> dict[str, Any]:
+                         ratio: float = 0.01, rate_mbit: float = 1000.0) -> CompressionCostReport:
     blocks = gradient_blocks(model, int(partition_mib * (1 << 20)) // 4)
     fp32_bytes = sum(b.numel() for b in blocks) * 4
     results = {}
@@ -73,24 +98,22 @@ def run_compression_cost(model: str = "resnet18", workers: int = 3, iters: int =
         worker_s = statistics.median(r[0] for r in runs)
         shard_s = statistics.median(r[1] for r in runs)
         push, pull = runs[-1][2], runs[-1][3]
-        results[mode] = {"worker_cpu_ms": worker_s * 1e3, "shards_cpu_ms": shard_s * 1e3,
-                         "push_mb": push / 1e6, "pull_mb": pull / 1e6,  # a link carries both at once (duplex)
-                         "link_s_saved": (fp32_bytes - max(push, pull)) * 8 / (rate_mbit * 1e6)}
-    return {"model": model, "workers": workers, "iters": iters, "partition_mib": partition_mib, "ratio": ratio,
-            "rate_mbit": rate_mbit, "fp32_mb": fp32_bytes / 1e6, "threads": torch.get_num_threads(),
-            "modes": results}
+        results[mode] = ModeCost(worker_s * 1e3, shard_s * 1e3, push / 1e6, pull / 1e6,
+                                 (fp32_bytes - max(push, pull)) * 8 / (rate_mbit * 1e6))
+    return CompressionCostReport(model, workers, iters, partition_mib, ratio, rate_mbit, fp32_bytes / 1e6,
+                                 torch.get_num_threads(), results)
 
 
-def compression_markdown(report: dict[str, Any]) -> str:
-    lines = [f"{report['model']} ({report['fp32_mb']:.1f} MB fp32), {report['workers']} workers' payloads per "
-             f"iteration, {report['partition_mib']:g} MiB blocks, top-k ratio {report['ratio']:g}, "
-             f"{report['threads']} torch threads; median of {report['iters']} iterations; the shards step plain "
+def compression_markdown(report: CompressionCostReport) -> str:
+    lines = [f"{report.model} ({report.fp32_mb:.1f} MB fp32), {report.workers} workers' payloads per "
+             f"iteration, {report.partition_mib:g} MiB blocks, top-k ratio {report.ratio:g}, "
+             f"{report.threads} torch threads; median of {report.iters} iterations; the shards step plain "
              f"SGD (with momentum or Adam every parameter changes, and a top-k pull is dense fp32 unless "
-             f"--topk-pull-ratio bounds it). Link time saved: the busier direction at {report['rate_mbit']:g} "
+             f"--topk-pull-ratio bounds it). Link time saved: the busier direction at {report.rate_mbit:g} "
              f"Mbit/s, against fp32.", "",
              "| mode | worker CPU ms/it | shards CPU ms/it | push MB/it | pull MB/it | link s/it saved |",
              "|---|---|---|---|---|---|"]
-    for mode, r in report["modes"].items():
-        lines.append(f"| {mode} | {r['worker_cpu_ms']:.1f} | {r['shards_cpu_ms']:.1f} | {r['push_mb']:.2f} | "
-                     f"{r['pull_mb']:.2f} | {r['link_s_saved']:.3f} |")
+    for mode, r in report.modes.items():
+        lines.append(f"| {mode} | {r.worker_cpu_ms:.1f} | {r.shards_cpu_ms:.1f} | {r.push_mb:.2f} | "
+                     f"{r.pull_mb:.2f} | {r.link_s_saved:.3f} |")
     return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ includes its (small) compute, a DDP rank's its local optimizer step.
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import statistics
@@ -26,6 +27,7 @@ from typing import Any
 
 from rich.console import Console
 
+from imerge.bench.socket_probe import ProbeResult
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher
 from imerge.ops.redis_server import free_port
@@ -82,7 +84,46 @@ class CpuSampler:
         return last[1] - first[1]
 
 
-def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class DatapathRun:
+    """One run of the data path on loopback: s/it, and one process's throughput and CPU per GB moved."""
+
+    strategy: str
+    median_iteration_s: float
+    iterations: int
+    worker_gb_per_s: float
+    worker_cpu_s_per_gb: float
+    shard_gb_per_s: float | None = None     # DDP has no shard
+    shard_cpu_s_per_gb: float | None = None
+    ratio_to_ddp: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DatapathScenario:
+    model: str
+    model_bytes: int
+    workers: int
+    shards: int
+    iters: int
+    rounds: int
+    network: str = "loopback"
+
+
+@dataclasses.dataclass(frozen=True)
+class DatapathReport:
+    """``imerge bench datapath``: each strategy's rounds merged (medians), each round, the socket's limit."""
+
+    scenario: DatapathScenario
+    strategies: dict[str, DatapathRun]
+    runs: dict[str, list[DatapathRun]]
+    socket_limit: list[ProbeResult]
+    command: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> DatapathRun:
     """One run of ``strategy`` on loopback; its s/it and per-role throughput and CPU cost."""
     from imerge.core.strategies import warmup_iterations
 
@@ -111,16 +152,16 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
     size = model_bytes()
     moved = {"worker": 4 * (workers - 1) / workers * size if ddp else 2 * size, "shard": 2 * size}
     roles = {"worker": "worker0"} if ddp else {"worker": "worker0", "shard": "ps0"}
-    result: dict[str, Any] = {"strategy": strategy, "median_iteration_s": seconds, "iterations": len(timed)}
+    rates: dict[str, float] = {}
     for kind, role in roles.items():
         window_bytes = moved[kind] * iterations
         cpu = sampler.used(role, start, end)
-        result[f"{kind}_gb_per_s"] = window_bytes / (end - start) / 1e9
-        result[f"{kind}_cpu_s_per_gb"] = cpu / (window_bytes / 1e9)
-    return result
+        rates[f"{kind}_gb_per_s"] = window_bytes / (end - start) / 1e9
+        rates[f"{kind}_cpu_s_per_gb"] = cpu / (window_bytes / 1e9)
+    return DatapathRun(strategy, seconds, len(timed), **rates)
 
 
-def run_datapath(config: Any, console: Console) -> dict[str, Any]:
+def run_datapath(config: Any, console: Console) -> DatapathReport:
     """Every chosen strategy (default: ddp and both of IMerge's data paths), alternating over ``config.rounds``."""
     from imerge.bench.report import write_datapath_report
     from imerge.bench.socket_probe import probes
@@ -133,29 +174,38 @@ def run_datapath(config: Any, console: Console) -> dict[str, Any]:
     if unknown:
         raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(STRATEGIES)}")
     out = Path(config.out or f"runs/bench-datapath-{time.strftime('%Y%m%d-%H%M%S')}")
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    runs: dict[str, list[DatapathRun]] = {s: [] for s in chosen}
     console.print("datapath: the raw-socket limit of this machine (Python sendall and recv_into + add_)")
     limit = probes()
     for round_ in range(config.rounds):
         for strategy in chosen:
             console.print(f"datapath round {round_ + 1}: {strategy}")
             result = run_once(strategy, STRATEGIES[strategy], workers, iters, out / f"round{round_ + 1}" / strategy)
-            console.print(f"    median {result['median_iteration_s']:.3f} s/it")
+            console.print(f"    median {result.median_iteration_s:.3f} s/it")
             runs[strategy].append(result)
-    merged = {name: {key: (statistics.median(r[key] for r in results) if isinstance(value, float) else value)
-                     for key, value in results[0].items()} for name, results in runs.items()}
+    merged = {name: _merged(results) for name, results in runs.items()}
     if "ddp" in merged:
-        for result in merged.values():
-            result["ratio_to_ddp"] = result["median_iteration_s"] / merged["ddp"]["median_iteration_s"]
+        ddp_s = merged["ddp"].median_iteration_s
+        merged = {name: dataclasses.replace(run, ratio_to_ddp=run.median_iteration_s / ddp_s)
+                  for name, run in merged.items()}
     command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
-    report = {"scenario": {"model": MODEL, "model_bytes": model_bytes(), "workers": workers, "shards": workers,
-                           "iters": iters, "rounds": config.rounds, "network": "loopback"},
-              "command": command, "strategies": merged, "runs": runs, "socket_limit": limit}
+    report = DatapathReport(DatapathScenario(MODEL, model_bytes(), workers, workers, iters, config.rounds),
+                            merged, runs, limit, command)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
     write_datapath_report(report, out)
     console.print(f"results in {out}/ (results.json, results.md)")
     return report
 
 
+def _merged(runs: list[DatapathRun]) -> DatapathRun:
+    """The rounds of one strategy: the median of each measure (the first round's count of iterations)."""
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
 
+    first = runs[0]
+    return DatapathRun(first.strategy, statistics.median(r.median_iteration_s for r in runs), first.iterations,
+                       statistics.median(r.worker_gb_per_s for r in runs),
+                       statistics.median(r.worker_cpu_s_per_gb for r in runs),
+                       median([r.shard_gb_per_s for r in runs]), median([r.shard_cpu_s_per_gb for r in runs]))

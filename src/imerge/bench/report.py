@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from imerge.core.bench_results import BenchReport, ScalingReport
+
+if TYPE_CHECKING:
+    from imerge.bench.datapath import DatapathReport
 
 COLUMNS = [("median_iteration_s", "median s/it", "{:.3f}"), ("p90_iteration_s", "p90 s/it", "{:.3f}"),
            ("compute_s", "compute s", "{:.3f}"), ("exposed_comm_s", "exposed comm s", "{:.3f}"),
@@ -19,37 +24,38 @@ def _cell(value: Any, fmt: str, key: str) -> str:
     return fmt.format(value / 1e6 if key == "bytes_per_iteration" else value)
 
 
-def markdown(report: dict[str, Any]) -> str:
-    if "sizes" in report:
+def markdown(report: BenchReport | ScalingReport) -> str:
+    if isinstance(report, ScalingReport):
         return scaling_markdown(report)
-    scenario = report["scenario"]
-    lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, {scenario['workers']} workers, "
-             f"{scenario['shards']} shards, {scenario['rate_mbit']:g} Mbit/s links"
-             + f", MTU {scenario['mtu']}, TCP {scenario.get('tcp_congestion', 'host default')}"
-             + (f", shard port queue {scenario['shard_queue_kb']:g} kB" if scenario["shard_queue_kb"] else "")
-             + f"; compute {report['compute_s']:.3f} s per iteration.", "",
+    scenario = report.scenario
+    lines = [f"{scenario.model}, batch {scenario.batch_size} per worker, {scenario.workers} workers, "
+             f"{scenario.shards} shards, {scenario.rate_mbit:g} Mbit/s links"
+             + f", MTU {scenario.mtu}, TCP {scenario.tcp_congestion}"
+             + (f", shard port queue {scenario.shard_queue_kb:g} kB" if scenario.shard_queue_kb else "")
+             + f"; compute {report.compute_s:.3f} s per iteration.", "",
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
              "|---|" + "---|" * len(COLUMNS)]
-    for name, result in report["strategies"].items():
-        lines.append(f"| {name} | " + " | ".join(_cell(result.get(key), fmt, key) for key, _, fmt in COLUMNS) + " |")
+    for name, result in report.strategies.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, key), fmt, key) for key, _, fmt in COLUMNS)
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
-def title(report: dict[str, Any], what: str) -> str:
+def title(report: BenchReport | ScalingReport, what: str) -> str:
     """A plot's title: what it shows, and the scenario it was measured on."""
-    scenario = report["scenario"]
-    shards = "shards = workers" if scenario.get("sizes") else f"{scenario['workers']} workers, {scenario['shards']} shards"
-    name = f"{report['name']}: " if report.get("name") else ""
-    return f"{what}\n{name}{scenario['model']}, {shards}, {scenario['rate_mbit']:g} Mbit/s"
+    scenario = report.scenario
+    shards = "shards = workers" if scenario.sizes else f"{scenario.workers} workers, {scenario.shards} shards"
+    name = f"{report.name}: " if report.name else ""
+    return f"{what}\n{name}{scenario.model}, {shards}, {scenario.rate_mbit:g} Mbit/s"
 
 
-def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
-    names = list(report["strategies"])
-    medians = [report["strategies"][n]["median_iteration_s"] for n in names]
-    p90 = [report["strategies"][n]["p90_iteration_s"] - m for n, m in zip(names, medians)]
+def _plot_iteration_times(report: BenchReport, path: Path, plt: Any) -> None:
+    names = list(report.strategies)
+    medians = [report.strategies[n].median_iteration_s for n in names]
+    p90 = [report.strategies[n].p90_iteration_s - m for n, m in zip(names, medians)]
     figure, axis = plt.subplots(figsize=(8, 4))
     axis.bar(names, medians, yerr=[[0] * len(p90), p90], capsize=4, color="tab:blue")
-    axis.axhline(report["compute_s"], color="tab:red", linestyle="--", label="compute")
+    axis.axhline(report.compute_s, color="tab:red", linestyle="--", label="compute")
     axis.set_ylabel("seconds per iteration (median, whisker p90)")
     axis.set_title(title(report, "Iteration time per strategy"))
     axis.legend()
@@ -59,14 +65,15 @@ def _plot_iteration_times(report: dict[str, Any], path: Path, plt: Any) -> None:
     plt.close(figure)
 
 
-def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
-    traced = [name for name, result in report["strategies"].items()  # a strategy whose workers wrote traces
-              if result.get("trace_dir") and any(Path(result["trace_dir"]).glob("worker*.json"))]
+def _plot_timeline(report: BenchReport, path: Path, plt: Any) -> None:
+    traced = [name for name, result in report.strategies.items()  # a strategy whose workers wrote traces
+              if result.trace_dir and any(Path(result.trace_dir).glob("worker*.json"))]
     chosen = next((n for n in ("imerge", "slots-ack", "wfbp") if n in traced), traced[0] if traced else None)
     if chosen is None:
         return
-    trace_dir = Path(report["strategies"][chosen]["trace_dir"])
-    figure, axis = plt.subplots(figsize=(10, 1 + 0.8 * report["scenario"]["workers"]))
+    trace_dir = Path(report.strategies[chosen].trace_dir)
+    workers = report.scenario.workers
+    figure, axis = plt.subplots(figsize=(10, 1 + 0.8 * workers))
     colors = {"compute": "tab:green", "push": "tab:blue", "pull": "tab:orange", "forward-wait": "tab:red",
               "flag-wait": "tab:purple"}
     for rank, trace in enumerate(sorted(trace_dir.glob("worker*.json"))):
@@ -85,8 +92,7 @@ def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
     axis.set_xlim(left=0)
     axis.set_xlabel(f"ms into one iteration ({chosen})")
     axis.set_title(title(report, f"One iteration of {chosen}, per worker"))
-    axis.set_yticks([r * 4 + 1 for r in range(report["scenario"]["workers"])],
-                    [f"worker {r}" for r in range(report["scenario"]["workers"])])
+    axis.set_yticks([r * 4 + 1 for r in range(workers)], [f"worker {r}" for r in range(workers)])
     axis.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
                 loc="upper right", fontsize="small")
     figure.tight_layout()
@@ -94,14 +100,14 @@ def _plot_timeline(report: dict[str, Any], path: Path, plt: Any) -> None:
     plt.close(figure)
 
 
-def _plot_utilization(report: dict[str, Any], path: Path, plt: Any) -> None:
-    rate_bps = report["scenario"]["rate_mbit"] * 1e6 / 8
+def _plot_utilization(report: BenchReport, path: Path, plt: Any) -> None:
+    rate_bps = report.scenario.rate_mbit * 1e6 / 8
     figure, axis = plt.subplots(figsize=(8, 4))
     for name in ("imerge", "wfbp", "slots-ack", "ddp"):
-        result = report["strategies"].get(name)
-        if not result or len(result["utilization_series"]) < 2:
+        result = report.strategies.get(name)
+        if not result or len(result.utilization_series) < 2:
             continue
-        series = result["utilization_series"]
+        series = result.utilization_series
         for host in series[0][1]:
             times = [(t - series[0][0]) for t, _ in series[1:]]
             rates = [(b[host] - a[host]) / (tb - ta) / rate_bps
@@ -119,7 +125,7 @@ def _plot_utilization(report: dict[str, Any], path: Path, plt: Any) -> None:
     plt.close(figure)
 
 
-def write_report(report: dict[str, Any], out: Path) -> None:
+def write_report(report: BenchReport, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,40 +137,39 @@ def write_report(report: dict[str, Any], out: Path) -> None:
     _plot_utilization(report, out / "link_utilization.png", plt)
 
 
-def scaling_markdown(report: dict[str, Any]) -> str:
+def scaling_markdown(report: ScalingReport) -> str:
     """One row per strategy, one column per worker count: median s/it, samples/s, x bound, x ddp."""
-    sizes = report["sizes"]
-    scenario = report["scenario"]
-    names = list(next(iter(sizes.values()))["strategies"])
-    lines = [f"{scenario['model']}, batch {scenario['batch_size']} per worker, shards = workers, "
-             f"{scenario['rate_mbit']:g} Mbit/s links, MTU {scenario['mtu']}, "
-             f"TCP {scenario.get('tcp_congestion', 'host default')}. Each cell: median s/it, "
+    sizes = report.sizes
+    scenario = report.scenario
+    names = list(next(iter(sizes.values())).strategies)
+    lines = [f"{scenario.model}, batch {scenario.batch_size} per worker, shards = workers, "
+             f"{scenario.rate_mbit:g} Mbit/s links, MTU {scenario.mtu}, "
+             f"TCP {scenario.tcp_congestion}. Each cell: median s/it, "
              "samples/s, x bound, x ddp.", "",
              "| strategy | " + " | ".join(f"W={w}" for w in sizes) + " |", "|---|" + "---|" * len(sizes)]
     for name in names:
         cells = []
         for workers, sized in sizes.items():
-            result = sized["strategies"][name]
-            samples = int(workers) * scenario["batch_size"] / result["median_iteration_s"]
-            cells.append(f"{result['median_iteration_s']:.2f} s, {samples:.1f}/s, "
-                         f"{_cell(result['ratio_to_bound'], '{:.2f}', '')}x, {_cell(result['ratio_to_ddp'], '{:.2f}', '')}x")
+            result = sized.strategies[name]
+            samples = workers * scenario.batch_size / result.median_iteration_s
+            cells.append(f"{result.median_iteration_s:.2f} s, {samples:.1f}/s, "
+                         f"{_cell(result.ratio_to_bound, '{:.2f}', '')}x, {_cell(result.ratio_to_ddp, '{:.2f}', '')}x")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def write_scaling_report(report: dict[str, Any], out: Path) -> None:
+def write_scaling_report(report: ScalingReport, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     (out / "results.md").write_text(scaling_markdown(report))
-    sizes = report["sizes"]
-    workers = [int(w) for w in sizes]
+    sizes = report.sizes
+    workers = list(sizes)
     figure, axis = plt.subplots(figsize=(8, 4))
-    for name in next(iter(sizes.values()))["strategies"]:
-        samples = [w * report["scenario"]["batch_size"] / sizes[key]["strategies"][name]["median_iteration_s"]
-                   for w, key in zip(workers, sizes)]
+    for name in next(iter(sizes.values())).strategies:
+        samples = [w * report.scenario.batch_size / sizes[w].strategies[name].median_iteration_s for w in workers]
         axis.plot(workers, samples, marker="o", label=name)
     axis.set_xlabel("workers (shards = workers)")
     axis.set_ylabel("samples per second")
@@ -181,24 +186,24 @@ DATAPATH_COLUMNS = [("median_iteration_s", "median s/it", "{:.3f}"), ("ratio_to_
                     ("shard_gb_per_s", "shard GB/s", "{:.2f}"), ("shard_cpu_s_per_gb", "shard CPU s/GB", "{:.2f}")]
 
 
-def datapath_markdown(report: dict[str, Any]) -> str:
-    scenario = report["scenario"]
-    lines = [f"{scenario['model']} ({scenario['model_bytes'] / 1e6:.1f} MB), batch 1, {scenario['workers']} workers, "
-             f"{scenario['shards']} shards (DDP: {scenario['workers']} ranks), loopback, {scenario['iters']} "
-             f"iterations x {scenario['rounds']} rounds. GB/s and CPU s/GB count payload bytes sent plus "
+def datapath_markdown(report: DatapathReport) -> str:
+    scenario = report.scenario
+    lines = [f"{scenario.model} ({scenario.model_bytes / 1e6:.1f} MB), batch 1, {scenario.workers} workers, "
+             f"{scenario.shards} shards (DDP: {scenario.workers} ranks), {scenario.network}, {scenario.iters} "
+             f"iterations x {scenario.rounds} rounds. GB/s and CPU s/GB count payload bytes sent plus "
              "received by one process (DDP: a rank, in the worker columns).", "",
              "| strategy | " + " | ".join(title for _, title, _ in DATAPATH_COLUMNS) + " |",
              "|---|" + "---|" * len(DATAPATH_COLUMNS)]
-    for name, result in report["strategies"].items():
-        lines.append(f"| {name} | " + " | ".join(_cell(result.get(key), fmt, key) for key, _, fmt in DATAPATH_COLUMNS)
+    for name, run in report.strategies.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(getattr(run, key), fmt, key) for key, _, fmt in DATAPATH_COLUMNS)
                      + " |")
-    for limit in report.get("socket_limit", []):
-        lines.append(f"| raw socket, {limit['frame_bytes'] >> 20} MiB frames | - | - | {limit['gb_per_s']:.2f} | "
-                     f"send {limit['send_cpu_s_per_gb']:.2f} | - | receive {limit['receive_cpu_s_per_gb']:.2f} |")
-    if report.get("command"):
-        lines += ["", f"Command: `{report['command']}`"]
+    for limit in report.socket_limit:
+        lines.append(f"| raw socket, {limit.frame_bytes >> 20} MiB frames | - | - | {limit.gb_per_s:.2f} | "
+                     f"send {limit.send_cpu_s_per_gb:.2f} | - | receive {limit.receive_cpu_s_per_gb:.2f} |")
+    if report.command:
+        lines += ["", f"Command: `{report.command}`"]
     return "\n".join(lines) + "\n"
 
 
-def write_datapath_report(report: dict[str, Any], out: Path) -> None:
+def write_datapath_report(report: DatapathReport, out: Path) -> None:
     (out / "results.md").write_text(datapath_markdown(report))

@@ -22,6 +22,7 @@ from typing import Any
 
 from rich.console import Console
 
+from imerge.core.bench_results import BenchReport, RunResult, ScalingReport, StrategyResult
 from imerge.core.config import option, require
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
@@ -98,9 +99,20 @@ class CounterSampler:
         return last[0] - first[0], first[1], last[1]
 
 
-def trace_metrics(trace_dir: Path, workers: int, skip: int) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class TraceMetrics:
+    """From the workers' Chrome traces: each timed iteration's compute and exposed communication, each push."""
+
+    compute_s: list[float]
+    exposed_s: list[float]
+    push_ms: list[float]
+
+
+def trace_metrics(trace_dir: Path, workers: int, skip: int) -> TraceMetrics:
     """Compute, exposed communication and push latencies from the workers' Chrome traces."""
-    compute, exposed, push_ms = [], [], []
+    compute: list[float] = []
+    exposed: list[float] = []
+    push_ms: list[float] = []
     for rank in range(workers):
         path = trace_dir / f"worker{rank}.json"
         if not path.exists():
@@ -114,10 +126,10 @@ def trace_metrics(trace_dir: Path, workers: int, skip: int) -> dict[str, Any]:
             exposed.append(waited / 1e6)
             compute.append((it["dur"] - waited) / 1e6)
         push_ms += [e["dur"] / 1e3 for e in events if e["cat"] == "push"]
-    return {"compute_s": compute, "exposed_s": exposed, "push_ms": push_ms}
+    return TraceMetrics(compute, exposed, push_ms)
 
 
-def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_dir: str) -> dict[str, Any]:
+def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_dir: str) -> RunResult:
     run_dir = out / rounds_dir / name
     ddp = name == "ddp"
     links = TestbedConfig(rate_mbit=scenario.rate_mbit, shard_queue_kb=scenario.shard_queue_kb).links(
@@ -150,7 +162,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
 
 
 def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler: CounterSampler,
-            run_dir: Path, iters: int) -> dict[str, Any]:
+            run_dir: Path, iters: int) -> RunResult:
     skip = warmup_iterations(iters) if name != "ddp" else 2
     steps = [e for e in events if e.get("event") == "iteration"]
     timed = [e for e in steps if e["iteration"] > skip] or steps
@@ -172,22 +184,20 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
     traces = trace_metrics(run_dir / "trace", scenario.workers, skip)
     retrans = sum(last[h].tcp_retrans_segs - first[h].tcp_retrans_segs for h in sampler.hosts)
     iteration_s = [e["seconds"] for e in timed]
-    return {
-        "strategy": name, "iterations": len(iteration_s), "iteration_s": iteration_s,
-        "median_iteration_s": statistics.median(iteration_s), "p90_iteration_s": percentile(iteration_s, 0.9),
-        "compute_s": statistics.median(traces["compute_s"]) if traces["compute_s"] else None,
-        "exposed_comm_s": statistics.median(traces["exposed_s"]) if traces["exposed_s"] else None,
-        "bytes_per_iteration": statistics.fmean(max(w) for w in workers) / iterations,
-        "worker_bytes_per_iteration": max(max(w) for w in workers) / iterations,
-        "shard_bytes_per_iteration": max((max(s) for s in shards), default=0) / iterations,
-        "link_utilization": statistics.fmean(utilization.values()) if utilization else None,
-        "link_utilization_per_shard": utilization,
-        "push_p50_ms": percentile(traces["push_ms"], 0.5), "push_p99_ms": percentile(traces["push_ms"], 0.99),
-        "tcp_retransmissions": retrans,
-        "utilization_series": [(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
-                               for t, counters in sampler.samples],
-        "trace_dir": str(run_dir / "trace"),
-    }
+    return RunResult(
+        name, iteration_s, statistics.median(iteration_s), percentile(iteration_s, 0.9), len(iteration_s),
+        compute_s=statistics.median(traces.compute_s) if traces.compute_s else None,
+        exposed_comm_s=statistics.median(traces.exposed_s) if traces.exposed_s else None,
+        bytes_per_iteration=statistics.fmean(max(w) for w in workers) / iterations,
+        worker_bytes_per_iteration=max(max(w) for w in workers) / iterations,
+        shard_bytes_per_iteration=max((max(s) for s in shards), default=0) / iterations,
+        link_utilization=statistics.fmean(utilization.values()) if utilization else None,
+        link_utilization_per_shard=utilization,
+        push_p50_ms=percentile(traces.push_ms, 0.5), push_p99_ms=percentile(traces.push_ms, 0.99),
+        tcp_retransmissions=retrans,
+        utilization_series=[(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
+                            for t, counters in sampler.samples],
+        trace_dir=str(run_dir / "trace"))
 
 
 def model_size(model: str) -> int:
@@ -197,25 +207,26 @@ def model_size(model: str) -> int:
     return sum(p.numel() for p in build_model(model).parameters() if p.requires_grad) * 4
 
 
-def summarize(scenario: Scenario, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Merge rounds per strategy; add the bound and the ratios."""
+def summarize(scenario: Scenario, runs: dict[str, list[RunResult]], name: str = "") -> BenchReport:
+    """Merge rounds per strategy (the last round's measures, every round's iterations); add the bound and the
+    ratios."""
     rate_bps = scenario.rate_mbit * 1e6 / 8
-    merged = {}
-    for name, results in runs.items():
-        iteration_s = [t for r in results for t in r["iteration_s"]]
-        merged[name] = {**results[-1], "rounds": len(results), "iteration_s": iteration_s,
-                        "median_iteration_s": statistics.median(iteration_s),
-                        "p90_iteration_s": percentile(iteration_s, 0.9)}
-    computes = [m["compute_s"] for m in merged.values() if m["compute_s"]]
+    iteration_s = {strategy: [t for r in results for t in r.iteration_s] for strategy, results in runs.items()}
+    medians = {strategy: statistics.median(times) for strategy, times in iteration_s.items()}
+    computes = [results[-1].compute_s for results in runs.values() if results[-1].compute_s]
     compute = statistics.median(computes) if computes else 0.0
     model_bytes = model_size(scenario.model)
     even_ps = max(model_bytes, scenario.workers * model_bytes / scenario.shards) / rate_bps
     ring = 2 * (scenario.workers - 1) / scenario.workers * model_bytes / rate_bps
-    for name, m in merged.items():  # from the model's bytes, spread evenly: an unbalanced placement is not forgiven
-        m["bound_s"] = max(compute, ring if name == "ddp" else even_ps)
-        m["ratio_to_bound"] = m["median_iteration_s"] / m["bound_s"] if m["bound_s"] else None
-        m["ratio_to_ddp"] = (m["median_iteration_s"] / merged["ddp"]["median_iteration_s"]) if "ddp" in merged else None
-    return {"scenario": dataclasses.asdict(scenario), "compute_s": compute, "strategies": merged}
+    merged = {}
+    for strategy, results in runs.items():  # the bound from the model's bytes spread evenly: an unbalanced
+        bound = max(compute, ring if strategy == "ddp" else even_ps)  # placement is not forgiven
+        merged[strategy] = StrategyResult(**{
+            **dataclasses.asdict(results[-1]), "iteration_s": iteration_s[strategy],
+            "median_iteration_s": medians[strategy], "p90_iteration_s": percentile(iteration_s[strategy], 0.9),
+            "rounds": len(results), "bound_s": bound, "ratio_to_bound": medians[strategy] / bound if bound else None,
+            "ratio_to_ddp": medians[strategy] / medians["ddp"] if "ddp" in medians else None})
+    return BenchReport(scenario, compute, merged, name=name)
 
 
 def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
@@ -244,27 +255,28 @@ def resolve(name: str, config: BenchConfig) -> tuple[Scenario, list[str]]:
     return scenario, chosen
 
 
-def run_bench(name: str, config: BenchConfig, console: Console) -> dict[str, Any]:
+def run_bench(name: str, config: BenchConfig, console: Console) -> BenchReport | ScalingReport:
     scenario, chosen = resolve(name, config)
     out = Path(config.out or f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
     from imerge.bench.report import write_report, write_scaling_report
 
+    report: BenchReport | ScalingReport
     if not scenario.sizes:
-        report = run_scenario(name, scenario, chosen, config.rounds, out, console)
-        report["command"], report["name"] = command, name
+        report = dataclasses.replace(run_scenario(name, scenario, chosen, config.rounds, out, console),
+                                     command=command, name=name)
         write_report(report, out)
     else:
         reports = {}
         for workers in scenario.sizes:
             sized = dataclasses.replace(scenario, workers=workers, shards=workers, sizes=())
-            reports[workers] = run_scenario(f"{name} W={workers}", sized, chosen, config.rounds,
-                                            out / f"W{workers}", console)
-            reports[workers]["name"] = f"{name} W={workers}"
+            reports[workers] = dataclasses.replace(
+                run_scenario(f"{name} W={workers}", sized, chosen, config.rounds, out / f"W{workers}", console),
+                name=f"{name} W={workers}")
             write_report(reports[workers], out / f"W{workers}")
-        report = {"scenario": dataclasses.asdict(scenario), "command": command, "sizes": reports, "name": name}
+        report = ScalingReport(scenario, reports, command, name)
         write_scaling_report(report, out)
-    (out / "results.json").write_text(json.dumps(report, indent=2))
+    (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
     console.print(f"results in {out}/ (results.json, results.md, *.png)")
     if config.calibrate:
         calibrate(out, console)
@@ -283,15 +295,15 @@ def calibrate(out: Path, console: Console) -> None:
 
 
 def run_scenario(title: str, scenario: Scenario, chosen: list[str], rounds: int, out: Path,
-                 console: Console) -> dict[str, Any]:
+                 console: Console) -> BenchReport:
     """Every chosen strategy on ``scenario``, alternating over ``rounds``; the merged report."""
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in chosen}
+    runs: dict[str, list[RunResult]] = {s: [] for s in chosen}
     total = rounds * len(chosen)
     for index, (round_, strategy) in enumerate((r, s) for r in range(rounds) for s in chosen):
         console.print(f"[{index + 1}/{total}] {title} round {round_ + 1}: {strategy}")
         result = run_strategy(strategy, scenario, scenario.iters, out, f"round{round_ + 1}")
-        console.print(f"    median {result['median_iteration_s']:.3f} s/it, "
-                      f"{result['bytes_per_iteration'] / 1e6:.2f} MB/it per worker")
+        console.print(f"    median {result.median_iteration_s:.3f} s/it, "
+                      f"{result.bytes_per_iteration / 1e6:.2f} MB/it per worker")
         runs[strategy].append(result)
     out.mkdir(parents=True, exist_ok=True)
     return summarize(scenario, runs)

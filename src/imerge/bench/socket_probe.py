@@ -92,5 +92,5 @@ def probe(frame_bytes: int = 4 * MIB, total_bytes: int = 1 << 30,
     return ProbeResult(frame_bytes, received["cpu"] / gigabytes, send_cpu / gigabytes, gigabytes / wall)
 
 
-def probes(sizes: tuple[int, ...] = (1 * MIB, 4 * MIB)) -> list[dict]:
-    return [dataclasses.asdict(probe(size)) for size in sizes]
+def probes(sizes: tuple[int, ...] = (1 * MIB, 4 * MIB)) -> list[ProbeResult]:
+    return [probe(size) for size in sizes]
