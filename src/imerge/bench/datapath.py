@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 
 from imerge.bench.socket_probe import ProbeResult
+from imerge.core.bench_results import JsonReport
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher
 from imerge.ops.redis_server import free_port
@@ -110,7 +111,7 @@ class DatapathScenario:
 
 
 @dataclasses.dataclass(frozen=True)
-class DatapathReport:
+class DatapathReport(JsonReport):
     """``imerge bench datapath``: each strategy's rounds merged (medians), each round, the socket's limit."""
 
     scenario: DatapathScenario
@@ -118,9 +119,6 @@ class DatapathReport:
     runs: dict[str, list[DatapathRun]]
     socket_limit: list[ProbeResult]
     command: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> DatapathRun:

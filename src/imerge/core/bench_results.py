@@ -25,6 +25,14 @@ def _known(cls: type[T], raw: dict[str, Any]) -> T:
     return cls(**values)
 
 
+class JsonReport:
+    """A report whose JSON is its fields (results.json)."""
+
+    def to_json(self) -> dict[str, Any]:
+        raw: dict[str, Any] = dataclasses.asdict(self)  # type: ignore[call-overload]
+        return raw
+
+
 def scenario_of(raw: dict[str, Any]) -> Scenario:
     return _known(Scenario, raw)
 
@@ -62,8 +70,13 @@ class StrategyResult(RunResult):
     ratio_to_ddp: float | None = None
 
 
+def _strategy(raw: dict[str, Any]) -> StrategyResult:
+    series = [(float(t), dict(hosts)) for t, hosts in raw.get("utilization_series", [])]  # JSON made them lists
+    return _known(StrategyResult, {**raw, "utilization_series": series})
+
+
 @dataclasses.dataclass(frozen=True)
-class BenchReport:
+class BenchReport(JsonReport):
     """Every strategy of one scenario (at one size)."""
 
     scenario: Scenario
@@ -72,27 +85,21 @@ class BenchReport:
     command: str = ""
     name: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> BenchReport:
         return cls(scenario_of(raw["scenario"]), raw.get("compute_s", 0.0),
-                   {name: _known(StrategyResult, result) for name, result in raw["strategies"].items()},
+                   {name: _strategy(result) for name, result in raw["strategies"].items()},
                    raw.get("command", ""), raw.get("name", ""))
 
 
 @dataclasses.dataclass(frozen=True)
-class ScalingReport:
+class ScalingReport(JsonReport):
     """A scaling scenario (B4): one report per worker count."""
 
     scenario: Scenario
     sizes: dict[int, BenchReport]
     command: str = ""
     name: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ScalingReport:
