@@ -66,11 +66,11 @@ def test_the_ring_and_the_ps_each_pay_their_own_cpu_per_byte():
     profile = one_layer(1 << 22)  # 16 MB, no compute: with one core, the CPU per byte is the iteration
     cluster = Cluster(2, 2, 1000.0)
     ring_costs = dataclasses.replace(QUIET, cores=1.0, ring_cpu_per_byte=1e-8)
-    ddp = simulate_one("ddp", profile, cluster, ring_costs, 8)["mean_iteration_s"]
+    ddp = simulate_one("ddp", profile, cluster, ring_costs, 8).mean_iteration_s
     assert ddp == pytest.approx(2 * profile.nbytes * 1e-8, rel=0.01)  # two ranks, M each through one core
-    ps_free = simulate_one("ps-naive", profile, cluster, ring_costs, 8)["mean_iteration_s"]
+    ps_free = simulate_one("ps-naive", profile, cluster, ring_costs, 8).mean_iteration_s
     ps_costs = simulate_one("ps-naive", profile, cluster, dataclasses.replace(ring_costs, cpu_per_byte=1e-8), 8)
-    assert ps_free < 0.1 * ddp < ps_costs["mean_iteration_s"]
+    assert ps_free < 0.1 * ddp < ps_costs.mean_iteration_s
 
 
 def test_the_cpu_of_a_compressed_push_follows_its_wire_bytes_its_fp32_bytes_and_its_top_k():
@@ -78,8 +78,7 @@ def test_the_cpu_of_a_compressed_push_follows_its_wire_bytes_its_fp32_bytes_and_
     cluster = Cluster(2, 2, 1000.0)
 
     def seconds(name: str, **costs: float) -> float:  # the median: fusion cost's first iteration waits for nothing
-        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, cores=1.0, **costs), 6)[
-            "median_iteration_s"]
+        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, cores=1.0, **costs), 6).median_iteration_s
 
     assert seconds("imerge-fp16", cpu_per_byte=1e-8) == pytest.approx(seconds("imerge", cpu_per_byte=1e-8) / 2,
                                                                        rel=0.02)  # half the wire bytes
@@ -99,7 +98,7 @@ def test_a_process_spends_its_cpu_per_byte_on_its_cores_across_all_its_flows():
 
     def seconds(name: str, workers: int, shard_cores: float = 0.0, worker_cores: float = 0.0, **costs) -> float:
         cluster = Cluster(workers, 1, 10_000.0, 10_000.0, shard_cores=shard_cores, worker_cores=worker_cores)
-        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, **costs), 6)["median_iteration_s"]
+        return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, **costs), 6).median_iteration_s
 
     assert seconds("ps-naive", 1, worker_cores=1, worker_cpu_per_byte=cost) == pytest.approx(2 * nbytes * cost, rel=0.02)
     assert seconds("ps-naive", 1, worker_cores=2, worker_cpu_per_byte=cost) == pytest.approx(nbytes * cost, rel=0.02)
@@ -120,7 +119,7 @@ def test_a_process_spends_its_cpu_per_byte_on_its_cores_across_all_its_flows():
 def test_shared_cores_leave_the_per_process_costs_to_the_testbed_calibration():
     profile = one_layer(1 << 22)
     testbed = dataclasses.replace(QUIET, cores=8.0, shard_cpu_per_byte=1e-6, worker_cpu_per_byte=1e-6)
-    assert simulate_one("ps-naive", profile, Cluster(2, 1, 10_000.0, 10_000.0), testbed, 6)["median_iteration_s"] < 0.01
+    assert simulate_one("ps-naive", profile, Cluster(2, 1, 10_000.0, 10_000.0), testbed, 6).median_iteration_s < 0.01
 
 
 def one_layer(numel: int, forward_s: float = 0.0, backward_s: float = 0.0) -> ModelProfile:
@@ -133,8 +132,8 @@ def test_one_worker_and_one_shard_take_bytes_over_rate_plus_latency_each_way():
     result = simulate_one("ps-naive", one_layer(numel), Cluster(1, 1, 1.0, 1.0),
                           dataclasses.replace(QUIET, latency_s=latency), 8)
     one_way = numel * BYTES_PER_ELEMENT / rate + latency
-    assert result["mean_iteration_s"] == pytest.approx(2 * one_way, rel=1e-9)
-    assert result["bytes_per_iteration"] == pytest.approx(numel * BYTES_PER_ELEMENT)
+    assert result.mean_iteration_s == pytest.approx(2 * one_way, rel=1e-9)
+    assert result.bytes_per_iteration == pytest.approx(numel * BYTES_PER_ELEMENT)
 
 
 def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_model():
@@ -142,9 +141,9 @@ def test_a_ring_all_reduce_moves_2_n_minus_1_over_n_of_the_model():
     model_bytes = numel * BYTES_PER_ELEMENT
     result = DDPJob(one_layer(numel), Cluster(workers, 1, 1.0), dataclasses.replace(QUIET, ring_latency_s=latency),
                     8, 2).run()
-    assert result["bytes_per_iteration"] == pytest.approx(2 * (workers - 1) / workers * model_bytes)
+    assert result.bytes_per_iteration == pytest.approx(2 * (workers - 1) / workers * model_bytes)
     expected = 2 * (workers - 1) / workers * model_bytes / GBIT + 2 * (workers - 1) * latency
-    assert result["mean_iteration_s"] == pytest.approx(expected, rel=1e-9)
+    assert result.mean_iteration_s == pytest.approx(expected, rel=1e-9)
 
 
 def test_period_two_halves_the_bytes_per_iteration():
@@ -152,21 +151,21 @@ def test_period_two_halves_the_bytes_per_iteration():
     cluster = Cluster(4, 2, 10.0)
     every = simulate_one("imerge", profile, cluster, Constants(), 10)  # 8 timed iterations
     halved = simulate_one("imerge-T2", profile, cluster, Constants(), 10)
-    assert halved["bytes_per_iteration"] == pytest.approx(every["bytes_per_iteration"] / 2, rel=0.01)
-    assert every["bytes_per_iteration"] == pytest.approx(profile.nbytes, rel=0.01)
+    assert halved.bytes_per_iteration == pytest.approx(every.bytes_per_iteration / 2, rel=0.01)
+    assert every.bytes_per_iteration == pytest.approx(profile.nbytes, rel=0.01)
 
 
 def test_a_link_bound_ps_beats_the_ring_it_is_compared_with():
     profile = one_layer(1 << 22)  # 16 MB, no compute: every strategy is link-bound
     cluster = Cluster(4, 4, 1.0)
-    ddp = simulate_one("ddp", profile, cluster, QUIET, 8)["mean_iteration_s"]
-    wfbp = simulate_one("wfbp", profile, cluster, QUIET, 8)["mean_iteration_s"]
+    ddp = simulate_one("ddp", profile, cluster, QUIET, 8).mean_iteration_s
+    wfbp = simulate_one("wfbp", profile, cluster, QUIET, 8).mean_iteration_s
     assert ddp == pytest.approx(1.5 * profile.nbytes / GBIT)  # the ring: 2 (W-1)/W M through each link
     # the PS: M each way per worker, the pulls of a shard's first blocks overlapping the pushes of its last
     assert profile.nbytes / GBIT < wfbp < ddp
     group = simulate_one("imerge-group", profile, cluster, QUIET, 8)
-    assert group["worker_classes"] == 4  # one flag per (group, shard): each worker is its own class
-    assert group["mean_iteration_s"] >= wfbp * 0.99  # the shards in turn: a block completes after every turn
+    assert group.worker_classes == 4  # one flag per (group, shard): each worker is its own class
+    assert group.mean_iteration_s >= wfbp * 0.99  # the shards in turn: a block completes after every turn
 
 
 def test_the_simulated_plan_is_the_one_the_coordinator_publishes(redis_url):
@@ -202,8 +201,8 @@ def test_the_simulated_plan_is_the_one_the_coordinator_publishes(redis_url):
 
 def test_a_thousand_workers_of_resnet50_simulate_in_seconds():
     result = simulate_one("imerge", synthetic("resnet50-like", 32, 20.0), Cluster(1024, 256, 25.0), Constants(), 12)
-    assert result["worker_classes"] == 4 and result["shard_classes"] <= 16
-    assert result["simulated_in_s"] < 10
+    assert result.worker_classes == 4 and result.shard_classes <= 16
+    assert result.simulated_in_s < 10
 
 
 def test_profiles_are_checked_and_round_trip(tmp_path):
@@ -251,7 +250,7 @@ def test_a_simulation_opens_no_socket(monkeypatch):  # and imports no grpc or re
     monkeypatch.setattr(socket, "socket", refused)
     monkeypatch.setattr(socket, "create_connection", refused)
     assert simulate_one("imerge", synthetic("resnet18-like", 32, 20.0), Cluster(8, 4, 10.0), Constants(),
-                        8)["mean_iteration_s"] > 0
+                        8).mean_iteration_s > 0
 
 
 def test_a_worker_writes_the_profile_the_simulator_reads_and_keeps_its_period(cluster, tmp_path):
@@ -284,7 +283,7 @@ def test_calibration_fits_the_constants_to_measured_runs(tmp_path, capsys):
     scenario = SCENARIOS["tiny"]
     truth = dataclasses.replace(START, cores=2.0, cpu_per_byte=4e-8, latency_s=1e-3)
     measured_s = {name: simulate_one(name, measured("digits-cnn"), Cluster(2, 1, 0.1), truth,
-                                     scenario.iters)["iteration_s"] for name in ("ddp", "imerge")}
+                                     scenario.iters).iteration_s for name in ("ddp", "imerge")}
     runs = tmp_path / "results.json"  # the shape of imerge bench's results.json
     runs.write_text(json.dumps({"scenario": dataclasses.asdict(scenario), "strategies": {
         name: {"iteration_s": times, "median_iteration_s": times[0]} for name, times in measured_s.items()}}))
@@ -312,12 +311,12 @@ def test_the_cores_sweep_recommends_the_fewest_cores_within_5_percent_of_the_fre
     from imerge.core.schedule_config import ScheduleConfig
     from imerge.sim.cores import cores_markdown, recommend
     from imerge.sim.projections import Task, run_task
+    from imerge.sim.results import ProjectionRow
     from imerge.sim.runner import SimConfig
 
-    def row(strategy: str, shard: float, worker: float, seconds: float, sweep: str = "cores") -> dict:
-        return {"sweep": sweep, "model": "resnet50-like", "workers": 32, "shards": 16, "link_gbit": 25.0,
-                "strategy": strategy, "shard_cores": shard, "worker_cores": worker, "mean_iteration_s": seconds,
-                "ratio_to_bound": seconds / 0.1}
+    def row(strategy: str, shard: float, worker: float, seconds: float, sweep: str = "cores") -> ProjectionRow:
+        return ProjectionRow(sweep, "resnet50-like", 32, 16, 25.0, strategy, shard_cores=shard, worker_cores=worker,
+                             mean_iteration_s=seconds, ratio_to_bound=seconds / 0.1)
 
     rows = [row("imerge", 0, 0, 0.10), row("imerge", 1, 1, 0.90)]
     rows += [row("imerge", c, 0, 0.10 * max(1.0, 8 / c)) for c in (1, 2, 4, 8, 16, 32, 64)]  # 8 cores reach it
@@ -333,7 +332,7 @@ def test_the_cores_sweep_recommends_the_fewest_cores_within_5_percent_of_the_fre
     config = SimConfig(iters=4)
     free, one = (run_task(Task("cores", "resnet50-like", 32, 16, 25.0, "imerge", shard_cores=c), config,
                           ScheduleConfig(), Constants()) for c in (0.0, 1.0))
-    assert one["mean_iteration_s"] > 2 * free["mean_iteration_s"]
+    assert one.mean_iteration_s > 2 * free.mean_iteration_s
 
 
 def test_projections_name_an_unknown_sweep(capsys, tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from imerge.core.bench_results import BenchReport, RunResult, ScalingReport, Str
 from imerge.core.config import option, require
 from imerge.core.errors import IMergeError
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
-from imerge.bench.testbed import Testbed, TestbedConfig, job_roles, start_redis
+from imerge.bench.testbed import HostCounters, Testbed, TestbedConfig, job_roles, start_redis
 from imerge.core.strategies import INCAST, SCENARIOS, STRATEGIES, TCP_CONGESTION, Scenario, warmup_iterations
 
 
@@ -66,7 +66,7 @@ class CounterSampler:
 
     def __init__(self, bed: Testbed, hosts: list[str], interval_s: float = 0.25):
         self.bed, self.hosts, self.interval_s = bed, hosts, interval_s
-        self.samples: list[tuple[float, dict[str, Any]]] = []
+        self.samples: list[tuple[float, dict[str, HostCounters]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -89,7 +89,8 @@ class CounterSampler:
         self._stop.set()
         self._thread.join(10)
 
-    def window(self, start: float, end: float) -> tuple[float, dict[str, Any], dict[str, Any]] | None:
+    def window(self, start: float, end: float
+               ) -> tuple[float, dict[str, HostCounters], dict[str, HostCounters]] | None:
         """The samples nearest to [start, end]: (seconds, first counters, last counters); None if the
         window is shorter than one sampling interval."""
         first = min(self.samples, key=lambda s: abs(s[0] - start))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,9 +71,14 @@ class StrategyResult(RunResult):
     ratio_to_ddp: float | None = None
 
 
-def _strategy(raw: dict[str, Any]) -> StrategyResult:
+def _strategy(name: str, raw: dict[str, Any]) -> StrategyResult:
+    """A strategy's result as results.json holds it; a file that lacks its name or its quantiles (a hand-made
+    or older one) gets them from its key and its iterations."""
     series = [(float(t), dict(hosts)) for t, hosts in raw.get("utilization_series", [])]  # JSON made them lists
-    return _known(StrategyResult, {**raw, "utilization_series": series})
+    times = sorted(raw["iteration_s"])
+    quantiles = {"median_iteration_s": statistics.median(times),
+                 "p90_iteration_s": times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]} if times else {}
+    return _known(StrategyResult, {"strategy": name, **quantiles, **raw, "utilization_series": series})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +94,7 @@ class BenchReport(JsonReport):
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> BenchReport:
         return cls(scenario_of(raw["scenario"]), raw.get("compute_s", 0.0),
-                   {name: _strategy(result) for name, result in raw["strategies"].items()},
+                   {name: _strategy(name, result) for name, result in raw["strategies"].items()},
                    raw.get("command", ""), raw.get("name", ""))
 
 

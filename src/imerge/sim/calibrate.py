@@ -26,6 +26,7 @@ from imerge.core.strategies import STRATEGIES
 
 from .cluster import Constants
 from .profiles import measured
+from .results import FitRow
 from .runner import simulate_one
 from .testbed import measured_mean, measured_runs, scenario_cluster
 
@@ -63,7 +64,7 @@ def predict(case: Case, constants: Constants, iters: int = 0) -> float:
     profile = measured(case.scenario.model)
     cluster = scenario_cluster(case.scenario, case.workers)
     return simulate_one(case.strategy, profile, cluster, constants, iters or case.scenario.iters,
-                        ScheduleConfig())["mean_iteration_s"]
+                        ScheduleConfig()).mean_iteration_s
 
 
 def loss(cases: list[Case], constants: Constants, iters: int, pool: concurrent.futures.Executor | None = None) -> float:
@@ -119,21 +120,20 @@ def fitted_names(cases: list[Case]) -> list[str]:
     return names
 
 
-def fit_table(cases: list[Case], constants: Constants, iters: int = 0) -> list[dict[str, Any]]:
+def fit_table(cases: list[Case], constants: Constants, iters: int = 0) -> list[FitRow]:
     rows = []
     for case in cases:
         predicted = predict(case, constants, iters)
-        rows.append({"scenario": case.scenario.model, "workers": case.workers, "strategy": case.strategy,
-                     "measured_s": case.measured_s, "predicted_s": predicted,
-                     "error": predicted / case.measured_s - 1})
+        rows.append(FitRow(case.scenario.model, case.workers, case.strategy, case.measured_s, predicted,
+                           predicted / case.measured_s - 1))
     return rows
 
 
-def fit_markdown(constants: Constants, fit_loss: float, rows: list[dict[str, Any]]) -> str:
+def fit_markdown(constants: Constants, fit_loss: float, rows: list[FitRow]) -> str:
     lines = ["Fitted constants (RMS log error %.3f):" % fit_loss, "",
              "| constant | value |", "|---|---|"]
     lines += [f"| {k} | {v:.4g} |" for k, v in dataclasses.asdict(constants).items()]
     lines += ["", "| model | W | strategy | measured mean s/it | fitted s/it | error |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['scenario']} | {r['workers']} | {r['strategy']} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} "
-              f"| {r['error']:+.0%} |" for r in rows]
+    lines += [f"| {r.scenario} | {r.workers} | {r.strategy} | {r.measured_s:.3f} | {r.predicted_s:.3f} "
+              f"| {r.error:+.0%} |" for r in rows]
     return "\n".join(lines) + "\n"

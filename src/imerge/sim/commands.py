@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from imerge.core.bench_results import JsonReport
 from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.strategies import SCENARIOS
 
+from .results import CalibrationReport
 from .runner import TARGETS, SimConfig, markdown, simulate
 
 
@@ -20,38 +22,37 @@ def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callab
         raise ConfigError("target", f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     out = Path(config.out or f"runs/simulate-{target}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    report: JsonReport
     if target == "job":
-        report = simulate(config.load_profile(), config.cluster(), config.constants(), config.chosen(),
-                          config.iters, base)
-        text = markdown(report)
+        job = simulate(config.load_profile(), config.cluster(), config.constants(), config.chosen(), config.iters,
+                       base)
+        report, text = job, markdown(job)
     elif target == "calibrate":
-        report, text = _calibrate(config, say)
-        (out / "calibration.json").write_text(json.dumps(report["constants"], indent=1))
+        calibration, text = _calibrate(config, say)
+        (out / "calibration.json").write_text(calibration.constants.to_json())
         say(f"calibration written to {out / 'calibration.json'}")
+        report = calibration
     elif target == "projections":
         from .projections import projections_markdown, run_projections
 
-        report = run_projections(config, base, out, say)
-        text = projections_markdown(report)
+        projections = run_projections(config, base, out, say)
+        report, text = projections, projections_markdown(projections)
     else:
+        from .plots import plot_comparison
         from .testbed import comparison_markdown, simulate_scenario, testbed_constants
 
         names = config.chosen(SCENARIOS[target].strategies)
-        report = simulate_scenario(target, names, config.constants(testbed_constants()), config.iters, base,
-                                   config.measured, (config.workers,) if config.workers != 8 else ())
-        text = comparison_markdown(report)
-        from .plots import plot_comparison
-
-        plot_comparison(report, out / "comparison.png")
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=_plain))
+        comparison = simulate_scenario(target, names, config.constants(testbed_constants()), config.iters, base,
+                                       config.measured, (config.workers,) if config.workers != 8 else ())
+        report, text = comparison, comparison_markdown(comparison)
+        plot_comparison(comparison, out / "comparison.png")
+    (out / "results.json").write_text(json.dumps(report.to_json(), indent=1, default=_plain))
     (out / "results.md").write_text(text)
     say(f"results in {out}/ (results.json, results.md)")
     return text
 
 
-def _calibrate(config: SimConfig, say: Callable[[str], None]) -> tuple[dict[str, Any], str]:
-    import dataclasses
-
+def _calibrate(config: SimConfig, say: Callable[[str], None]) -> tuple[CalibrationReport, str]:
     from .calibrate import MULTIPLES, cases_of, fit, fit_markdown, fit_table
 
     paths = [p.strip() for p in config.runs.split(",") if p.strip()]
@@ -68,8 +69,7 @@ def _calibrate(config: SimConfig, say: Callable[[str], None]) -> tuple[dict[str,
     start = config.constants() if config.calibration else START  # a calibration given: refine it, finer
     constants, fit_loss = fit(cases, progress=say, start=start, multiples=FINE if config.calibration else MULTIPLES)
     rows = fit_table(cases, constants)
-    return ({"constants": dataclasses.asdict(constants), "loss": fit_loss, "cases": rows, "runs": paths},
-            fit_markdown(constants, fit_loss, rows))
+    return CalibrationReport(constants, fit_loss, rows, paths), fit_markdown(constants, fit_loss, rows)
 
 
 def _plain(value: Any) -> Any:

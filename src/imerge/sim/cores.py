@@ -13,7 +13,8 @@ counted; a last pass runs both roles at their recommended counts.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+
+from .results import ProjectionRow
 
 SIZES = (32, 128)
 SHARD_CORES = (1, 2, 4, 8, 16, 32, 64)
@@ -44,21 +45,22 @@ def cores_tasks(task_type: type, models: Iterable[str], links: Iterable[float]) 
     return jobs
 
 
-def _case(row: dict[str, Any]) -> tuple:
-    return row["model"], row["workers"], row["link_gbit"], row["strategy"]
+def _case(row: ProjectionRow) -> tuple[str, int, float, str]:
+    return row.model, row.workers, row.link_gbit, row.strategy
 
 
-def recommend(rows: list[dict[str, Any]]) -> dict[tuple, tuple[float, float]]:
+def recommend(rows: list[ProjectionRow]) -> dict[tuple, tuple[float, float]]:
     """(model, W, link, strategy) -> the fewest (shard, worker) cores within ENOUGH of the free time; a role that
     no count tried gets there has the largest tried (its entry in the table says so)."""
-    free = {_case(r): r["mean_iteration_s"] for r in rows
-            if r["sweep"] == "cores" and r["shard_cores"] == FREE and r["worker_cores"] == FREE}
+    free = {_case(r): r.mean_iteration_s for r in rows
+            if r.sweep == "cores" and r.shard_cores == FREE and r.worker_cores == FREE}
     chosen: dict[tuple, tuple[float, float]] = {}
     for case, free_s in free.items():
-        mine = [r for r in rows if r["sweep"] == "cores" and _case(r) == case]
+        mine = [r for r in rows if r.sweep == "cores" and _case(r) == case]
 
         def fewest(role: str, other: str, counts: tuple[int, ...]) -> float:
-            tried = sorted((r[role], r["mean_iteration_s"]) for r in mine if r[other] == FREE and r[role] != FREE)
+            tried = sorted((getattr(r, role), r.mean_iteration_s) for r in mine
+                           if getattr(r, other) == FREE and getattr(r, role) != FREE)
             if not tried:
                 return FREE  # not tried: DDP has no shards
             return next((c for c, s in tried if s <= ENOUGH * free_s), float(counts[-1]))
@@ -68,22 +70,22 @@ def recommend(rows: list[dict[str, Any]]) -> dict[tuple, tuple[float, float]]:
     return chosen
 
 
-def both_tasks(task_type: type, rows: list[dict[str, Any]]) -> list:
+def both_tasks(task_type: type, rows: list[ProjectionRow]) -> list:
     """The last pass: each case with both roles at their recommended cores."""
     return [task_type("cores-both", model, workers, workers // 2, link, strategy, shard_cores=shard,
                       worker_cores=worker)
             for (model, workers, link, strategy), (shard, worker) in recommend(rows).items()]
 
 
-def cores_markdown(rows: list[dict[str, Any]], models: Iterable[str]) -> list[str]:
+def cores_markdown(rows: list[ProjectionRow], models: Iterable[str]) -> list[str]:
     chosen = recommend(rows)
     if not chosen:
         return []
 
     def ratio(case: tuple, sweep: str, shard: float, worker: float) -> str:
-        row = next((r for r in rows if r["sweep"] == sweep and _case(r) == case and r["shard_cores"] == shard
-                    and r["worker_cores"] == worker), None)
-        return f"{row['ratio_to_bound']:.2f}" if row else "-"
+        row = next((r for r in rows if r.sweep == sweep and _case(r) == case and r.shard_cores == shard
+                    and r.worker_cores == worker), None)
+        return f"{row.ratio_to_bound:.2f}" if row else "-"
 
     lines = ["### Cores a data path needs (S = W/2; x bound: mean s/it over the strategy's bound)", "",
              f"Cores: the fewest within {ENOUGH:g}x of the time with the data path's CPU not counted "
@@ -104,13 +106,13 @@ def cores_markdown(rows: list[dict[str, Any]], models: Iterable[str]) -> list[st
     return lines + [""]
 
 
-def _count(cores: float, counts: tuple[int, ...], rows: list[dict[str, Any]], case: tuple, role: str) -> str:
+def _count(cores: float, counts: tuple[int, ...], rows: list[ProjectionRow], case: tuple, role: str) -> str:
     """The count, marked + when even the largest tried stayed beyond ENOUGH."""
-    free_s = next(r["mean_iteration_s"] for r in rows if r["sweep"] == "cores" and _case(r) == case
-                  and r["shard_cores"] == FREE and r["worker_cores"] == FREE)
+    free_s = next(r.mean_iteration_s for r in rows if r.sweep == "cores" and _case(r) == case
+                  and r.shard_cores == FREE and r.worker_cores == FREE)
     other = "worker_cores" if role == "shard_cores" else "shard_cores"
-    row = next((r for r in rows if r["sweep"] == "cores" and _case(r) == case and r[role] == cores
-                and r[other] == FREE), None)
-    reached = row is not None and row["mean_iteration_s"] <= ENOUGH * free_s
+    row = next((r for r in rows if r.sweep == "cores" and _case(r) == case and getattr(r, role) == cores
+                and getattr(r, other) == FREE), None)
+    reached = row is not None and row.mean_iteration_s <= ENOUGH * free_s
     return f"{cores:g}" if reached or cores != counts[-1] else f"{cores:g}+"
 

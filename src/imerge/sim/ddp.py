@@ -21,6 +21,7 @@ from imerge.core.planning import BYTES_PER_ELEMENT, fuse_size, make_units
 from .cluster import GBIT, Cluster, Constants
 from .fluid import Fabric, Link, data_path
 from .profiles import ModelProfile
+from .results import SimRun
 
 BUCKET_CAP = 25 << 20
 FIRST_BUCKET_CAP = 1 << 20
@@ -47,16 +48,14 @@ class DDPJob:
         # on real hosts a worker's ring costs CPU on each byte it sends and each it receives (weight 2)
         self.cpu = data_path("w.cpu", 0.0 if constants.cores else cluster.worker_cores, constants.ddp_cpu_per_byte)
 
-    def run(self) -> dict:
+    def run(self) -> SimRun:
         self.env.process(self._train())
         self.env.run()
         times = [b - a for a, b in zip(self.starts, self.starts[1:])]
         timed = times[self.warmup:] or times
         moved = ring_bytes(self.profile.nbytes, self.cluster.workers)
-        return {"median_iteration_s": statistics.median(timed), "iteration_s": timed,
-                "mean_iteration_s": statistics.fmean(timed), "exposed_comm_s": None,
-                "bytes_per_iteration": moved, "elapsed_s": self.env.now, "worker_classes": 1,
-                "shard_classes": 0, "groups": len(self.buckets)}
+        return SimRun(timed, statistics.median(timed), statistics.fmean(timed), None, moved, self.env.now, 1, 0,
+                      len(self.buckets))
 
     def _compute(self, seconds: float) -> simpy.Event:
         return self.fabric.compute(seconds, count=self.cluster.workers, cores=self.k.compute_cores)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .profiles import SYNTHETIC
+from .results import ComparisonReport, ProjectionReport, ProjectionRow
 
 
 def _pyplot() -> Any:
@@ -17,8 +18,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def _series(rows: list[dict], **match: Any) -> list[dict]:
-    return sorted((r for r in rows if all(r[k] == v for k, v in match.items())), key=lambda r: r["workers"])
+def _series(rows: list[ProjectionRow], **match: Any) -> list[ProjectionRow]:
+    return sorted((r for r in rows if all(getattr(r, k) == v for k, v in match.items())), key=lambda r: r.workers)
 
 
 def _save(figure: Any, path: Path, plt: Any) -> str:
@@ -28,14 +29,14 @@ def _save(figure: Any, path: Path, plt: Any) -> str:
     return path.name
 
 
-def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[dict], str]]], ylabel: str, title: str,
+def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[ProjectionRow], str]]], ylabel: str, title: str,
               path: Path, log_y: bool = False, legend_size: int = 8) -> str:
     """One panel per synthetic model, workers on a log2 axis; ``lines(model)`` gives each line's (label, rows, the
     rows' key plotted)."""
     figure, axes = plt.subplots(1, len(SYNTHETIC), figsize=(15, 3.8))
     for axis, model in zip(axes, SYNTHETIC):
         for label, series, key in lines(model):
-            axis.plot([r["workers"] for r in series], [r[key] for r in series], marker="o", label=label)
+            axis.plot([r.workers for r in series], [getattr(r, key) for r in series], marker="o", label=label)
         axis.set_xscale("log", base=2)
         if log_y:
             axis.set_yscale("log")
@@ -47,18 +48,18 @@ def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[dict], str]]
     return _save(figure, path, plt)
 
 
-def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
+def plot_projections(report: ProjectionReport, out: Path) -> list[str]:
     from .projections import BOUND_STRATEGIES, INCAST_QUEUE_KB, LINKS_GBIT, PERIODS
 
-    plt, rows, written = _pyplot(), report["rows"], []
-    swept = {row["sweep"] for row in rows}
+    plt, rows, written = _pyplot(), report.rows, []
+    swept = {row.sweep for row in rows}
     for model in SYNTHETIC if "bound" in swept else ():
         figure, axes = plt.subplots(1, len(LINKS_GBIT), figsize=(13, 3.8), sharey=True)
         for axis, link in zip(axes, LINKS_GBIT):
             for strategy in BOUND_STRATEGIES:
                 series = [r for r in _series(rows, sweep="bound", model=model, link_gbit=link, strategy=strategy)
-                          if strategy == "ddp" or r["shards"] == max(1, r["workers"] // 2)]
-                axis.plot([r["workers"] for r in series], [r["ratio_to_bound"] for r in series], marker="o",
+                          if strategy == "ddp" or r.shards == max(1, r.workers // 2)]
+                axis.plot([r.workers for r in series], [r.ratio_to_bound for r in series], marker="o",
                           label=strategy)
             axis.set_xscale("log", base=2)
             axis.set_yscale("log")
@@ -72,7 +73,7 @@ def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
     plots = {
         "bound": (lambda model: [(label, [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0,
                                                              strategy="imerge")
-                                          if r["shards"] == max(1, r["workers"] // fraction)], "ratio_to_bound")
+                                          if r.shards == max(1, r.workers // fraction)], "ratio_to_bound")
                                  for fraction, label in ((4, "S = W/4"), (2, "S = W/2"), (1, "S = W"))],
                   "imerge: mean s/it over its bound", "Simulated: imerge at 25 Gbit/s, by shard count",
                   "scaling-shards.png", dict(log_y=True)),
@@ -92,11 +93,11 @@ def plot_projections(report: dict[str, Any], out: Path) -> list[str]:
     return written
 
 
-def plot_comparison(report: dict[str, Any], path: Path) -> str | None:
+def plot_comparison(report: ComparisonReport, path: Path) -> str | None:
     """Predicted against measured mean s/it, one point per (strategy, worker count); the 15% band."""
-    points = [(r["measured_mean_s"], r["mean_iteration_s"], name, workers)
-              for workers, sized in report["sizes"].items() for name, r in sized["strategies"].items()
-              if "measured_mean_s" in r]
+    points = [(r.measured_mean_s, r.mean_iteration_s, name, workers)
+              for workers, sized in report.sizes.items() for name, r in sized.strategies.items()
+              if r.measured_mean_s is not None]
     if not points:
         return None
     plt = _pyplot()
@@ -119,6 +120,6 @@ def plot_comparison(report: dict[str, Any], path: Path) -> str | None:
         scale.set_minor_formatter(NullFormatter())
     axis.set_xlabel("measured on the testbed, mean s/it")
     axis.set_ylabel("simulated, mean s/it")
-    axis.set_title(f"{report['scenario']}: simulated against measured")
+    axis.set_title(f"{report.scenario}: simulated against measured")
     axis.legend(fontsize=6, ncol=2)
     return _save(figure, path, plt)

@@ -29,6 +29,7 @@ from imerge.core.schedule_config import ScheduleConfig
 from .cluster import Cluster, Constants
 from .cores import both_tasks, cores_markdown, cores_tasks
 from .profiles import SYNTHETIC
+from .results import ProjectionReport, ProjectionRow
 from .runner import SWEEPS, SimConfig, bounds, simulate_one
 
 SIZES = (8, 32, 128, 512, 1024)
@@ -69,7 +70,7 @@ def tasks(models: tuple[str, ...], sweeps: tuple[str, ...] = SWEEPS) -> list[Tas
     return [job for job in jobs if job.sweep in sweeps]
 
 
-def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Constants) -> dict[str, Any]:
+def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Constants) -> ProjectionRow:
     profile = dataclasses.replace(config, model=task.model, profile="").load_profile()
     cluster = Cluster(task.workers, task.shards, task.link_gbit, task.link_gbit, task.queue_kb, config.mtu,
                       task.shard_cores, task.worker_cores)
@@ -78,13 +79,14 @@ def run_task(task: Task, config: SimConfig, base: ScheduleConfig, constants: Con
     result = simulate_one(task.strategy, profile, cluster, constants, config.iters, base)
     ps_bound, ddp_bound = bounds(profile, cluster)
     bound = ddp_bound if task.strategy == "ddp" else ps_bound
-    return {**dataclasses.asdict(task), "mean_iteration_s": result["mean_iteration_s"],
-            "bytes_per_iteration": result["bytes_per_iteration"], "bound_s": bound,
-            "ratio_to_bound": result["mean_iteration_s"] / bound, "compute_s": profile.compute_s,
-            "model_bytes": profile.nbytes, "simulated_in_s": result["simulated_in_s"]}
+    return ProjectionRow(**dataclasses.asdict(task), mean_iteration_s=result.mean_iteration_s,
+                         bytes_per_iteration=result.bytes_per_iteration, bound_s=bound,
+                         ratio_to_bound=result.mean_iteration_s / bound, compute_s=profile.compute_s,
+                         model_bytes=profile.nbytes, simulated_in_s=result.simulated_in_s)
 
 
-def run_projections(config: SimConfig, base: ScheduleConfig, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
+def run_projections(config: SimConfig, base: ScheduleConfig, out: Path, say: Callable[[str], None]
+                    ) -> ProjectionReport:
     constants = config.constants()
     models = tuple(SYNTHETIC)
     todo = tasks(models, config.sweeps_chosen())
@@ -93,16 +95,14 @@ def run_projections(config: SimConfig, base: ScheduleConfig, out: Path, say: Cal
         rows = _run_all(pool, todo, config, base, constants, say)
         if "cores" in config.sweeps_chosen():  # then each case at the cores recommended for both roles
             rows += _run_all(pool, both_tasks(Task, rows), config, base, constants, say)
-    report = {"iters": config.iters, "batch_size": config.batch_size, "device_tflops": config.device_tflops,
-              "constants": dataclasses.asdict(constants), "rows": rows}
+    report = ProjectionReport(config.iters, config.batch_size, config.device_tflops, constants, rows)
     from .plots import plot_projections
 
-    report["plots"] = plot_projections(report, out)
-    return report
+    return dataclasses.replace(report, plots=plot_projections(report, out))
 
 
 def _run_all(pool: concurrent.futures.Executor, todo: list[Task], config: SimConfig, base: ScheduleConfig,
-             constants: Constants, say: Callable[[str], None]) -> list[dict[str, Any]]:
+             constants: Constants, say: Callable[[str], None]) -> list[ProjectionRow]:
     futures = [pool.submit(run_task, task, config, base, constants) for task in todo]
     rows = []
     for index, future in enumerate(futures):
@@ -112,21 +112,23 @@ def _run_all(pool: concurrent.futures.Executor, todo: list[Task], config: SimCon
     return rows
 
 
-def _row(rows: list[dict], **match: Any) -> dict | None:
+def _row(rows: list[ProjectionRow], **match: Any) -> ProjectionRow | None:
     for row in rows:
-        if all(row[k] == v for k, v in match.items()):
+        if all(getattr(row, k) == v for k, v in match.items()):
             return row
     return None
 
 
-def projections_markdown(report: dict[str, Any]) -> str:
-    rows = report["rows"]
-    swept = {row["sweep"] for row in rows}
-    lines = [f"Standard architectures, batch {report['batch_size']} per worker at {report['device_tflops']:g} "
-             f"TFLOP/s; {report['iters']} iterations simulated each.", ""]
+def projections_markdown(report: ProjectionReport) -> str:
+    rows = report.rows
+    swept = {row.sweep for row in rows}
+    lines = [f"Standard architectures, batch {report.batch_size} per worker at {report.device_tflops:g} "
+             f"TFLOP/s; {report.iters} iterations simulated each.", ""]
     for model in SYNTHETIC if "bound" in swept else ():
         first = _row(rows, model=model)
-        lines += [f"### {model} ({first['model_bytes'] / 1e6:.0f} MB, compute {first['compute_s'] * 1e3:.1f} ms)", "",
+        if first is None:
+            continue
+        lines += [f"### {model} ({first.model_bytes / 1e6:.0f} MB, compute {first.compute_s * 1e3:.1f} ms)", "",
                   "x bound (mean s/it over the strategy's bound); S = W/2; each cell: 10 / 25 / 100 Gbit/s.", "",
                   "| strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|" + "---|" * len(SIZES)]
         for strategy in BOUND_STRATEGIES:
@@ -135,7 +137,7 @@ def projections_markdown(report: dict[str, Any]) -> str:
                 shards = workers if strategy == "ddp" else max(1, workers // 2)
                 values = [_row(rows, sweep="bound", model=model, workers=workers, shards=shards, link_gbit=link,
                                strategy=strategy) for link in LINKS_GBIT]
-                cells.append(" / ".join(f"{v['ratio_to_bound']:.2f}" for v in values if v))
+                cells.append(" / ".join(f"{v.ratio_to_bound:.2f}" for v in values if v))
             lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
         lines.append("")
     if "incast" in swept:
@@ -145,22 +147,23 @@ def projections_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines + cores_markdown(rows, SYNTHETIC)) + "\n"
 
 
-def _incast_lines(rows: list[dict]) -> list[str]:
+def _incast_lines(rows: list[ProjectionRow]) -> list[str]:
     lines = ["### Incast: shard port queue %g kB, S = W/4, 25 Gbit/s (mean s/it)" % INCAST_QUEUE_KB, "",
              "| model | strategy | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
     for model in SYNTHETIC:
         for strategy in INCAST_STRATEGIES:
             cells = [_row(rows, sweep="incast", model=model, workers=w, strategy=strategy) for w in SIZES]
-            lines.append(f"| {model} | {strategy} | " + " | ".join(f"{c['mean_iteration_s']:.3f}" for c in cells) + " |")
+            lines.append(f"| {model} | {strategy} | " + " | ".join(f"{c.mean_iteration_s:.3f}" if c else "-"
+                                                                   for c in cells) + " |")
     return lines + [""]
 
 
-def _period_lines(rows: list[dict]) -> list[str]:
+def _period_lines(rows: list[ProjectionRow]) -> list[str]:
     lines = ["### Interleave period T: S = W/2, 25 Gbit/s (mean s/it; MB per worker and iteration)", "",
              "| model | T | " + " | ".join(f"W={w}" for w in SIZES) + " |", "|---|---|" + "---|" * len(SIZES)]
     for model in SYNTHETIC:
         for period in PERIODS:
             cells = [_row(rows, sweep="period", model=model, workers=w, period=period) for w in SIZES]
             lines.append(f"| {model} | {period} | " + " | ".join(
-                f"{c['mean_iteration_s']:.3f} ({c['bytes_per_iteration'] / 1e6:.0f} MB)" for c in cells) + " |")
+                f"{c.mean_iteration_s:.3f} ({c.bytes_per_iteration / 1e6:.0f} MB)" if c else "-" for c in cells) + " |")
     return lines + [""]

@@ -46,6 +46,7 @@ from imerge.core.slots import FixedSlots, effective_policy, resolve_width
 from .cluster import GBIT, Cluster, Constants
 from .fluid import Fabric, Link, data_path
 from .profiles import ModelProfile
+from .results import SimRun
 
 FIRST_PLAN, COST_PLAN = 1, 2  # as the coordinator numbers them
 
@@ -128,7 +129,7 @@ class PSJob:
         self.unit_bwd = [u.backward_s for u in profile.units]
         self.published: Plan | None = None  # the plan the simulated coordinator published last
         self.submitted_profile: dict | None = None  # what the simulated worker 0 submitted for it
-        self.result: dict = {}
+        self.result: SimRun | None = None
         self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
         self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
         self._group_blocks: dict[int, list[dict[int, list[int]]]] = {}  # version -> group -> shard class -> blocks
@@ -222,7 +223,7 @@ class PSJob:
                    payload_bytes(block.numel, "float32", -1))
 
     # -- running ----------------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self) -> SimRun:
         for worker in self.workers:
             self.env.process(self._train(worker))
             self.env.process(self._consume(worker))
@@ -561,7 +562,7 @@ class PSJob:
                 sync.pull_done.succeed()
 
     # -- the result -----------------------------------------------------------------------------------------
-    def _summary(self) -> dict:
+    def _summary(self) -> SimRun:
         worker = self.workers[-1]  # the last position of a lane waits longest; without flags all are alike
         times = [b - a for a, b in zip(worker.starts, worker.starts[1:])]
         timed = times[self.warmup:] or times
@@ -569,9 +570,7 @@ class PSJob:
         self.fabric.settle()
         up = worker.uplink.busy - worker.moved_before[0]
         down = worker.downlink.busy - worker.moved_before[1]
-        return {"median_iteration_s": statistics.median(timed), "iteration_s": timed,
-                "mean_iteration_s": statistics.fmean(timed), "exposed_comm_s": statistics.fmean(waited),
-                "bytes_per_iteration": max(up, down) / max(1, len(timed)),
-                "elapsed_s": self.env.now, "worker_classes": len(self.workers),
-                "shard_classes": len(self.shard_classes), "groups": len((self.published or self.first_plan).groups)}
+        return SimRun(timed, statistics.median(timed), statistics.fmean(timed), statistics.fmean(waited),
+                      max(up, down) / max(1, len(timed)), self.env.now, len(self.workers), len(self.shard_classes),
+                      len((self.published or self.first_plan).groups))
 

@@ -21,6 +21,7 @@ from imerge.core.strategies import INCAST, SCENARIOS, SCHEDULES, STRATEGIES, war
 from .cluster import GBIT, Cluster, Constants
 from .ddp import DDPJob, ring_bytes
 from .profiles import MEASURED, SYNTHETIC, ModelProfile, measured, synthetic
+from .results import SimReport, SimRun
 
 PRESETS = {**STRATEGIES, **INCAST}  # every named strategy: the benchmark's and B3's slot variants
 SWEEPS = ("bound", "incast", "period", "cores")  # imerge simulate projections
@@ -118,7 +119,7 @@ def strategy_schedule(name: str, base: ScheduleConfig = ScheduleConfig()) -> Sch
 
 
 def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: Constants, iters: int,
-                 base: ScheduleConfig = ScheduleConfig()) -> dict[str, Any]:
+                 base: ScheduleConfig = ScheduleConfig()) -> SimRun:
     """One strategy on one cluster: the simulated result (and how long the simulation took)."""
     from .psjob import PSJob  # simpy and the job model load only when a job is simulated
 
@@ -129,9 +130,7 @@ def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: 
     else:
         schedule = dataclasses.replace(strategy_schedule(name, base), profile_iters=max(2, warmup))
         result = PSJob(profile, cluster, constants, schedule, iters, warmup).run()
-    result["strategy"] = name
-    result["simulated_in_s"] = time.perf_counter() - started
-    return result
+    return dataclasses.replace(result, strategy=name, simulated_in_s=time.perf_counter() - started)
 
 
 def bounds(profile: ModelProfile, cluster: Cluster, compute_s: float | None = None) -> tuple[float, float]:
@@ -144,18 +143,16 @@ def bounds(profile: ModelProfile, cluster: Cluster, compute_s: float | None = No
 
 
 def simulate(profile: ModelProfile, cluster: Cluster, constants: Constants, names: list[str], iters: int,
-             base: ScheduleConfig = ScheduleConfig()) -> dict[str, Any]:
+             base: ScheduleConfig = ScheduleConfig()) -> SimReport:
     """Every strategy in ``names`` on one cluster, with the bound and the ratio to DDP."""
     results = {name: simulate_one(name, profile, cluster, constants, iters, base) for name in names}
     ps_bound, ddp_bound = bounds(profile, cluster)
+    ddp_s = results["ddp"].mean_iteration_s if "ddp" in results else None
     for name, result in results.items():
-        result["bound_s"] = ddp_bound if name == "ddp" else ps_bound
-        result["ratio_to_bound"] = result["mean_iteration_s"] / result["bound_s"]
-        result["ratio_to_ddp"] = result["mean_iteration_s"] / results["ddp"]["mean_iteration_s"] \
-            if "ddp" in results else None
-    return {"model": profile.name, "model_bytes": profile.nbytes, "compute_s": profile.compute_s,
-            "cluster": dataclasses.asdict(cluster), "constants": dataclasses.asdict(constants), "iters": iters,
-            "strategies": results}
+        bound = ddp_bound if name == "ddp" else ps_bound
+        results[name] = dataclasses.replace(result, bound_s=bound, ratio_to_bound=result.mean_iteration_s / bound,
+                                            ratio_to_ddp=result.mean_iteration_s / ddp_s if ddp_s else None)
+    return SimReport(profile.name, profile.nbytes, profile.compute_s, cluster, constants, iters, results)
 
 
 COLUMNS = [("mean_iteration_s", "mean s/it", "{:.3f}"), ("median_iteration_s", "median s/it", "{:.3f}"), ("exposed_comm_s", "exposed comm s", "{:.3f}"),
@@ -169,15 +166,15 @@ def _cell(value: Any, fmt: str, key: str) -> str:
     return fmt.format(value / 1e6 if key == "bytes_per_iteration" else value)
 
 
-def markdown(report: dict[str, Any]) -> str:
-    cluster = report["cluster"]
-    lines = [f"{report['model']} ({report['model_bytes'] / 1e6:.1f} MB), {cluster['workers']} workers, "
-             f"{cluster['shards']} shards, links {cluster['worker_gbit']:g} Gbit/s (shards {cluster['shard_gbit']:g})"
-             + (f", data path cores: shard host {cluster['shard_cores']:g}, worker {cluster['worker_cores']:g}"
-                if not report["constants"]["cores"] else "")
-             + (f", shard port queue {cluster['queue_kb']:g} kB" if cluster["queue_kb"] else "")
-             + f"; compute {report['compute_s']:.3f} s per iteration; {report['iters']} iterations simulated.", "",
+def markdown(report: SimReport) -> str:
+    cluster = report.cluster
+    lines = [f"{report.model} ({report.model_bytes / 1e6:.1f} MB), {cluster.workers} workers, "
+             f"{cluster.shards} shards, links {cluster.worker_gbit:g} Gbit/s (shards {cluster.shard_gbit:g})"
+             + (f", data path cores: shard host {cluster.shard_cores:g}, worker {cluster.worker_cores:g}"
+                if not report.constants.cores else "")
+             + (f", shard port queue {cluster.queue_kb:g} kB" if cluster.queue_kb else "")
+             + f"; compute {report.compute_s:.3f} s per iteration; {report.iters} iterations simulated.", "",
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
-    for name, result in report["strategies"].items():
-        lines.append(f"| {name} | " + " | ".join(_cell(result.get(k), f, k) for k, _, f in COLUMNS) + " |")
+    for name, result in report.strategies.items():
+        lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, k), f, k) for k, _, f in COLUMNS) + " |")
     return "\n".join(lines) + "\n"

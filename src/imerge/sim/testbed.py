@@ -16,18 +16,18 @@ throughput sees.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
+from imerge.core.bench_results import ScalingReport, StrategyResult, read_results
 from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.strategies import SCENARIOS, Scenario
 
 from .cluster import Cluster, Constants
 from .profiles import measured
+from .results import ComparisonReport, SimRun
 from .runner import simulate
 
 
@@ -44,13 +44,7 @@ def scenario_cluster(scenario: Scenario, workers: int | None = None) -> Cluster:
     return Cluster(workers, shards, rate, rate, scenario.shard_queue_kb, scenario.mtu)
 
 
-def scenario_of(raw: dict[str, Any]) -> Scenario:
-    fields = {f.name for f in dataclasses.fields(Scenario)}
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
-    return Scenario(**values)
-
-
-def measured_runs(path: str | Path) -> list[tuple[Scenario, dict[str, dict[str, Any]]]]:
+def measured_runs(path: str | Path) -> list[tuple[Scenario, dict[str, StrategyResult]]]:
     """The (scenario, strategy results) pairs of a results.json of ``imerge bench`` (B4: one per size; ``PATH#1+2``
     takes only the sizes 1 and 2)."""
     path, _, picked = str(path).partition("#")
@@ -60,24 +54,19 @@ def measured_runs(path: str | Path) -> list[tuple[Scenario, dict[str, dict[str, 
         except ValueError:
             raise ConfigError("runs", f"{path}#{picked}: after # come worker counts joined by +, e.g. #1+2") from None
         return [(s, r) for s, r in measured_runs(path) if s.workers in sizes]
-    try:
-        report = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError("measured", f"cannot read {path}: {exc}") from None
-    if "sizes" in report:
-        return [(scenario_of(sized["scenario"]), sized["strategies"]) for sized in report["sizes"].values()]
-    if "scenario" not in report or "strategies" not in report:
-        raise ConfigError("measured", f"{path} is not the results.json of imerge bench")
-    return [(scenario_of(report["scenario"]), report["strategies"])]
+    report = read_results(path)
+    if isinstance(report, ScalingReport):
+        return [(sized.scenario, sized.strategies) for sized in report.sizes.values()]
+    return [(report.scenario, report.strategies)]
 
 
-def measured_mean(result: dict[str, Any]) -> float:
-    return statistics.fmean(result["iteration_s"])
+def measured_mean(result: StrategyResult) -> float:
+    return statistics.fmean(result.iteration_s)
 
 
 def simulate_scenario(name: str, names: list[str], constants: Constants, iters: int,
                       base: ScheduleConfig = ScheduleConfig(), measured_path: str = "",
-                      sizes: tuple[int, ...] = ()) -> dict[str, Any]:
+                      sizes: tuple[int, ...] = ()) -> ComparisonReport:
     """Scenario ``name`` at each of its sizes: the simulation, and beside it the measurement when given."""
     if name not in SCENARIOS:
         raise ConfigError("target", f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
@@ -94,39 +83,41 @@ def simulate_scenario(name: str, names: list[str], constants: Constants, iters: 
         # iteration after the cost plan's switch weigh the same in both means
         report = simulate(profile, scenario_cluster(sized, workers), constants, names,
                           sized.iters if results else iters, base)
-        for strategy, result in report["strategies"].items():
-            if strategy in results:
-                result["measured_mean_s"] = measured_mean(results[strategy])
-                result["measured_median_s"] = results[strategy]["median_iteration_s"]
-                result["error"] = result["mean_iteration_s"] / result["measured_mean_s"] - 1
-        reports[workers] = report
-    return {"scenario": name, "model": profile.name, "sizes": reports}
+        beside = {strategy: _beside(result, results[strategy]) for strategy, result in report.strategies.items()
+                  if strategy in results}
+        reports[workers] = dataclasses.replace(report, strategies={**report.strategies, **beside})
+    return ComparisonReport(name, profile.name, reports)
 
 
-def comparison_markdown(report: dict[str, Any]) -> str:
+def _beside(simulated: SimRun, measured_run: StrategyResult) -> SimRun:
+    mean = measured_mean(measured_run)
+    return dataclasses.replace(simulated, measured_mean_s=mean, measured_median_s=measured_run.median_iteration_s,
+                               error=simulated.mean_iteration_s / mean - 1)
+
+
+def comparison_markdown(report: ComparisonReport) -> str:
     """Predicted against measured, one row per strategy, one column group per worker count."""
-    sizes = list(report["sizes"])
-    first = report["sizes"][sizes[0]]
-    cluster = first["cluster"]
-    lines = [f"{report['scenario']}: {report['model']}, {cluster['shards']} shards"
-             + (" (= workers)" if len(sizes) > 1 else f", {cluster['workers']} workers")
-             + f", {cluster['worker_gbit'] * 1000:g} Mbit/s links"
-             + (f", shard port queue {cluster['queue_kb']:g} kB" if cluster["queue_kb"] else "")
+    sizes = list(report.sizes)
+    first = report.sizes[sizes[0]]
+    cluster = first.cluster
+    lines = [f"{report.scenario}: {report.model}, {cluster.shards} shards"
+             + (" (= workers)" if len(sizes) > 1 else f", {cluster.workers} workers")
+             + f", {cluster.worker_gbit * 1000:g} Mbit/s links"
+             + (f", shard port queue {cluster.queue_kb:g} kB" if cluster.queue_kb else "")
              + ". Each cell: predicted / measured mean s/it (error).", "",
              "| strategy | " + " | ".join(f"W={w}" for w in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for strategy in first["strategies"]:
+    for strategy in first.strategies:
         cells = []
         for workers in sizes:
-            result = report["sizes"][workers]["strategies"].get(strategy, {})
-            if "measured_mean_s" in result:
-                cells.append(f"{result['mean_iteration_s']:.2f} / {result['measured_mean_s']:.2f} "
-                             f"({result['error']:+.0%})")
-            elif result:
-                cells.append(f"{result['mean_iteration_s']:.2f} / -")
+            result = report.sizes[workers].strategies.get(strategy)
+            if result is not None and result.measured_mean_s is not None and result.error is not None:
+                cells.append(f"{result.mean_iteration_s:.2f} / {result.measured_mean_s:.2f} ({result.error:+.0%})")
+            elif result is not None:
+                cells.append(f"{result.mean_iteration_s:.2f} / -")
             else:
                 cells.append("-")
         lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
-    errors = [abs(r["error"]) for s in report["sizes"].values() for r in s["strategies"].values() if "error" in r]
+    errors = [abs(r.error) for s in report.sizes.values() for r in s.strategies.values() if r.error is not None]
     if errors:
         within = sum(e <= 0.15 for e in errors)
         lines += ["", f"{within} of {len(errors)} within 15%; mean absolute error {statistics.fmean(errors):.1%}, "
