@@ -29,7 +29,7 @@ from imerge.core.schedule_config import ScheduleConfig
 from .cluster import Cluster, Constants
 from .cores import both_tasks, cores_markdown, cores_tasks
 from .profiles import SYNTHETIC
-from .results import ProjectionReport, ProjectionRow
+from .results import ProjectionReport, ProjectionRow, Task
 from .runner import SWEEPS, SimConfig, bounds, simulate_one
 
 SIZES = (8, 32, 128, 512, 1024)
@@ -39,20 +39,6 @@ BOUND_STRATEGIES = ("ddp", "ps-naive", "wfbp", "size", "imerge", "imerge-T2", "i
 INCAST_STRATEGIES = ("imerge-noslots", "imerge", "imerge-fixed")
 INCAST_QUEUE_KB = 64.0  # about 3.5 jumbo frames per port: two senders fit, more overflow
 PERIODS = (1, 2, 4, 8)
-
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-    sweep: str
-    model: str
-    workers: int
-    shards: int
-    link_gbit: float
-    strategy: str
-    queue_kb: float = 0.0
-    period: int = 1
-    shard_cores: float = 0.0   # 0: the data path's CPU is not counted
-    worker_cores: float = 0.0
 
 
 def tasks(models: tuple[str, ...], sweeps: tuple[str, ...] = SWEEPS) -> list[Task]:

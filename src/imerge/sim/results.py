@@ -54,8 +54,8 @@ class ComparisonReport(JsonReport):
 
 
 @dataclasses.dataclass(frozen=True)
-class ProjectionRow:
-    """One cell of the projections: a strategy on a cluster (the task's fields), simulated."""
+class Task:
+    """One simulation of the projections: a sweep's strategy on a cluster."""
 
     sweep: str
     model: str
@@ -65,8 +65,14 @@ class ProjectionRow:
     strategy: str
     queue_kb: float = 0.0
     period: int = 1
-    shard_cores: float = 0.0
+    shard_cores: float = 0.0   # 0: the data path's CPU is not counted
     worker_cores: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionRow(Task):
+    """One cell of the projections: a task (a strategy on a cluster), simulated."""
+
     mean_iteration_s: float = 0.0
     bytes_per_iteration: float = 0.0
     bound_s: float = 0.0
