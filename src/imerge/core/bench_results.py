@@ -10,17 +10,20 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from imerge.core.errors import ConfigError
 from imerge.core.strategies import Scenario
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def _known(cls: type[T], raw: dict[str, Any]) -> T:
     """``cls`` from the JSON fields it has (lists become tuples where the field is a tuple)."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {k: (tuple(v) if isinstance(v, list) and str(fields[k].type).startswith("tuple") else v)
               for k, v in raw.items() if k in fields}
     return cls(**values)
