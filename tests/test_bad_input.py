@@ -14,8 +14,8 @@ import torch
 
 import imerge
 from helpers import status_of
+from imerge.core.planning import FIRST_PLAN
 from imerge.ops.redis_server import free_port
-from imerge.control.messages import FIRST_PLAN
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc

@@ -18,11 +18,11 @@ import torch
 import yaml
 
 import imerge
+from imerge.core.planning import FIRST_PLAN
 from imerge.ops.dashboards import DEFAULT_DATASOURCE_UID, expressions as dashboard_expressions, render
 from imerge.ops.redis_server import free_port
 from imerge.workloads.models import build_model
 from imerge.core.optim import OptimizerSpec
-from imerge.control.messages import FIRST_PLAN
 from imerge.ops.top import scrape
 
 from helpers import LocalCluster

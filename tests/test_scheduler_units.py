@@ -13,7 +13,7 @@ from imerge.workloads.models import build_model
 from imerge.core.planning import (PlanOptions, fuse_cost, fuse_none, fuse_size, layout_of, make_plan, partition,
                              predicted_end, make_units)
 from imerge.core.schedule import phase, syncs
-from imerge.core.queue import CommQueue
+from imerge.core.queue import STOP, CommQueue
 
 MIB = 1 << 20
 
@@ -105,6 +105,19 @@ def test_comm_queue_priority_and_fifo():
         for index in (2, 0, 7, 3):
             queue.put(index, index)
         assert [queue.pop() for _ in range(4)] == expected
+
+
+@pytest.mark.parametrize("priority", [True, False])
+def test_the_stop_item_is_taken_after_every_queued_sync(priority):
+    """The worker's comm loop and the simulator's stop their consumer with the same item, taken last either way."""
+    queue = CommQueue(priority)
+    queue.put(1, "a")
+    queue.put(STOP, None)
+    queue.put(0, "b")  # queued after the stop was asked for, as a sync of a closing worker may be
+    assert [queue.pop() for _ in range(3)] == (["a", "b", None] if priority else ["a", None, "b"])
+    queue.put(5, "c")
+    queue.put(STOP, None)
+    assert [queue.pop() for _ in range(2)] == ["c", None]
 
 
 def imbalance(plan) -> list[float]:

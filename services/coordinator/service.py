@@ -18,13 +18,13 @@ import threading
 import time
 import uuid
 
-from imerge.control.messages import (COST_PLAN, FIRST_PLAN, FailureReport, GenerationEvent, JobLease, Member,
-                                     LayoutSubmission, Malformed, PlanPublished, Profile, WorkerDone)
+from imerge.control.messages import (FailureReport, GenerationEvent, JobLease, LayoutSubmission, Malformed, Member,
+                                     PlanPublished, Profile, WorkerDone)
 from imerge.control.store import CoordinatorStore
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
                                 WaitTimeout)
-from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
+from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, Plan, PlanOptions, fuse_cost, make_plan
 from imerge.telemetry.metrics import MetricsServer
 
 from .metrics import coordinator_registry

@@ -16,8 +16,9 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 
+from imerge.core.planning import FIRST_PLAN
 from imerge.control.store import ShardStore
-from imerge.control.messages import FIRST_PLAN, FailureReport, GenerationEvent, Member, Restored
+from imerge.control.messages import FailureReport, GenerationEvent, Member, Restored
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
 from .state import Shard
@@ -27,8 +28,8 @@ RESTORE_TIMEOUT_S = 300.0
 
 
 class ShardMembership:
-    def __init__(self, store: ShardStore, shard: Shard, load_plan: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoop,
-                 heartbeat_ttl_s: float, checkpoint_failures: int = 0):
+    def __init__(self, store: ShardStore, shard: Shard, load_plan: Callable[[], Awaitable[None]],
+                 loop: asyncio.AbstractEventLoop, heartbeat_ttl_s: float, checkpoint_failures: int = 0):
         self.store = store
         self.shard = shard
         self._load_plan = load_plan  # coroutine function: reads the mapping table (the expected blocks)

@@ -21,7 +21,8 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2
 
-from imerge.control.messages import FIRST_PLAN, PostedScalars, RoundScalars
+from imerge.core.planning import FIRST_PLAN
+from imerge.control.messages import PostedScalars, RoundScalars
 from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,

@@ -21,7 +21,7 @@ from imerge.control.store import WorkerStore
 from imerge.core.compression import BlockMode, block_modes
 from imerge.core.errors import IMergeError, WaitTimeout
 from imerge.core.planning import Plan
-from imerge.core.queue import CommQueue
+from imerge.core.queue import STOP, CommQueue
 from imerge.core.slots import NoSlots, effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
 
@@ -36,7 +36,6 @@ from .transport import ShardClient
 from .wire_compression import Compression, meta_nbytes
 
 log = logging.getLogger(__name__)
-_STOP = 1 << 30     # queue priority of the item that stops the consumer
 T = TypeVar("T")
 
 
@@ -208,7 +207,7 @@ class Communicator:
         """Stop the consumer, cancel pulls still in flight, close the shard channels."""
         if not self.comm.loop.is_running():
             return
-        self.comm.loop.call_soon_threadsafe(self._put, _STOP, None)
+        self.comm.loop.call_soon_threadsafe(self._put, STOP, None)
         try:
             self._consumer.result(10)
         except Exception:  # noqa: BLE001 - closing anyway
@@ -223,8 +222,8 @@ class Communicator:
         await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
 
 
-def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: WorkerStore, flat: FlatParams, metrics: WorkerMetrics,
-              timeline: Timeline, generation: int) -> Communicator:
+def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: WorkerStore, flat: FlatParams,
+              metrics: WorkerMetrics, timeline: Timeline, generation: int) -> Communicator:
     """The worker's communicator for ``plan``: a channel per shard, the slot policy the flags call for."""
 
     async def connect() -> list[ShardClient]:  # on the comm loop, which the channels belong to
@@ -237,7 +236,8 @@ def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: WorkerSto
         log.info("worker %d: slots %s with width %d >= %d workers guard nothing; pushing without flags",
                  config.rank, config.slots, width, plan.num_workers)
     slots = make_slots(policy, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
-                       timeout_s=config.pull_timeout_s, generation=generation, bandwidth_mbps=config.slot_bandwidth_mbps)
+                       timeout_s=config.pull_timeout_s, generation=generation,
+                       bandwidth_mbps=config.slot_bandwidth_mbps)
     return Communicator(loop, clients, flat, slots, rank=config.rank, priority=config.priority,
                         rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
                         generation=generation, metrics=metrics, timeline=timeline, slot_scope=config.slot_scope,

@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from imerge.control.messages import COST_PLAN, BlocksReady
+from imerge.control.messages import BlocksReady
 from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, JobFailed
-from imerge.core.planning import Plan
+from imerge.core.planning import COST_PLAN, Plan
 from imerge.telemetry.timeline import Timeline
 
 from . import hooks, rounds
@@ -53,7 +53,8 @@ JOIN_STATE = -1  # the tag of worker 0's module state shared when the job is joi
 
 class SyncEngine:
     def __init__(self, model: torch.nn.Module, names: list[str], plan: Plan, config: WorkerConfig,
-                 optimizer: ShardOptimizer, store: WorkerStore, generation: int = 0, settings: LoopSettings | None = None):
+                 optimizer: ShardOptimizer, store: WorkerStore, generation: int = 0,
+                 settings: LoopSettings | None = None):
         self.config = config
         self.generation = generation
         self.optimizer = optimizer
@@ -75,7 +76,8 @@ class SyncEngine:
             self._start_profiling()
         self._remove_hooks = hooks.install(self.state, model, self.params)
 
-    def _hook_state(self, model: torch.nn.Module, plan: Plan, store: WorkerStore, settings: LoopSettings) -> hooks.HookState:
+    def _hook_state(self, model: torch.nn.Module, plan: Plan, store: WorkerStore,
+                    settings: LoopSettings) -> hooks.HookState:
         config = self.config
         table = GroupTable(plan, self.flat, self.params, {b.block_id: 0 for b in plan.blocks})
         self.comm.plan_version = plan.version

@@ -5,10 +5,10 @@ import logging
 import threading
 from collections.abc import Callable
 
-from imerge.control.messages import FIRST_PLAN, FailureReport, Member, WorkerPosition
+from imerge.control.messages import FailureReport, Member, WorkerPosition
 from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, JobFailed, StoreError
-from imerge.core.planning import Plan
+from imerge.core.planning import FIRST_PLAN, Plan
 
 from .config import WorkerConfig
 from .lease import RankLease

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from imerge.control.store import WorkerStore
-from imerge.control.messages import COST_PLAN, Profile
+from imerge.control.messages import Profile
 from imerge.core.errors import IMergeError
-from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost
+from imerge.core.planning import BYTES_PER_ELEMENT, COST_PLAN, Plan, fit_cost
 from imerge.sim.profiles import from_measurement
 
 log = logging.getLogger(__name__)

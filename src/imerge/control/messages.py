@@ -18,8 +18,6 @@ from imerge.core.planning import Layout, Plan, PlanOptions
 
 M = TypeVar("M", bound="Message")
 
-FIRST_PLAN = 1  # the plan published once every worker submitted its layout
-COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
 
 
 class Message:

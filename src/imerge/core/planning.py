@@ -29,6 +29,8 @@ from imerge.core.schedule import phase
 FUSIONS = ("none", "size", "cost")
 PLACEMENTS = ("lpt", "round-robin")
 BYTES_PER_ELEMENT = BLOCK_DTYPE.itemsize
+FIRST_PLAN = 1  # the plan published once every worker submitted its layout
+COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any
 
 SEND_CREDIT = 4 << 20  # a sender's push stream carries the queued blocks up to this many bytes
 PUSHES_IN_FLIGHT = 2   # a sender's push streams whose reply is awaited (1 while slots hold a flag until the reply)
+STOP = -(1 << 30)      # the group index of the item that stops a consumer: taken after every queued sync, with
+# priority (the lowest) or without (the last put)
 
 
 class CommQueue:

@@ -37,8 +37,8 @@ import simpy
 
 from imerge.core.errors import ConfigError
 from imerge.core.compression import block_modes, payload_bytes, topk_count
-from imerge.core.planning import BYTES_PER_ELEMENT, Plan, fit_cost, fuse_cost, make_plan
-from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
+from imerge.core.planning import BYTES_PER_ELEMENT, COST_PLAN, FIRST_PLAN, Plan, fit_cost, fuse_cost, make_plan
+from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, STOP, CommQueue
 from imerge.core.schedule import syncs
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.slots import FixedSlots, effective_policy, resolve_width
@@ -48,7 +48,6 @@ from .fluid import Fabric, Link, data_path
 from .profiles import ModelProfile
 from .results import SimRun
 
-FIRST_PLAN, COST_PLAN = 1, 2  # as the coordinator numbers them
 
 
 @dataclasses.dataclass
@@ -399,7 +398,7 @@ class PSJob:
             worker.wake.succeed()
 
     def _stop_consumer(self, worker: WorkerClass) -> None:
-        worker.queue.put(-(1 << 30), None)
+        worker.queue.put(STOP, None)
         if not worker.wake.triggered:
             worker.wake.succeed()
 

@@ -12,11 +12,12 @@ from typing import Any, TypeVar
 
 import redis
 
+from imerge.core.planning import COST_PLAN, FIRST_PLAN
 from imerge.core.config import redacted
 from imerge.core.errors import JobTaken, StoreError, WaitTimeout
 
 from ..messages import (BlocksReady, CheckpointRounds, FailureReport, GenerationEvent, JobLease, LayoutSubmission,
-                        Loaded, Member, PlanPublished, Restored, COST_PLAN, FIRST_PLAN)
+                        Loaded, Member, PlanPublished, Restored)
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
