@@ -27,11 +27,10 @@ from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams
 from .config import WorkerConfig
-from .groups import GroupRuntime, RoundResult, Sync
-from .items import PushOptions
+from .groups import RoundResult, Sync
 from .metrics import WorkerMetrics
 from .pushes import Pusher
-from .staging import DONE, HostStaging, Ready, staging_for
+from .staging import HostStaging, Ready, staging_for
 from .transport import ShardClient
 from .wire_compression import Compression, meta_nbytes
 
@@ -106,15 +105,9 @@ class Communicator:
         self.pusher.on_push = observe
 
     # -- the queue (called from the training thread) -------------------------------------
-    def enqueue(self, group: GroupRuntime, iteration: int, options: dict[str, PushOptions] | None = None,
-                ready: Ready = DONE) -> Sync:
-        """Put a complete group on the queue as its next round; its Futures resolve once its new parameters are in
-        place. ``options``: per block, what its push says besides the data (hyperparameters, pieces without
-        gradient). The training thread's group records the sync and the round it completes."""
-        sync = Sync(group, group.round, iteration, options or {}, ready)
-        group.latest, group.round = sync, group.round + 1
-        self.comm.loop.call_soon_threadsafe(self._put, group.index, sync)
-        return sync
+    def enqueue(self, sync: Sync) -> None:
+        """Put a complete group's sync on the queue; its Futures resolve once its new parameters are in place."""
+        self.comm.loop.call_soon_threadsafe(self._put, sync.group.index, sync)
 
     def _put(self, index: int, item: Sync | None) -> None:
         if self.broken is not None and item is not None:

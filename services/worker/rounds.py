@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from imerge.core.errors import UnsupportedUse
 
-from .groups import GroupRuntime
+from .groups import GroupRuntime, Sync
 from .iteration import RoundContext
 
 if TYPE_CHECKING:
@@ -32,7 +32,9 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     group.given.clear()
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
-    comm.enqueue(group, state.schedule.relative(state.loop.iteration), options, ready)
+    sync = Sync(group, group.round, state.schedule.relative(state.loop.iteration), options, ready)
+    group.latest, group.round = sync, group.round + 1  # the round this sync completes
+    comm.enqueue(sync)
     group.unsettled = {b.block_id for b in group.blocks}
     group.dirty = True
     state.waits.in_flight.add(group.index)
