@@ -66,7 +66,7 @@ def test_a_bug_on_the_comm_thread_fails_the_iteration_at_once_naming_it(lone, mo
     if broken == "consumer":
         monkeypatch.setattr(comm.Communicator, "_start", bug)
     else:
-        monkeypatch.setattr(pushes.Pusher, "_start_batch", bug)
+        monkeypatch.setattr(pushes.Pusher, "_stream", bug)
     started = time.monotonic()
     with pytest.raises(IMergeError) as info:
         torch.nn.functional.cross_entropy(model(x), y).backward()

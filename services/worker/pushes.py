@@ -1,7 +1,9 @@
 """The push side of the comm thread: blocks to the shards under the slot policy.
 
-Without slots, or with slots scoped to the shard port, a group's blocks join
-the queues of the shards' senders, one sender per shard, which push the queued
+What to send and when is decided by the sending kernel
+(:mod:`imerge.core.sending`, which the simulator runs too); this module carries
+its streams out. Without slots, or with slots scoped to the shard port, a
+group's blocks join the queues of the shards' senders, which push the queued
 blocks of any groups, highest priority first, a few MiB per stream, two
 streams in flight (with port slots each stream holds the port's flag). With
 slots scoped to (group, shard), the group's shards are pushed one after
@@ -21,7 +23,7 @@ from imerge.control.messages import PORT, Flag
 from imerge.core.compression import Payload
 from imerge.core.errors import Fenced
 from imerge.core.planning import BYTES_PER_ELEMENT, Block
-from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, CommQueue
+from imerge.core.sending import SendPolicy, Senders, Stream
 from imerge.core.slots import NoSlots
 from imerge.telemetry.timeline import Timeline
 
@@ -58,27 +60,6 @@ class ShardPushes:
         self.sync.fail(exc)
 
 
-@dataclasses.dataclass(eq=False)
-class ShardSender:
-    """One shard's queue of blocks to push (a comparator, as the group queue) and the task that drains it."""
-
-    shard: int
-    priority: dataclasses.InitVar[bool]
-    in_flight: asyncio.Semaphore  # push streams to the shard not yet answered
-    queue: CommQueue = dataclasses.field(init=False)
-    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    pushes: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)  # the push streams not yet answered
-    task: asyncio.Task[None] | None = None
-
-    def __post_init__(self, priority: bool) -> None:
-        self.queue = CommQueue(priority)
-
-    def cancel(self) -> None:
-        for task in (self.task, *self.pushes):
-            if task is not None:
-                task.cancel()
-
-
 async def wait_ready(ready: Ready) -> None:
     """Wait (without blocking the comm loop) until a device copy is done."""
     while not ready.query():
@@ -104,72 +85,54 @@ class Pusher:
     lane: int = 0  # with slot width k, worker w takes lane w mod k
     plan_version: int = 0
     on_push: Callable[[int, float], None] | None = None  # (bytes, seconds) of each shard's push
-    on_crash: Callable[[BaseException, list[Sync]], None] | None = None  # a sender failed (a bug)
-    senders: dict[int, ShardSender] = dataclasses.field(default_factory=dict)  # one per shard
+    on_crash: Callable[[BaseException, list[Sync]], None] | None = None  # a stream failed (a bug)
+    senders: Senders[ShardPushes, Block] = dataclasses.field(init=False)  # the schedule (one kernel)
+    streams: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)  # the push streams not yet answered
+
+    def __post_init__(self) -> None:
+        policy = SendPolicy(self.priority, self.slots.holds_flags, self.slot_scope, self.rank)
+        self.senders = Senders(policy, self.compression.estimate, lambda block: block.offset,
+                               dropped=lambda pending: pending.failed)
 
     @property
     def per_group(self) -> bool:
         """Whether a group is pushed whole, shard after shard, under its (group, shard) flags."""
-        return self.slots.holds_flags and self.slot_scope == "group"
+        return self.senders.policy.per_group
 
     # -- one sender per shard (no slots, or slots scoped to the shard port) ----------------------
     def dispatch(self, sync: Sync, cancel_pull: Callable[[], object]) -> None:
-        """Queue the group's blocks at each shard's sender; the senders drain their queues independently, so
-        one shard's share of a group never waits for another shard's (a group split unevenly over the shards
-        would otherwise leave the lighter shards' links idle until the heaviest is done)."""
-        group = sync.group
-        pending = ShardPushes(sync, len(group.blocks), cancel_pull)
-        for shard, blocks in group.by_shard.items():
-            sender = self.senders.get(shard)
-            if sender is None:
-                in_flight = 1 if self.slots.holds_flags else PUSHES_IN_FLIGHT  # a flag is held until the reply
-                sender = self.senders[shard] = ShardSender(shard, self.priority, asyncio.Semaphore(in_flight))
-                sender.task = asyncio.get_running_loop().create_task(self._send_to(sender))
-            for block in self.push_order(blocks):
-                sender.queue.put(group.index, (pending, block))
-            sender.wake.set()
+        """Queue the group's blocks at each shard's sender (:class:`Senders`); the shards' streams go
+        independently, so one shard's share of a group never waits for another's (a group split unevenly over the
+        shards would otherwise leave the lighter shards' links idle until the heaviest is done)."""
+        pending = ShardPushes(sync, len(sync.group.blocks), cancel_pull)
+        self._start(self.senders.submit(sync.group.index, pending, sync.group.by_shard))
 
-    def push_order(self, blocks: list[Block]) -> list[Block]:
-        """With priority, a group's blocks in the order the next forward needs them (the reverse of backward
-        order), the same on every worker, so the shard completes the earliest layers' blocks first."""
-        return sorted(blocks, key=lambda block: -block.offset) if self.priority else blocks
+    def _start(self, streams: list[Stream[ShardPushes, Block]]) -> None:
+        for stream in streams:
+            task = asyncio.get_running_loop().create_task(self._stream(stream))
+            self.streams.add(task)
+            task.add_done_callback(self.streams.discard)
 
-    async def _send_to(self, sender: ShardSender) -> None:
-        """Push the queued blocks to one shard, highest priority first, up to SEND_CREDIT bytes per stream."""
-        batch: list[tuple[ShardPushes, Block]] = []
-        try:
-            while True:
-                while not len(sender.queue):
-                    await sender.wake.wait()
-                    sender.wake.clear()
-                batch, nbytes = [], 0
-                while len(sender.queue) and (not batch or nbytes < SEND_CREDIT):
-                    pending, block = sender.queue.pop()
-                    if pending.failed:
-                        continue
-                    batch.append((pending, block))
-                    nbytes += self.compression.estimate(block)
-                if batch:
-                    await self._start_batch(sender, batch)
-        except Exception as exc:  # noqa: BLE001 - a bug here must fail the job at once, not leave it waiting
-            while len(sender.queue):
-                batch.append(sender.queue.pop())
-            if self.on_crash is not None:
-                self.on_crash(exc, [pending.sync for pending, _ in batch])
-
-    async def _start_batch(self, sender: ShardSender, batch: list[tuple[ShardPushes, Block]]) -> None:
-        """Start a push stream and return once its data is written, so the next stream's data follows without
-        waiting for this one's reply (the round trip through the link's queue would leave the stream idle);
-        at most PUSHES_IN_FLIGHT streams per shard are unanswered."""
-        await sender.in_flight.acquire()
+    async def _stream(self, stream: Stream[ShardPushes, Block]) -> None:
+        """One push stream; once its data is written the shard's next stream may start (its reply is not
+        awaited: the round trip through the link's queue would leave the link idle), and once it is answered
+        one fewer is in flight."""
+        batch = list(stream.items)
         written = asyncio.Event()
-        push = asyncio.get_running_loop().create_task(self._send_batch(sender.shard, batch, written))
-        sender.pushes.add(push)
-        push.add_done_callback(sender.pushes.discard)
-        push.add_done_callback(lambda _: sender.in_flight.release())
-        all_written = asyncio.ensure_future(written.wait())
-        await asyncio.wait([push, all_written], return_when=asyncio.FIRST_COMPLETED)
-        all_written.cancel()
+        push = asyncio.get_running_loop().create_task(self._send_batch(stream.shard, batch, written))
+        try:
+            all_written = asyncio.ensure_future(written.wait())
+            await asyncio.wait([push, all_written], return_when=asyncio.FIRST_COMPLETED)
+            all_written.cancel()
+            self._start(self.senders.written(stream))
+            await push
+            self._start(self.senders.answered(stream))
+        except asyncio.CancelledError:
+            push.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug here must fail the job at once, not leave it waiting
+            if self.on_crash is not None:
+                self.on_crash(exc, [pending.sync for pending, _ in batch + self.senders.drain()])
 
     async def _send_batch(self, shard: int, batch: list[tuple[ShardPushes, Block]], written: asyncio.Event) -> None:
         """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
@@ -210,11 +173,11 @@ class Pusher:
         """Push the group to every shard that holds some of it, one shard after another, worker w starting at its
         w-th shard, so the workers take the shards' ports in turn instead of all queueing for the same one."""
         group = sync.group
-        shards = list(group.by_shard)
-        start = self.rank % len(shards)
         await wait_ready(sync.ready)
-        for shard in shards[start:] + shards[:start]:
-            items = [self._item(sync, b) for b in self.push_order(group.by_shard[shard])]
+        for stream in self.senders.group_pushes(group.index, ShardPushes(sync, len(group.blocks), lambda: None),
+                                                group.by_shard):
+            shard = stream.shard
+            items = [self._item(sync, b) for _, b in stream.items]
             nbytes = sum(payload_nbytes(item.grad) for item in items)
             span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
                                        lambda fence: self._timed_push(shard, items, nbytes, fence))
@@ -262,5 +225,5 @@ class Pusher:
             self.on_push(nbytes, seconds)
 
     def cancel(self) -> None:
-        for sender in self.senders.values():
-            sender.cancel()
+        for stream in list(self.streams):
+            stream.cancel()

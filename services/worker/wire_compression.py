@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from imerge.core.compression import (BlockMode, Compressor, Payload, all_finite, make_compressor, payload_bytes,
-                                     topk_count)
+from imerge.core.compression import BlockMode, Compressor, Payload, all_finite, make_compressor, payload_bytes
 from imerge.core.errors import UnsupportedUse
 from imerge.core.planning import BYTES_PER_ELEMENT
 from imerge.wire.encoding import dtype_name, nnz_of
@@ -58,10 +57,7 @@ class Compression:
 
     def estimate(self, block: Any) -> int:
         """The bytes a push of the block will carry (before it is compressed)."""
-        mode = self.mode(block.block_id)
-        if mode.sparse:
-            return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
-        return payload_bytes(block.numel, mode.cast, -1)
+        return self.mode(block.block_id).push_bytes(block.numel)
 
     @staticmethod
     def still_without_grad(block: Any, payload: Payload, no_grad: tuple[int, ...], flat: Any) -> tuple[int, ...]:

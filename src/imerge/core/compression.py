@@ -114,6 +114,12 @@ class BlockMode:
     def compressed(self) -> bool:
         return self.kind != "none"
 
+    def push_bytes(self, numel: int) -> int:
+        """The wire bytes a push of a block of ``numel`` elements carries (the sending kernel's byte credit)."""
+        if self.sparse:
+            return payload_bytes(numel, "float32", topk_count(self.ratio, numel))
+        return payload_bytes(numel, self.cast, -1)
+
 
 class Compressor(Protocol):
     @property

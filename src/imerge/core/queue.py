@@ -2,8 +2,8 @@
 
 With priority on, the group the next forward needs first leaves first: groups
 are numbered in backward order, so the highest index (the earliest layers)
-wins; with priority off the queue is first in, first out. A shard's sender
-takes blocks off its queue up to a byte credit per push stream.
+wins; with priority off the queue is first in, first out. A shard's send
+queue (:mod:`imerge.core.sending`) orders its blocks by the same comparator.
 """
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import heapq
 import itertools
 from typing import Any
 
-SEND_CREDIT = 4 << 20  # a sender's push stream carries the queued blocks up to this many bytes
-PUSHES_IN_FLIGHT = 2   # a sender's push streams whose reply is awaited (1 while slots hold a flag until the reply)
 STOP = -(1 << 30)      # the group index of the item that stops a consumer: taken after every queued sync, with
 # priority (the lowest) or without (the last put)
 

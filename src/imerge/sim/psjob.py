@@ -4,8 +4,8 @@ The policies are the product's own: the plan (fusion, partitions, placement)
 comes from :func:`imerge.core.planning.make_plan` and, for fusion cost,
 :func:`fuse_cost` over the profile that the simulated worker 0 measured in its
 first iterations (ready times and a cost fitted to its timed pushes, as the
-worker does); the comm queue and each shard's sender queue are
-:class:`imerge.core.queue.CommQueue` with its byte credit; a group syncs when
+worker does); the comm queue is :class:`imerge.core.queue.CommQueue`, the
+push streams are the sending kernel's (:mod:`imerge.core.sending`); a group syncs when
 :func:`imerge.core.schedule.syncs` says; the slot width and whether flags are
 taken come from :mod:`imerge.core.slots`, fixed slots hold for
 :meth:`FixedSlots.slot_time`; wire bytes from :mod:`imerge.core.compression`.
@@ -14,12 +14,13 @@ What the worker does, step by step (``services/worker``): a module's forward
 waits for its blocks' latest pull; backward produces the units' gradients in
 order; a complete group that syncs in this iteration is queued (with overlap)
 and the next group's gradients wait for its previous push; the comm loop takes
-the highest-priority group, starts its pull, and queues its blocks at each
-shard's sender, which pushes up to SEND_CREDIT bytes per stream with
-PUSHES_IN_FLIGHT streams unanswered (one while a flag is held); with slots
-scoped to (group, shard) the loop pushes the group's shards in turn under
-their flags instead. A shard completes a block's round when every worker's
-push of it is in, steps it, and answers each waiting pull.
+the highest-priority group, starts its pull, and hands its blocks to the
+sending kernel (:mod:`imerge.core.sending`, the worker's own), which batches
+each shard's queued blocks into push streams up to its byte credit with a
+bounded number unanswered, or, with slots scoped to (group, shard), orders the
+group's shards in turn under their flags; this module only carries its
+streams out over the simulated links. A shard completes a block's round when
+every worker's push of it is in, steps it, and answers each waiting pull.
 
 Identical workers are simulated once per *class*: without flags every worker
 is alike (one class); with flags, the workers that share a lane take it in turn,
@@ -31,14 +32,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import simpy
 
 from imerge.core.errors import ConfigError
 from imerge.core.compression import block_modes, payload_bytes, topk_count
 from imerge.core.planning import BYTES_PER_ELEMENT, COST_PLAN, FIRST_PLAN, Plan, fit_cost, fuse_cost, make_plan
-from imerge.core.queue import PUSHES_IN_FLIGHT, SEND_CREDIT, STOP, CommQueue
+from imerge.core.queue import STOP, CommQueue
+from imerge.core.sending import SendPolicy, Senders, Stream
 from imerge.core.schedule import syncs
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.slots import FixedSlots, effective_policy, resolve_width
@@ -129,6 +131,7 @@ class PSJob:
         self.published: Plan | None = None  # the plan the simulated coordinator published last
         self.submitted_profile: dict | None = None  # what the simulated worker 0 submitted for it
         self.result: SimRun | None = None
+        self.traces: dict[int, list[dict]] | None = None  # {}: record each worker class's sending decisions
         self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
         self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
         self._group_blocks: dict[int, list[dict[int, list[int]]]] = {}  # version -> group -> shard class -> blocks
@@ -188,10 +191,7 @@ class PSJob:
     # -- wire bytes -----------------------------------------------------------------------------
     def push_bytes(self, block_index: int) -> int:
         block = self.first_plan.blocks[block_index]
-        mode = self.modes[block.block_id]
-        if mode.kind == "topk":
-            return payload_bytes(block.numel, "float32", topk_count(mode.ratio, block.numel))
-        return payload_bytes(block.numel, mode.cast, -1)
+        return self.modes[block.block_id].push_bytes(block.numel)
 
     def topk_s(self, block_index: int, pull: bool = False) -> float:
         """The CPU seconds a top-k selection over the block costs: a worker compresses every top-k push (in the
@@ -231,16 +231,13 @@ class PSJob:
         return self.result
 
     def _rep_blocks(self, plan: Plan, group_index: int) -> dict[int, list[int]]:
-        """The group's blocks on each shard class's representative, in the order the worker pushes them."""
+        """The group's blocks on each shard class's representative (the sending kernel orders their pushes)."""
         by_class: dict[int, list[int]] = {}
         for index in plan.groups[group_index].blocks:
             block = plan.blocks[index]
             shard_class = self.shard_classes[self.class_of_shard[block.shard]]
             if block.shard == shard_class.rep:
                 by_class.setdefault(shard_class.index, []).append(index)
-        if self.schedule.priority:
-            for blocks in by_class.values():
-                blocks.sort(key=lambda i: -plan.blocks[i].offset)
         return by_class
 
     def _needs(self, worker: WorkerClass, unit: int) -> Iterator[simpy.Event]:
@@ -402,8 +399,15 @@ class PSJob:
         if not worker.wake.triggered:
             worker.wake.succeed()
 
+    def senders_for(self, worker: WorkerClass) -> Senders[Sync, int]:
+        """The sending kernel a worker of the class runs (the worker's own: its policy, its byte estimate)."""
+        policy = SendPolicy(self.schedule.priority, self.policy != "off", self.schedule.slot_scope, worker.rank)
+        trace = None if self.traces is None else self.traces.setdefault(worker.index, [])
+        return Senders(policy, self.push_bytes, lambda index: self.first_plan.blocks[index].offset, trace=trace)
+
     def _consume(self, worker: WorkerClass) -> Iterator:
-        senders: dict[int, tuple[CommQueue, list]] = {}
+        """The worker's comm loop: a group's sync off the queue starts its pull, then its pushes (the kernel's)."""
+        senders = self.senders_for(worker)
         while True:
             while not len(worker.queue):
                 worker.wake = self.env.event()
@@ -418,47 +422,34 @@ class PSJob:
             for k, blocks in by_class.items():
                 for index in blocks:
                     self._expect_pull(self.shard_classes[k], worker, sync, index)
-            if self.policy != "off" and self.schedule.slot_scope == "group":
-                yield from self._push_group(worker, sync, by_class)
+            by_shard = {self.shard_classes[k].rep: blocks for k, blocks in by_class.items()}
+            if senders.policy.per_group:
+                for stream in senders.group_pushes(sync.group, sync, by_shard):
+                    yield from self._push(worker, self._class_of(stream.shard), list(stream.items),
+                                          ("group", sync.group, stream.shard))
                 continue
-            for k, blocks in by_class.items():
-                if k not in senders:
-                    senders[k] = (CommQueue(self.schedule.priority), [self.env.event()])
-                    self.env.process(self._send_to(worker, self.shard_classes[k], *senders[k]))
-                queue, wake = senders[k]
-                for index in blocks:
-                    queue.put(sync.group, (sync, index))
-                if not wake[0].triggered:
-                    wake[0].succeed()
+            self._start_streams(worker, senders, senders.submit(sync.group, sync, by_shard))
 
-    def _send_to(self, worker: WorkerClass, shard: ShardClass, queue: CommQueue, wake: list) -> Iterator:
-        in_flight = simpy.Resource(self.env, 1 if self.policy != "off" else PUSHES_IN_FLIGHT)
-        while True:
-            while not len(queue):
-                wake[0] = self.env.event()
-                yield wake[0]
-            batch, nbytes = [], 0
-            while len(queue) and (not batch or nbytes < SEND_CREDIT):
-                sync, index = queue.pop()
-                batch.append((sync, index))
-                nbytes += self.push_bytes(index)
-            request = in_flight.request()
-            yield request
-            written = self.env.event()
-            self.env.process(self._push(worker, shard, batch, ("port", shard.index), written,
-                                        lambda request=request: in_flight.release(request)))
-            yield written
+    def _class_of(self, shard: int) -> ShardClass:
+        return self.shard_classes[self.class_of_shard[shard]]
 
-    def _push_group(self, worker: WorkerClass, sync: Sync, by_class: dict[int, list[int]]) -> Iterator:
-        """Slots scoped to (group, shard): the group's shards one after another, starting at the worker's rank."""
-        order = sorted(by_class, key=lambda k: self.shard_classes[k].rep)
-        start = worker.rank % len(order) if order else 0
-        for k in order[start:] + order[:start]:
-            yield from self._push(worker, self.shard_classes[k], [(sync, i) for i in by_class[k]],
-                                  ("group", sync.group, k))
+    def _start_streams(self, worker: WorkerClass, senders: Senders[Sync, int], streams: list[Stream[Sync, int]]) -> None:
+        for stream in streams:
+            self.env.process(self._stream(worker, senders, stream))
 
-    def _push(self, worker: WorkerClass, shard: ShardClass, batch: list, flag_key: tuple,
-              written: simpy.Event | None = None, answered: Callable[[], None] | None = None) -> Iterator:
+    def _stream(self, worker: WorkerClass, senders: Senders[Sync, int], stream: Stream[Sync, int]) -> Iterator:
+        """One push stream: the shard's next may start once its data is written, and one fewer is in flight once
+        it is answered (as the worker's)."""
+        written = self.env.event()
+        push = self.env.process(self._push(worker, self._class_of(stream.shard), list(stream.items),
+                                           ("port", stream.shard), written))
+        yield written
+        self._start_streams(worker, senders, senders.written(stream))
+        yield push
+        self._start_streams(worker, senders, senders.answered(stream))
+
+    def _push(self, worker: WorkerClass, shard: ShardClass, batch: list[tuple[Sync, int]], flag_key: tuple,
+              written: simpy.Event | None = None) -> Iterator:
         """One push stream: (with flags) take the flag, send the blocks, get the reply, release the flag."""
         nbytes = sum(self.push_bytes(i) for _, i in batch)
         compress_s = sum(self.topk_s(i) for _, i in batch)  # the payloads are made before the slot is taken
@@ -497,8 +488,6 @@ class PSJob:
                     yield self.env.timeout(hold)
             yield self.env.timeout(self.k.flag_rtt_s / 2)
             flag.release(request)
-        if answered is not None:
-            answered()
         for sync, _ in batch:
             sync.pushes_left -= 1
             if sync.pushes_left == 0:
