@@ -160,7 +160,8 @@ def test_each_mode_equals_one_process_that_compresses_the_same_way(cluster, case
     if case in ("fp16", "bf16"):
         assert modes == {case} and push_wire == push_raw / 2 and pull_wire == pull_raw / 2
     if case == "topk-sparse-pulls":  # plain SGD changes only what some worker sent: the pulls are sparse
-        assert push_wire < 0.1 * push_raw + 1024 and pull_wire < 0.5 * pull_raw, (push_wire, pull_wire)
+        rounding = 8 * len(blocks) * STEPS  # a block's k is rounded up: at most one (index, value) pair more
+        assert push_wire < 0.1 * push_raw + rounding and pull_wire < 0.5 * pull_raw, (push_wire, pull_wire)
     if case == "topk-bounded-pulls":  # at most 3% of each block as index + value: 6% of the fp32 bytes
         assert pull_wire <= 0.07 * pull_raw, (pull_wire, pull_raw)
     if case == "mixed":

@@ -119,7 +119,7 @@ class Coordinator:
         profile = self._await_profile()
         groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
         plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
-                         groups=groups, placement_of=[b.shard for b in first.blocks])
+                         groups=groups, blocks_of=first.blocks)
         log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
                  profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
         self._publish(plan)

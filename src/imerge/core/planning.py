@@ -16,6 +16,7 @@ Pure policy: imports neither grpc nor redis.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import json
 import math
 import statistics
@@ -27,9 +28,12 @@ from imerge.core.errors import LayoutMismatchError, PlanError
 from imerge.core.schedule import phase
 
 FUSIONS = ("none", "size", "cost")
-PLACEMENTS = ("lpt", "round-robin")
+PLACEMENTS = ("stripe", "lpt", "round-robin")
 BYTES_PER_ELEMENT = BLOCK_DTYPE.itemsize
 FIRST_PLAN = 1  # the plan published once every worker submitted its layout
+BLOCKS_PER_SHARD = 16  # lpt and round-robin cut a shard's even share of the model into at least this many blocks
+MIN_BLOCK_BYTES = 2048  # ... but no block smaller than this (a tiny model on many shards stays unbalanced)
+MIN_PIECE_BYTES = 1024  # placement stripe cuts no piece smaller than this off a unit
 COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
 
 
@@ -181,9 +185,9 @@ def make_units(layout: Layout) -> list[Unit]:
 
 def partition(units: Sequence[Unit], cap_bytes: int, num_shards: int = 1) -> list[Block]:
     """Blocks: each unit, split into near-equal partitions of at most ``cap_bytes``. A unit that needs splitting
-    is split into a multiple of ``num_shards`` partitions, so that it can lie evenly on every shard (two 16 MB
-    layers cut into 4 MiB partitions are 8 blocks, which 3 shards can only hold 3/3/2: the busiest shard
-    would receive a third more than the others)."""
+    is split into a multiple of ``num_shards`` partitions where these stay at least MIN_BLOCK_BYTES, so that it
+    can lie evenly on every shard (two 16 MB layers cut into 4 MiB partitions are 8 blocks, which 3 shards can
+    only hold 3/3/2: the busiest shard would receive a third more than the others)."""
     if cap_bytes < BYTES_PER_ELEMENT:
         raise PlanError(f"partition cap {cap_bytes} B is below one element")
     cap = cap_bytes // BYTES_PER_ELEMENT
@@ -191,11 +195,69 @@ def partition(units: Sequence[Unit], cap_bytes: int, num_shards: int = 1) -> lis
     for unit in units:
         parts = -(-unit.numel // cap)
         if parts > 1:
-            parts = min(unit.numel, -(-parts // num_shards) * num_shards)
+            even = -(-parts // num_shards) * num_shards
+            if unit.numel * BYTES_PER_ELEMENT // even >= min(MIN_BLOCK_BYTES, cap_bytes):
+                parts = even
         bounds = [unit.offset + unit.numel * i // parts for i in range(parts + 1)]
         for start, end in zip(bounds, bounds[1:]):
             blocks.append(Block(f"b{len(blocks)}", unit.index, start, end - start))
     return blocks
+
+
+def stripe(units: Sequence[Unit], unit_phase: Sequence[int], cap_bytes: int, num_shards: int,
+           period: int = 1) -> list[Block]:
+    """Blocks already placed, every shard holding the same bytes of each interleave phase.
+
+    The units of a phase, laid end to end in backward order, are cut into ``num_shards * m`` equal stripes, the
+    fewest that are at most ``cap_bytes`` each; stripe j goes to shard j mod S. A unit is cut where a stripe ends,
+    unless that cuts off a piece under 1/64 of a stripe or MIN_PIECE_BYTES (a piece lies on the shard of the
+    stripe holding its middle), so each shard holds m stripes of each phase, whatever the sizes of the layers: a
+    1 MiB layer at 512 shards is spread over 11 of them instead of lying whole on one, and the consecutive layers
+    of a group lie on consecutive shards, which take its pushes in parallel."""
+    if cap_bytes < BYTES_PER_ELEMENT:
+        raise PlanError(f"partition cap {cap_bytes} B is below one element")
+    cap = cap_bytes // BYTES_PER_ELEMENT
+    totals, start_in_phase = [0] * period, []
+    for unit in units:
+        start_in_phase.append(totals[unit_phase[unit.index]])
+        totals[unit_phase[unit.index]] += unit.numel
+    stripes = [num_shards * max(1, -(-total // (num_shards * cap))) for total in totals]
+    blocks: list[Block] = []
+    for unit, start in zip(units, start_in_phase):
+        total, count = totals[unit_phase[unit.index]], stripes[unit_phase[unit.index]]
+        least = max(total // count // 64, MIN_PIECE_BYTES // BYTES_PER_ELEMENT)  # the smallest piece cut off
+        end = start + unit.numel
+        cuts = [start]
+        for edge in _stripe_edges(start, end, total, count):
+            if edge - cuts[-1] >= least and end - edge >= least:
+                cuts.append(edge)
+        cuts.append(end)
+        for begin, finish in zip(cuts, cuts[1:]):
+            shard = _stripe_of((begin + finish) // 2, total, count) % num_shards
+            blocks.append(Block(f"b{len(blocks)}", unit.index, unit.offset + begin - start, finish - begin, shard))
+    return blocks
+
+
+def _stripe_of(position: int, total: int, count: int) -> int:
+    """The stripe (of ``count`` over ``total`` elements; stripe j begins at total * j // count) holding it."""
+    j = position * count // total
+    while j + 1 < count and total * (j + 1) // count <= position:
+        j += 1
+    while j > 0 and total * j // count > position:
+        j -= 1
+    return j
+
+
+def _stripe_edges(begin: int, end: int, total: int, count: int) -> list[int]:
+    """Where stripes begin strictly inside (begin, end)."""
+    first = _stripe_of(begin, total, count) + 1
+    edges = []
+    for j in range(first, count):
+        edge = total * j // count
+        if edge >= end:
+            break
+        edges.append(edge)
+    return edges
 
 
 def fit_cost(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -286,12 +348,21 @@ def place(block_bytes: Sequence[int], block_phases: Sequence[int], num_shards: i
     if policy != "lpt":
         raise PlanError(f"unknown placement {policy!r}; choose from {', '.join(PLACEMENTS)}")
     load = [[0] * period for _ in range(num_shards)]
+    total = [0] * num_shards
+    heaps = [[(0, 0, s) for s in range(num_shards)] for _ in range(period)]  # per phase: (its load, total, shard)
     shard_of = [0] * len(block_bytes)
     for item in sorted(range(len(block_bytes)), key=lambda i: (-block_bytes[i], i)):
-        p = block_phases[item]
-        target = min(range(num_shards), key=lambda s: (load[s][p], sum(load[s]), s))
+        p, heap = block_phases[item], heaps[block_phases[item]]
+        while True:  # a shard's key only grows (a block of another phase raised its total): refresh a stale top
+            target = heap[0][2]
+            key = (load[target][p], total[target], target)
+            if heap[0] == key:
+                break
+            heapq.heapreplace(heap, key)
         shard_of[item] = target
         load[target][p] += block_bytes[item]
+        total[target] += block_bytes[item]
+        heapq.heapreplace(heap, (load[target][p], total[target], target))
     return shard_of
 
 
@@ -318,14 +389,13 @@ class PlanOptions:
 
 def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], version: int,
               options: PlanOptions = PlanOptions(), groups: Sequence[Sequence[int]] | None = None,
-              placement_of: Sequence[int] | None = None) -> Plan:
+              blocks_of: Sequence[Block] | None = None) -> Plan:
     """The plan for ``layout``. ``groups`` overrides the fusion (the cost planner's result);
-    ``placement_of`` keeps an earlier plan's block placement (blocks are stable for the job)."""
+    ``blocks_of`` keeps an earlier plan's blocks and their placement (blocks are stable for the job)."""
     options.validate()
     if not layout.params:
         raise PlanError("the model has no trainable parameters")
     units = make_units(layout)
-    blocks = partition(units, options.partition_bytes, len(shard_addresses))
     unit_bytes = [u.numel * BYTES_PER_ELEMENT for u in units]
     if groups is None:
         groups = (fuse_size(unit_bytes, options.size_cap_bytes, options.first_cap_bytes)
@@ -333,17 +403,41 @@ def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], 
     group_of_unit = {u: g for g, members in enumerate(groups) for u in members}
     if sorted(group_of_unit) != list(range(len(units))):
         raise PlanError("groups must cover every unit exactly once")
-    if placement_of is None:
-        placement_of = place([b.numel * BYTES_PER_ELEMENT for b in blocks],
-                             [phase(group_of_unit[b.unit], options.period) for b in blocks],
-                             len(shard_addresses), options.period, options.placement)
-    blocks = [dataclasses.replace(b, shard=s) for b, s in zip(blocks, placement_of)]
+    if blocks_of is not None:
+        blocks = list(blocks_of)
+        if sum(b.numel for b in blocks) != sum(u.numel for u in units):
+            raise PlanError("the earlier plan's blocks do not cover this layout")
+    else:
+        blocks = place_blocks(units, [phase(group_of_unit[u.index], options.period) for u in units],
+                              len(shard_addresses), options)
+    blocks_of_group: list[list[int]] = [[] for _ in groups]
+    for i, block in enumerate(blocks):
+        blocks_of_group[group_of_unit[block.unit]].append(i)
     plan_groups = []
     for index, members in enumerate(groups):
         if list(members) != list(range(members[0], members[-1] + 1)):
             raise PlanError(f"group {index} is not a run of consecutive units: {list(members)}")
         first, last = units[members[0]], units[members[-1]]
         plan_groups.append(Group(index, tuple(members), first.offset, last.offset + last.numel - first.offset,
-                                 tuple(i for i, b in enumerate(blocks) if group_of_unit[b.unit] == index)))
+                                 tuple(blocks_of_group[index])))
     return Plan(version, num_workers, options.period, tuple(shard_addresses), tuple(units), tuple(blocks),
                 tuple(plan_groups))
+
+
+def place_blocks(units: Sequence[Unit], unit_phase: Sequence[int], num_shards: int, options: PlanOptions
+                 ) -> list[Block]:
+    """The units cut into blocks, each on its shard, as ``options.placement`` says. With lpt or round-robin, the
+    partition cap shrinks where the shards are many, to a shard's even share of the heaviest phase over
+    BLOCKS_PER_SHARD (never under MIN_BLOCK_BYTES): at 512 shards a 1 MiB layer whole on one is 11 times that
+    shard's share of ResNet-18, and the shard links take a group's pushes in parallel only if its blocks are
+    spread over them."""
+    if options.placement == "stripe":
+        return stripe(units, unit_phase, options.partition_bytes, num_shards, options.period)
+    phase_bytes = [0] * options.period
+    for unit in units:
+        phase_bytes[unit_phase[unit.index]] += unit.numel * BYTES_PER_ELEMENT
+    share = max(phase_bytes) // (num_shards * BLOCKS_PER_SHARD)
+    blocks = partition(units, min(options.partition_bytes, max(MIN_BLOCK_BYTES, share)), num_shards)
+    shards = place([b.numel * BYTES_PER_ELEMENT for b in blocks], [unit_phase[b.unit] for b in blocks],
+                   num_shards, options.period, options.placement)
+    return [Block(b.block_id, b.unit, b.offset, b.numel, s) for b, s in zip(blocks, shards)]

@@ -31,7 +31,10 @@ class ScheduleConfig:
     first_cap_mib: float = option(1.0, "byte cap of the first group with --fusion size, MiB")
     partition_mib: float = option(1.0, "blocks larger than this are split into partitions (a multiple of the "
                                        "shard count per split layer), MiB")
-    placement: str = option("lpt", "block placement: lpt (balanced per interleave phase) or round-robin",
+    placement: str = option("lpt", "block placement: lpt (blocks of at most the partition, smaller where the shards "
+                            "are many, largest first onto the least loaded shard of their phase), stripe (every "
+                            "shard exactly the same bytes of each phase in fewer blocks, but a group's layers on "
+                            "consecutive shards) or round-robin",
                             choices=PLACEMENTS)
     interleave_period: int = option(1, "T: each group syncs every T iterations (local SGD in between)")
     overlap: bool = option(True, "push each group during backward and wait in the next forward; off: push "

@@ -365,7 +365,7 @@ class PSJob:
             groups = fuse_cost(ready, unit_bytes, alpha, beta)
             plan = make_plan(self.profile.layout(), self.cluster.workers, self.first_plan.shard_addresses, COST_PLAN,
                              self.schedule.plan_options(), groups=groups,
-                             placement_of=[b.shard for b in self.first_plan.blocks])
+                             blocks_of=self.first_plan.blocks)
             self.published = plan
             self._index_plan(plan)
             self.cost_plan.succeed(plan)
