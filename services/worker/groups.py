@@ -115,7 +115,7 @@ class GroupTable:
             blocks = plan.group_blocks(group)
             rounds = {block_rounds[b.block_id] for b in blocks}
             if len(rounds) != 1:
-                raise IMergeError(f"group {group.index}: its blocks are at different rounds {sorted(rounds)}")
+                raise IMergeError(_uneven_rounds(group.index, {b.block_id: block_rounds[b.block_id] for b in blocks}))
             runtime = GroupRuntime(group, blocks, members, rounds.pop())
             self.groups.append(runtime)
             self.group_of.update({id(p): runtime for p in members})
@@ -131,3 +131,14 @@ class GroupTable:
 
     def block_rounds(self) -> dict[str, int]:
         return {b.block_id: g.round for g in self.groups for b in g.blocks}
+
+
+def _uneven_rounds(group: int, rounds: dict[str, int]) -> str:
+    """Why a group's blocks are at different rounds: a block's round completed that not every worker of the job
+    pushed (the workers push and pull a group's blocks together)."""
+    ahead = max(rounds.values())
+    names = sorted(block for block, round_ in rounds.items() if round_ == ahead)
+    return (f"group {group}: its blocks are at different rounds {sorted(set(rounds.values()))} ({', '.join(names[:3])}"
+            f"{' ...' if len(names) > 3 else ''} at round {ahead}): rounds of theirs completed that this job's workers "
+            "did not all push; another client pushes as a worker of this job (the shards log its address), or the "
+            "shards hold another job's blocks")

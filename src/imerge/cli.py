@@ -164,7 +164,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from imerge.sim.runner import SimConfig
 
     config, base = from_namespace(SimConfig, args), from_namespace(ScheduleConfig, args)
-    print(run_target(args.target, config, base, lambda line: print(line, file=sys.stderr, flush=True)))
+    pinned = frozenset(args.given & {f.name for f in dataclasses.fields(ScheduleConfig)})
+    print(run_target(args.target, config, base, lambda line: print(line, file=sys.stderr, flush=True), pinned))
     return 0
 
 

@@ -427,7 +427,7 @@ def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], 
 def place_blocks(units: Sequence[Unit], unit_phase: Sequence[int], num_shards: int, options: PlanOptions
                  ) -> list[Block]:
     """The units cut into blocks, each on its shard, as ``options.placement`` says. With lpt or round-robin, the
-    partition cap shrinks where the shards are many, to a shard's even share of the heaviest phase over
+    partition cap shrinks where the shards are several, to a shard's even share of the heaviest phase over
     BLOCKS_PER_SHARD (never under MIN_BLOCK_BYTES): at 512 shards a 1 MiB layer whole on one is 11 times that
     shard's share of ResNet-18, and the shard links take a group's pushes in parallel only if its blocks are
     spread over them."""
@@ -436,8 +436,10 @@ def place_blocks(units: Sequence[Unit], unit_phase: Sequence[int], num_shards: i
     phase_bytes = [0] * options.period
     for unit in units:
         phase_bytes[unit_phase[unit.index]] += unit.numel * BYTES_PER_ELEMENT
-    share = max(phase_bytes) // (num_shards * BLOCKS_PER_SHARD)
-    blocks = partition(units, min(options.partition_bytes, max(MIN_BLOCK_BYTES, share)), num_shards)
+    cap = options.partition_bytes
+    if num_shards > 1:  # one shard: nothing to balance or spread
+        cap = min(cap, max(MIN_BLOCK_BYTES, max(phase_bytes) // (num_shards * BLOCKS_PER_SHARD)))
+    blocks = partition(units, cap, num_shards)
     shards = place([b.numel * BYTES_PER_ELEMENT for b in blocks], [unit_phase[b.unit] for b in blocks],
                    num_shards, options.period, options.placement)
     return [Block(b.block_id, b.unit, b.offset, b.numel, s) for b, s in zip(blocks, shards)]

@@ -12,18 +12,25 @@ from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.strategies import SCENARIOS
 
-from .results import CalibrationReport
+from .results import CalibrationReport, ExplainReport
 from .runner import TARGETS, SimConfig, markdown, simulate
+from .tuning import chosen_schedule, explain_markdown, tune
 
 
-def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callable[[str], None]) -> str:
-    """Run ``target`` (one of TARGETS); return its markdown report (also written to the output folder)."""
+def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callable[[str], None],
+               pinned: frozenset[str] = frozenset()) -> str:
+    """Run ``target`` (one of TARGETS); return its markdown report (also written to the output folder).
+    ``pinned``: the scheduling options the user's flags gave (``--explain`` varies none of them)."""
     if target not in TARGETS:
         raise ConfigError("target", f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
     out = Path(config.out or f"runs/simulate-{target}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     report: JsonReport
-    if target == "job":
+    if config.explain and target != "job":
+        raise ConfigError("explain", f"explains the schedule of a job (the target job), not {target}")
+    if target == "job" and config.explain:
+        report, text = _explain(config, base, pinned, say)
+    elif target == "job":
         job = simulate(config.load_profile(), config.cluster(), config.constants(), config.chosen(), config.iters,
                        base)
         report, text = job, markdown(job)
@@ -50,6 +57,16 @@ def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callab
     (out / "results.md").write_text(text)
     say(f"results in {out}/ (results.json, results.md)")
     return text
+
+
+def _explain(config: SimConfig, base: ScheduleConfig, pinned: frozenset[str], say: Callable[[str], None]
+             ) -> tuple[ExplainReport, str]:
+    """The tuner's decision for the job, and the chosen schedule ('auto') beside the strategies."""
+    profile, cluster, constants = config.load_profile(), config.cluster(), config.constants()
+    tuning = tune(profile, cluster, constants, base, set(pinned), progress=say)
+    job = simulate(profile, cluster, constants, config.chosen(), config.iters, base,
+                   {"auto": chosen_schedule(tuning, base)})
+    return ExplainReport(tuning, job), explain_markdown(tuning) + "\n" + markdown(job)
 
 
 def _calibrate(config: SimConfig, say: Callable[[str], None]) -> tuple[CalibrationReport, str]:

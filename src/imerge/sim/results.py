@@ -110,3 +110,35 @@ class CalibrationReport(JsonReport):
     loss: float
     cases: list[FitRow]
     runs: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One candidate simulated: its knob values and its predicted mean iteration time."""
+
+    knobs: dict[str, str]
+    mean_iteration_s: float
+    exposed_comm_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningReport(JsonReport):
+    """What the tuner decided for one job and cluster, and every candidate it simulated, fastest first."""
+
+    model: str
+    workers: int
+    shards: int
+    link_gbit: float
+    pinned: list[str]          # knobs the user's flags fixed
+    chosen: Trial
+    runner_up: Trial | None    # the fastest candidate with other knob values
+    trials: list[Trial]
+    decided_in_cpu_s: float    # the CPU time the decision took (all its simulations)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExplainReport(JsonReport):
+    """``imerge simulate --explain``: the tuner's decision and the chosen schedule beside the strategies."""
+
+    tuning: TuningReport
+    job: SimReport

@@ -54,6 +54,9 @@ class SimConfig:
     runs: str = option("", "calibrate: comma-separated results.json files of imerge bench to fit the constants to "
                            "(PATH#1+2: only the runs at 1 and 2 workers)")
     sweeps: str = option("", f"projections: comma-separated sweeps of {', '.join(SWEEPS)} (default: all)")
+    explain: bool = option(False, "job: choose the schedule by simulating candidates (every scheduling knob that no "
+                                  "flag pins), print what was chosen, the runner-up and every candidate, and the "
+                                  "chosen schedule beside the strategies as 'auto'")
     out: str = option("", "output folder (default: runs/simulate-<target>-<time>)")
 
     def __post_init__(self) -> None:
@@ -119,8 +122,9 @@ def strategy_schedule(name: str, base: ScheduleConfig = ScheduleConfig()) -> Sch
 
 
 def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: Constants, iters: int,
-                 base: ScheduleConfig = ScheduleConfig()) -> SimRun:
-    """One strategy on one cluster: the simulated result (and how long the simulation took)."""
+                 base: ScheduleConfig = ScheduleConfig(), schedule: ScheduleConfig | None = None) -> SimRun:
+    """One strategy on one cluster (``schedule``: the strategy's options, where ``name`` is not a preset): the
+    simulated result (and how long the simulation took)."""
     from .psjob import PSJob  # simpy and the job model load only when a job is simulated
 
     started = time.perf_counter()
@@ -128,8 +132,9 @@ def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: 
     if name == "ddp":
         result = DDPJob(profile, cluster, constants, iters, 2).run()
     else:
-        schedule = dataclasses.replace(strategy_schedule(name, base), profile_iters=max(2, warmup))
-        result = PSJob(profile, cluster, constants, schedule, iters, warmup).run()
+        options = strategy_schedule(name, base) if schedule is None else schedule
+        result = PSJob(profile, cluster, constants, dataclasses.replace(options, profile_iters=max(2, warmup)),
+                       iters, warmup).run()
     return dataclasses.replace(result, strategy=name, simulated_in_s=time.perf_counter() - started)
 
 
@@ -143,9 +148,13 @@ def bounds(profile: ModelProfile, cluster: Cluster, compute_s: float | None = No
 
 
 def simulate(profile: ModelProfile, cluster: Cluster, constants: Constants, names: list[str], iters: int,
-             base: ScheduleConfig = ScheduleConfig()) -> SimReport:
-    """Every strategy in ``names`` on one cluster, with the bound and the ratio to DDP."""
+             base: ScheduleConfig = ScheduleConfig(), schedules: dict[str, ScheduleConfig] | None = None
+             ) -> SimReport:
+    """Every strategy in ``names`` (and each of ``schedules``, by its name) on one cluster, with the bound and the
+    ratio to DDP."""
     results = {name: simulate_one(name, profile, cluster, constants, iters, base) for name in names}
+    for name, schedule in (schedules or {}).items():
+        results[name] = simulate_one(name, profile, cluster, constants, iters, base, schedule)
     ps_bound, ddp_bound = bounds(profile, cluster)
     ddp_s = results["ddp"].mean_iteration_s if "ddp" in results else None
     for name, result in results.items():

@@ -1,0 +1,89 @@
+"""The tuner (imerge.sim.tuning): it finds the fastest of its candidates, never touches what the user pinned or the
+interleave period, and `imerge simulate --explain` says what it chose and why."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import pytest
+
+from imerge.core.schedule_config import ScheduleConfig
+from imerge.sim.cluster import Cluster, Constants
+from imerge.sim.profiles import synthetic
+from imerge.sim.tuning import KNOBS, MARGIN, apply, chosen_schedule, simulate_schedule, tune
+
+PROFILE = synthetic("resnet18-like", 32, 25.0)
+CLUSTER = Cluster(4, 2, 10.0, 10.0, shard_cores=0, worker_cores=0)
+ALL_BUT = {knob: {key for value in values.values() for key in value} for knob, values in KNOBS.items()}
+
+
+def pinned_except(*free: str) -> set[str]:
+    """The option names that pin every knob but ``free``."""
+    return set().union(*(fields for knob, fields in ALL_BUT.items() if knob not in free))
+
+
+def test_the_tuner_finds_the_fastest_of_its_candidates():
+    """Two free knobs: the coordinate descent's choice is within its margin of the best of all their values."""
+    base = ScheduleConfig()
+    report = tune(PROFILE, CLUSTER, Constants(), base, pinned_except("fusion", "priority"))
+    brute = min(simulate_schedule(PROFILE, CLUSTER, Constants(), apply(base, dict(fusion=f, priority=p)))
+                .mean_iteration_s for f, p in itertools.product(KNOBS["fusion"], KNOBS["priority"]))
+    assert report.chosen.mean_iteration_s <= brute * (1 + MARGIN) + 1e-12
+    assert set(report.chosen.knobs) == {"fusion", "priority"}
+    assert report.pinned == [k for k in KNOBS if k not in ("fusion", "priority", "compression")]
+    assert report.runner_up is not None and report.runner_up.knobs != report.chosen.knobs
+    assert [t.mean_iteration_s for t in report.trials] == sorted(t.mean_iteration_s for t in report.trials)
+    assert report.decided_in_cpu_s > 0
+
+
+def test_the_tuner_keeps_what_the_user_pinned_and_the_period():
+    base = ScheduleConfig(fusion="size", slots="ack", slot_scope="group", slot_width=1, interleave_period=2)
+    report = tune(PROFILE, CLUSTER, Constants(), base, {"fusion", "slot_scope", "partition_mib", "placement"})
+    chosen = chosen_schedule(report, base)
+    assert (chosen.fusion, chosen.slot_scope, chosen.partition_mib, chosen.placement) == ("size", "group", 1.0, "lpt")
+    assert chosen.interleave_period == 2 and chosen.compression == "none"  # compression only where allowed
+    assert set(report.chosen.knobs) == {"priority"}
+    assert sorted(report.pinned) == ["fusion", "partition", "placement", "slots"]
+
+
+def test_a_tie_keeps_the_given_schedule():
+    """With nothing to gain (a model whose compute hides all communication) the given schedule stays."""
+    slow = PROFILE.scaled(5.0)
+    base = ScheduleConfig(fusion="none", priority=False)
+    report = tune(slow, CLUSTER, Constants(), base, pinned_except("fusion", "priority"))
+    assert report.chosen.knobs == {"fusion": "none", "priority": "off"}
+
+
+def test_explain_prints_the_choice_the_runner_up_and_auto_beside_the_strategies(tmp_path, capsys):
+    from imerge.cli import main
+
+    assert main(["simulate", "--model", "resnet18-like", "--workers", "4", "--shards", "2", "--iters", "8",
+                 "--strategies", "wfbp,size", "--explain", "--fusion", "cost", "--slots", "off",
+                 "--partition-mib", "1", "--placement", "lpt", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "chosen priority o" in out and "runner-up priority o" in out and "CPU s over" in out
+    assert "pinned by flags: fusion, slots, partition, placement" in out
+    assert "| auto |" in out and "| wfbp |" in out
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["tuning"]["chosen"]["knobs"] == {"priority": "on"} or saved["tuning"]["chosen"]["knobs"] == \
+        {"priority": "off"}
+    assert set(saved["job"]["strategies"]) == {"wfbp", "size", "auto"}
+    assert main(["simulate", "projections", "--explain"]) == 2
+    assert "explain" in capsys.readouterr().err
+
+
+def test_every_knob_value_is_a_valid_schedule():
+    for knob, values in KNOBS.items():
+        for value, fields in values.items():
+            schedule = dataclasses.replace(ScheduleConfig(), **fields)
+            assert all(getattr(schedule, key) == wanted for key, wanted in fields.items()), (knob, value)
+
+
+@pytest.mark.parametrize("knob", ["fusion", "slots"])
+def test_a_knob_is_pinned_by_any_of_its_options(knob):
+    from imerge.sim.tuning import free_knobs
+
+    for field in ALL_BUT[knob]:
+        free, pinned = free_knobs({field}, compression_auto=False)
+        assert knob in pinned and knob not in free
