@@ -31,7 +31,8 @@ FUSIONS = ("none", "size", "cost")
 PLACEMENTS = ("stripe", "lpt", "round-robin")
 BYTES_PER_ELEMENT = BLOCK_DTYPE.itemsize
 FIRST_PLAN = 1  # the plan published once every worker submitted its layout
-BLOCKS_PER_SHARD = 16  # lpt and round-robin cut a shard's even share of the model into at least this many blocks
+MANY_SHARDS = 8        # from this many shards on, lpt and round-robin cut a shard's even share of the model ...
+BLOCKS_PER_SHARD = 16  # ... into at least this many blocks
 MIN_BLOCK_BYTES = 2048  # ... but no block smaller than this (a tiny model on many shards stays unbalanced)
 MIN_PIECE_BYTES = 1024  # placement stripe cuts no piece smaller than this off a unit
 COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
@@ -426,18 +427,19 @@ def make_plan(layout: Layout, num_workers: int, shard_addresses: Sequence[str], 
 
 def place_blocks(units: Sequence[Unit], unit_phase: Sequence[int], num_shards: int, options: PlanOptions
                  ) -> list[Block]:
-    """The units cut into blocks, each on its shard, as ``options.placement`` says. With lpt or round-robin, the
-    partition cap shrinks where the shards are several, to a shard's even share of the heaviest phase over
+    """The units cut into blocks, each on its shard, as ``options.placement`` says. With lpt or round-robin and
+    MANY_SHARDS or more, the partition cap shrinks to a shard's even share of the heaviest phase over
     BLOCKS_PER_SHARD (never under MIN_BLOCK_BYTES): at 512 shards a 1 MiB layer whole on one is 11 times that
     shard's share of ResNet-18, and the shard links take a group's pushes in parallel only if its blocks are
-    spread over them."""
+    spread over them. With fewer shards, a share of any model worth 16 MiB per shard is 16 partitions already,
+    and a small model's blocks stay as few as its layers (each block costs the shards a message per worker)."""
     if options.placement == "stripe":
         return stripe(units, unit_phase, options.partition_bytes, num_shards, options.period)
     phase_bytes = [0] * options.period
     for unit in units:
         phase_bytes[unit_phase[unit.index]] += unit.numel * BYTES_PER_ELEMENT
     cap = options.partition_bytes
-    if num_shards > 1:  # one shard: nothing to balance or spread
+    if num_shards >= MANY_SHARDS:
         cap = min(cap, max(MIN_BLOCK_BYTES, max(phase_bytes) // (num_shards * BLOCKS_PER_SHARD)))
     blocks = partition(units, cap, num_shards)
     shards = place([b.numel * BYTES_PER_ELEMENT for b in blocks], [unit_phase[b.unit] for b in blocks],
