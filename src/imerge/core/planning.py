@@ -28,7 +28,7 @@ from imerge.core.errors import LayoutMismatchError, PlanError
 from imerge.core.schedule import phase
 
 FUSIONS = ("none", "size", "cost")
-PLACEMENTS = ("stripe", "lpt", "round-robin")
+PLACEMENTS = ("lpt", "stripe", "round-robin")
 BYTES_PER_ELEMENT = BLOCK_DTYPE.itemsize
 FIRST_PLAN = 1  # the plan published once every worker submitted its layout
 MANY_SHARDS = 8        # from this many shards on, lpt and round-robin cut a shard's even share of the model ...

@@ -131,7 +131,6 @@ class PSJob:
         self.published: Plan | None = None  # the plan the simulated coordinator published last
         self.submitted_profile: dict | None = None  # what the simulated worker 0 submitted for it
         self.result: SimRun | None = None
-        self.traces: dict[int, list[dict]] | None = None  # {}: record each worker class's sending decisions
         self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
         self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
         self._group_blocks: dict[int, list[dict[int, list[int]]]] = {}  # version -> group -> shard class -> blocks
@@ -402,8 +401,7 @@ class PSJob:
     def senders_for(self, worker: WorkerClass) -> Senders[Sync, int]:
         """The sending kernel a worker of the class runs (the worker's own: its policy, its byte estimate)."""
         policy = SendPolicy(self.schedule.priority, self.policy != "off", self.schedule.slot_scope, worker.rank)
-        trace = None if self.traces is None else self.traces.setdefault(worker.index, [])
-        return Senders(policy, self.push_bytes, lambda index: self.first_plan.blocks[index].offset, trace=trace)
+        return Senders(policy, self.push_bytes, lambda index: self.first_plan.blocks[index].offset)
 
     def _consume(self, worker: WorkerClass) -> Iterator:
         """The worker's comm loop: a group's sync off the queue starts its pull, then its pushes (the kernel's)."""
