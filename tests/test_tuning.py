@@ -87,3 +87,14 @@ def test_a_knob_is_pinned_by_any_of_its_options(knob):
     for field in ALL_BUT[knob]:
         free, pinned = free_knobs({field}, compression_auto=False)
         assert knob in pinned and knob not in free
+
+
+def test_flags_are_tried_only_against_a_port_queue_that_overflows():
+    """Without a port queue (--queue-kb) the simulator has no incast for flags to avoid: they only serialize the
+    pushes, so they are not simulated (each such candidate costs a simulated worker per lane position)."""
+    deep = tune(PROFILE, CLUSTER, Constants(), ScheduleConfig(), pinned_except("slots"))
+    assert len(deep.trials) == 1 and deep.chosen.knobs == {}
+    assert any("no shard port queue" in reason for reason in deep.skipped)
+    shallow = tune(PROFILE, dataclasses.replace(CLUSTER, queue_kb=16.0), Constants(), ScheduleConfig(),
+                   pinned_except("slots"))
+    assert {t.knobs["slots"] for t in shallow.trials} == set(KNOBS["slots"]) and not shallow.skipped

@@ -134,6 +134,7 @@ class TuningReport(JsonReport):
     runner_up: Trial | None    # the fastest candidate with other knob values
     trials: list[Trial]
     decided_in_cpu_s: float    # the CPU time the decision took (all its simulations)
+    skipped: list[str] = dataclasses.field(default_factory=list)  # knobs not varied, and why
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,6 +90,10 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
     """The fastest schedule the coordinate descent finds from ``base`` (see the module's docstring)."""
     started = time.process_time()
     free, pinned = free_knobs(set(pinned_fields), compression_auto)
+    skipped = []
+    if "slots" in free and not cluster.queue_kb:
+        free.remove("slots")  # flags only serialize pushes; what they buy is a port queue that does not overflow
+        skipped.append("slots: no shard port queue given (--queue-kb), so no incast for flags to avoid")
     current = knobs_of(base, free)
     tried: dict[tuple[tuple[str, str], ...], Trial] = {}
 
@@ -114,7 +118,7 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
     trials = sorted(tried.values(), key=lambda t: t.mean_iteration_s)
     runner_up = next((t for t in trials if t.knobs != best.knobs), None)
     return TuningReport(profile.name, cluster.workers, cluster.shards, cluster.worker_gbit, pinned, best, runner_up,
-                        trials, time.process_time() - started)
+                        trials, time.process_time() - started, skipped)
 
 
 def chosen_schedule(report: TuningReport, base: ScheduleConfig) -> ScheduleConfig:
@@ -136,6 +140,7 @@ def explain_markdown(report: TuningReport) -> str:
                      f"({runner_up.mean_iteration_s / chosen.mean_iteration_s - 1:+.1%})")
     lines.append(f"pinned by flags: {', '.join(report.pinned) or 'none'}; decided in {report.decided_in_cpu_s:.1f} "
                  f"CPU s over {len(report.trials)} simulations")
+    lines += [f"not tried: {reason}" for reason in report.skipped]
     knobs = list(chosen.knobs)
     lines += ["", "| " + " | ".join(knobs) + " | predicted s/it | x chosen |", "|" + "---|" * (len(knobs) + 2)]
     for trial in report.trials:
