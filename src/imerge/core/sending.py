@@ -113,7 +113,7 @@ class Senders(Generic[Tag, B]):
                 sender.queue.put(group_index, (tag, block))
         for shard in sorted(by_shard):
             started += self._start(shard)
-        self._record("submit", started, group=group_index, sync=self._number(tag), blocks=self._keys(by_shard))
+        self._record("submit", started, group_index, tag, by_shard)
         return started
 
     def written(self, stream: Stream[Tag, B]) -> list[Stream[Tag, B]]:
@@ -134,7 +134,7 @@ class Senders(Generic[Tag, B]):
         """Slots scoped to (group, shard): the group's pushes, one per shard, to be made one after another."""
         streams = [self._stream(shard, [(tag, b) for b in self.policy.push_order(by_shard[shard], self.offset_of)])
                    for shard in self.policy.shard_order(by_shard)]
-        self._record("group", streams, group=group_index, sync=self._number(tag), blocks=self._keys(by_shard))
+        self._record("group", streams, group_index, tag, by_shard)
         return streams
 
     def drain(self) -> list[tuple[Tag, B]]:
@@ -170,18 +170,21 @@ class Senders(Generic[Tag, B]):
 
     # -- the trace ------------------------------------------------------------------------------------
     def _number(self, tag: Tag) -> int:
-        if self.trace is None:
-            return -1
         return self._syncs.setdefault(id(tag), (tag, len(self._syncs)))[1]
 
     def _keys(self, by_shard: Mapping[int, Sequence[B]]) -> dict[int, list[int]]:
         return {shard: [self.offset_of(b) for b in blocks] for shard, blocks in by_shard.items()}
 
-    def _record(self, event: str, started: list[Stream[Tag, B]], **what: Any) -> None:
+    def _record(self, event: str, started: list[Stream[Tag, B]], group: int = -1, tag: Tag | None = None,
+                by_shard: Mapping[int, Sequence[B]] | None = None, stream: int = -1) -> None:
+        """With a trace, the event and the streams it started (nothing is computed without one: the comm thread's
+        hot path)."""
         if self.trace is None:
             return
-        streams = [[s.number, s.shard, [[self._number(tag), self.offset_of(b)] for tag, b in s.items]]
-                   for s in started]
+        what: dict[str, Any] = {"stream": stream}
+        if by_shard is not None and tag is not None:
+            what = {"group": group, "sync": self._number(tag), "blocks": self._keys(by_shard)}
+        streams = [[s.number, s.shard, [[self._number(t), self.offset_of(b)] for t, b in s.items]] for s in started]
         self.trace.append({"event": event, **what, "streams": streams})
 
 
