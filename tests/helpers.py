@@ -23,7 +23,8 @@ def new_job() -> str:
 
 class LocalCluster:
     def __init__(self, redis_url: str, num_workers: int, num_shards: int, *, job: str | None = None,
-                 ps_options: dict[str, Any] | None = None, coordinator: bool = True):
+                 ps_options: dict[str, Any] | None = None, coordinator: bool = True,
+                 coordinator_options: dict[str, Any] | None = None):
         self.redis_url = redis_url
         self.job = job or new_job()
         self.num_workers = num_workers
@@ -35,7 +36,7 @@ class LocalCluster:
         if coordinator:
             self.coordinator = Coordinator(CoordinatorConfig(job=self.job, redis_url=redis_url,
                                                              num_workers=num_workers, num_shards=num_shards,
-                                                             wait_timeout_s=60))
+                                                             wait_timeout_s=60, **(coordinator_options or {})))
             self._thread = threading.Thread(target=lambda: self.coordinator_result.append(self.coordinator.run()),
                                             daemon=True)
             self._thread.start()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import imerge
-from imerge.core.compression import BlockMode, CompressionSpec, TopKCompressor, block_modes, densify, parse_mode
+from imerge.core.compression import TopKCompressor, densify, parse_mode
+from imerge.core.modes import BlockMode, CompressionSpec, block_modes
 from imerge.core.errors import ConfigError
 from imerge.core.optim import OptimizerSpec
 from imerge.workloads.models import build_model

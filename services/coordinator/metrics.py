@@ -4,10 +4,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from imerge.core.errors import IMergeError
+from imerge.core.knobs import JOB_KNOBS
+from imerge.core.planning import Plan
 from imerge.telemetry.metrics import role_registry
 
 from imerge.control.store import FLAG_STATS, StoreBase
@@ -18,14 +20,21 @@ FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted a
 
 
 class _CoordinatorCollector(Collector):
-    def __init__(self, store: StoreBase, num_workers: int, plan_version: Callable[[], int],
+    def __init__(self, store: StoreBase, num_workers: int, plan: Callable[[], Plan | None],
                  generation: Callable[[], int]):
-        self.store, self.num_workers, self.plan_version = store, num_workers, plan_version
+        self.store, self.num_workers, self.plan = store, num_workers, plan
         self.generation = generation
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
+        plan = self.plan()
         yield GaugeMetricFamily("imerge_coordinator_plan_version", "Version of the latest published plan",
-                                value=self.plan_version())
+                                value=plan.version if plan else 0)
+        if plan is not None and plan.predicted_s > 0:  # --tune decided
+            yield GaugeMetricFamily("imerge_schedule_predicted_seconds", "Seconds per iteration the simulator "
+                                    "predicted for the schedule --tune chose", value=plan.predicted_s)
+            knobs = dict(plan.knobs)
+            yield InfoMetricFamily("imerge_schedule", "The schedule --tune chose (a knob not tuned: given)",
+                                   value={knob: knobs.get(knob, "given") for knob in JOB_KNOBS})
         yield GaugeMetricFamily("imerge_coordinator_generation", "The job generation (recoveries so far)",
                                 value=self.generation())
         try:
@@ -44,8 +53,8 @@ class _CoordinatorCollector(Collector):
         yield members
 
 
-def coordinator_registry(store: StoreBase, num_workers: int, link_mbps: float, plan_version: Callable[[], int],
+def coordinator_registry(store: StoreBase, num_workers: int, link_mbps: float, plan: Callable[[], Plan | None],
                          generation: Callable[[], int]) -> CollectorRegistry:
     registry = role_registry(link_mbps)
-    registry.register(_CoordinatorCollector(store, num_workers, plan_version, generation))
+    registry.register(_CoordinatorCollector(store, num_workers, plan, generation))
     return registry

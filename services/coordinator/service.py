@@ -24,7 +24,11 @@ from imerge.control.store import CoordinatorStore
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
                                 WaitTimeout)
+from imerge.core.knobs import describe
 from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, Plan, PlanOptions, fuse_cost, make_plan
+from imerge.core.schedule_config import ScheduleConfig
+from imerge.sim.cluster import Constants
+from imerge.sim.jobtune import JobDecision, decide, plan_fields
 from imerge.telemetry.metrics import MetricsServer
 
 from .metrics import coordinator_registry
@@ -48,6 +52,12 @@ class CoordinatorConfig(CommonConfig):
     max_recoveries: int = option(10, "recoveries after which a further failure ends the job")
     fresh: bool = option(False, "start the job afresh even if a run of the same --job finished (or failed) in "
                                 "this Redis: delete its keys first (start the coordinator before the other roles)")
+    link_gbit: float = option(0.0, "--tune: the link rate of the workers and shards the schedule is chosen for, "
+                                   "Gbit/s (0: the rate worker 0's pushes measured)")
+    queue_kb: float = option(0.0, "--tune: the queue of the switch port in front of a shard, kB, where known: slot "
+                                  "flags are tried against it (0: unknown; no flags are tried)")
+    calibration: str = option("", "--tune: the network model's constants (a JSON file of imerge simulate "
+                                  "calibrate; default: real hosts, each with its own cores)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +65,10 @@ class CoordinatorConfig(CommonConfig):
         require(self.num_shards >= 1, "num_shards", "must be at least 1")
         require(self.heartbeat_ttl_s > 0, "heartbeat_ttl_s", "must be positive")
         require(self.max_recoveries >= 0, "max_recoveries", "must be >= 0")
+        require(self.link_gbit >= 0, "link_gbit", "must be >= 0 (0: measured)")
+        require(self.queue_kb >= 0, "queue_kb", "must be >= 0 (0: unknown)")
+        if self.calibration:
+            Constants.read(self.calibration)  # a ConfigError naming --calibration now, not at the plan switch
 
 
 def check_layouts(submissions: dict[int, LayoutSubmission]) -> tuple[Layout, PlanOptions]:
@@ -80,6 +94,7 @@ class Coordinator:
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
         self._alive: set[Member] = set()  # members seen alive in the current generation
         self._claimed: set[int] = set()  # workers reported done (counted done once they left the job)
+        self._done: set[int] = set()  # workers done: reported done and left the job
         self._claimed_at: dict[int, float] = {}
         self._doubted: set[int] = set()  # reported done long ago, still in the job (logged once)
         self._redis_back_at = float("-inf")  # when Redis answered again after it was unreachable or stalled
@@ -104,8 +119,8 @@ class Coordinator:
         self.recovery.period = plan.period  # generation 0 (with this run's id) goes first: shards read it with the plan
         self.store.start_generation(GenerationEvent(0, round=0, reason="start", run=uuid.uuid4().hex))
         self._publish(plan)
-        if options.fusion == "cost":
-            plan = self.publish_cost_plan(layout, options, plan)
+        if options.switches:
+            plan = self.publish_cost_plan(layout, options, plan, layouts[0].schedule)
         return plan
 
     def _publish(self, plan: Plan) -> None:
@@ -114,32 +129,74 @@ class Coordinator:
         log.info("published plan v%d: %d groups, %d blocks, bytes per shard and phase %s",
                  plan.version, len(plan.groups), len(plan.blocks), plan.shard_load())
 
-    def publish_cost_plan(self, layout: Layout, options: PlanOptions, first: Plan) -> Plan:
-        """Regroup the blocks of ``first`` from worker 0's profile (fusion cost)."""
+    def publish_cost_plan(self, layout: Layout, options: PlanOptions, first: Plan,
+                          base: ScheduleConfig | None) -> Plan:
+        """The second plan, from worker 0's profile: the blocks of ``first`` regrouped (fusion cost) and, with
+        --tune, the knobs the simulated candidates chose (``base``: worker 0's schedule, their starting point)."""
         profile = self._await_profile()
-        groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
+        if profile is None:
+            log.info("every worker finished before worker 0's profile: the job kept plan v%d", first.version)
+            return first
+        knobs: dict[str, str] = {}
+        predicted_s = 0.0
+        groups = None
+        if options.tuned_knobs:
+            decision = self._decide(profile, first, options, base or ScheduleConfig())
+            if decision is not None:
+                knobs, predicted_s = decision.knobs, decision.report.chosen.mean_iteration_s
+                options = dataclasses.replace(options, fusion=decision.fusion or options.fusion)
+        if options.fusion == "cost":
+            groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
+            log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
+                     profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
         plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
                          groups=groups, blocks_of=first.blocks)
-        log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
-                 profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
+        plan = dataclasses.replace(plan, knobs=plan_fields(knobs), predicted_s=predicted_s)
         self._publish(plan)
         return plan
 
-    def _await_profile(self) -> Profile:
-        """Worker 0's profile (--fusion cost), watching the job meanwhile: a failure during the profiled
-        iterations is recovered from like any other, and the workers profile again from the restored round."""
+    def _decide(self, profile: Profile, first: Plan, options: PlanOptions, base: ScheduleConfig
+                ) -> JobDecision | None:
+        """--tune's decision, logged with its prediction and the runner-up's; None (the given schedule kept) where
+        the simulation cannot run on this profile."""
+        cfg = self.config
+        try:
+            calibration = Constants.read(cfg.calibration) if cfg.calibration else None
+            decision = decide(profile, first, options, base, link_gbit=cfg.link_gbit, queue_kb=cfg.queue_kb,
+                              calibration=calibration)
+        except (IMergeError, ValueError, ArithmeticError) as exc:
+            log.error("--tune could not simulate the candidates (%s); the job keeps the given schedule", exc)
+            return None
+        report = decision.report
+        runner = report.runner_up
+        log.info("schedule chosen by --tune: %s, predicted %.4f s/it; runner-up %s, %s; tuned %s on a cluster of "
+                 "%d workers, %d shards, links %.3g Gbit/s; decided in %.1f CPU s over %d simulations",
+                 describe(decision.knobs), report.chosen.mean_iteration_s,
+                 describe(runner.knobs) if runner else "none",
+                 f"predicted {runner.mean_iteration_s:.4f} s/it" if runner else "-", ", ".join(options.tuned_knobs),
+                 report.workers, report.shards, report.link_gbit, report.decided_in_cpu_s, len(report.trials))
+        for reason in report.skipped:
+            log.info("--tune did not try %s", reason)
+        return decision
+
+    def _await_profile(self) -> Profile | None:
+        """Worker 0's profile (--fusion cost, --tune), watching the job meanwhile: a failure during the profiled
+        iterations is recovered from like any other, and the workers profile again from the restored round. None
+        where every worker finished first (a job shorter than its profile)."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         generation = self.recovery.generation
         while not self._stop.is_set():
-            try:
-                return self.store.wait_profile(0.5)
+            try:  # briefly: the reports (a failure) are taken in _step, which waits up to 0.5 s for one
+                return self.store.wait_profile(0.1)
             except WaitTimeout:
                 if self.recovery.generation != generation:  # profiling starts over in the new generation
                     generation, deadline = self.recovery.generation, time.monotonic() + self.config.wait_timeout_s
                 if time.monotonic() > deadline:
                     raise WaitTimeout(f"timed out after {self.config.wait_timeout_s:g}s waiting for worker 0's "
                                       f"profile of its first iterations (generation {generation})") from None
-            self._step(set())
+            self._step(self._done)
+            if len(self._done) >= self.config.num_workers:
+                return None
         raise WaitTimeout("stopped while waiting for worker 0's profile")
 
     def watch(self) -> None:
@@ -148,11 +205,10 @@ class Coordinator:
         A worker's done mark is a claim (any worker's Redis user may write one): the worker counts as done once it
         has also left the job, its rank lease and liveness key gone. Until then it is watched like any member, so
         a forged mark neither ends the job early nor hides a later failure."""
-        self._claimed = self.store.done_ranks()
-        done: set[int] = set()
-        while len(done) < self.config.num_workers and not self._stop.is_set():
-            self._step(done)
-        if len(done) >= self.config.num_workers:
+        self._claimed |= self.store.done_ranks()
+        while len(self._done) < self.config.num_workers and not self._stop.is_set():
+            self._step(self._done)
+        if len(self._done) >= self.config.num_workers:
             self.store.mark_finished()
 
     def _confirm_done(self, done: set[int]) -> None:
@@ -249,8 +305,7 @@ class Coordinator:
 
     def serve_metrics(self) -> MetricsServer:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
-                                        lambda: self.plan.version if self.plan else 0,
-                                        lambda: self.recovery.generation)
+                                        lambda: self.plan, lambda: self.recovery.generation)
         return MetricsServer(registry, self.config.metrics_port, "coordinator", self.config.metrics_address(),
                              ports_file=self.config.ports_file)
 
@@ -279,9 +334,10 @@ class Coordinator:
             return False
         self.plan = latest.result()
         if self.plan.version == FIRST_PLAN:
-            layout, options = check_layouts(self.store.layouts(self.config.num_workers))
-            if options.fusion == "cost":  # the profile was not planned yet: plan it as the first run would
-                self.plan = self.publish_cost_plan(layout, options, first)
+            layouts = self.store.layouts(self.config.num_workers)
+            layout, options = check_layouts(layouts)
+            if options.switches:  # the profile was not planned yet: plan it as the first run would
+                self.plan = self.publish_cost_plan(layout, options, first, layouts[0].schedule)
         log.info("restarted: job %s is at generation %d with plan v%d; watching on", self.config.job, generation,
                  self.plan.version)
         return True

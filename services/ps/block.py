@@ -31,7 +31,8 @@ import torch
 
 from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
-from imerge.core.compression import BlockMode, Payload, accumulate, all_finite, encode_pull, parse_mode
+from imerge.core.compression import Payload, accumulate, all_finite, encode_pull, parse_mode
+from imerge.core.modes import BlockMode
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames

@@ -31,7 +31,8 @@ import torch
 from imerge.control.messages import RoundScalars
 from imerge.core.blockstate import block_state_bytes, parse_block_state, state_bytes_bound
 from imerge.core.codec import digest, tensor_view
-from imerge.core.compression import all_finite, payload_bytes
+from imerge.core.compression import all_finite
+from imerge.core.modes import payload_bytes
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.limits import check_id, clip

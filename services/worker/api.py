@@ -34,7 +34,7 @@ from imerge.core.planning import Plan
 from imerge.telemetry.metrics import MetricsServer
 
 from .adoption import OptimizerWatch, take_loaded_state
-from .config import WorkerConfig, torchrun_identity
+from .config import ScheduleConfig, WorkerConfig, torchrun_identity
 from .engine import JOIN_STATE, SyncEngine
 from .iteration import LoopSettings
 from . import exiting, guards
@@ -131,7 +131,7 @@ class DistributedModel(DDPIdioms):
         if self.rejoined and self._plan is not None:
             plan = self._plan
         else:
-            self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options()))
+            self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options(), config))
             plan = wait_plan(self._store, config)
             self.generation = self._store.generation() or 0
         self._engine = SyncEngine(self.module, [p.name for p in layout.params], plan, config, self._optimizer,
@@ -272,11 +272,12 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
     shards keep. Under ``imerge launch``, a flag given to the launcher that the script overrides raises
     ConfigError naming it: launch flags are never silently ignored.
     """
-    from imerge.core.config import from_env
+    from imerge.core.config import explicit_fields, from_env
 
     exiting.install()
-    if config is None:
+    if config is None:  # --tune auto: the knobs neither a keyword nor an IMERGE_* variable gives
         config = from_env(WorkerConfig, **{**torchrun_identity(os.environ), **options})
+        config = config.tuned(explicit_fields(ScheduleConfig, set(options)))
     elif options:
         raise IMergeError("pass either a WorkerConfig or keyword options, not both")
     if optimizer is not None:

@@ -18,8 +18,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from imerge.control.store import WorkerStore
-from imerge.core.compression import BlockMode, block_modes
 from imerge.core.errors import IMergeError, WaitTimeout
+from imerge.core.knobs import apply
+from imerge.core.modes import BlockMode, block_modes
 from imerge.core.planning import Plan
 from imerge.core.queue import STOP, CommQueue
 from imerge.core.slots import NoSlots, effective_policy, make_slots, resolve_width
@@ -103,6 +104,17 @@ class Communicator:
     @on_push.setter
     def on_push(self, observe: Callable[[int, float], None] | None) -> None:
         self.pusher.on_push = observe
+
+    def use_schedule(self, priority: bool, slots: NoSlots, slot_scope: str, slot_width: int) -> None:
+        """Push with another priority and slot policy from now on (a plan switch: every sync completed)."""
+
+        async def switch() -> None:
+            if len(self._queue) or self.pusher.streams:
+                raise IMergeError("the schedule can change only with no push queued or in flight")
+            self._queue = CommQueue(priority)
+            self.pusher.use(priority, slots, slot_scope, self.rank % slot_width)
+
+        self.comm.run(switch(), 10, "the comm thread to take the new schedule")
 
     # -- the queue (called from the training thread) -------------------------------------
     def enqueue(self, sync: Sync) -> None:
@@ -223,15 +235,21 @@ def open_comm(loop: CommLoop, config: WorkerConfig, plan: Plan, store: WorkerSto
         return [ShardClient(address, config, config.data_path) for address in plan.shard_addresses]
 
     clients = loop.run(connect(), 30, "the shard channels to open")
+    config = apply(config, plan.knobs)  # a plan chosen by --tune: its knobs (a rejoining worker's too)
+    slots, width = slot_policy(config, plan, store, generation)
+    return Communicator(loop, clients, flat, slots, rank=config.rank, priority=config.priority,
+                        rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
+                        generation=generation, metrics=metrics, timeline=timeline, slot_scope=config.slot_scope,
+                        slot_width=width, compression=block_modes(config.compression_spec(), plan))
+
+
+def slot_policy(config: WorkerConfig, plan: Plan, store: WorkerStore, generation: int) -> tuple[NoSlots, int]:
+    """The slot policy the options call for on ``plan``'s cluster, and its width."""
     width = resolve_width(config.slot_scope, config.slot_width, len(plan.shard_addresses))
     policy = effective_policy(config.slots, width, plan.num_workers)
     if policy != config.slots:
         log.info("worker %d: slots %s with width %d >= %d workers guard nothing; pushing without flags",
                  config.rank, config.slots, width, plan.num_workers)
-    slots = make_slots(policy, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
-                       timeout_s=config.pull_timeout_s, generation=generation,
-                       bandwidth_mbps=config.slot_bandwidth_mbps)
-    return Communicator(loop, clients, flat, slots, rank=config.rank, priority=config.priority,
-                        rpc_timeout_s=config.rpc_timeout_s, pull_timeout_s=config.pull_timeout_s,
-                        generation=generation, metrics=metrics, timeline=timeline, slot_scope=config.slot_scope,
-                        slot_width=width, compression=block_modes(config.compression_spec(), plan))
+    return make_slots(policy, store, owner=f"w{config.rank}", lease_s=config.flag_lease_s,
+                      timeout_s=config.pull_timeout_s, generation=generation,
+                      bandwidth_mbps=config.slot_bandwidth_mbps), width

@@ -28,12 +28,13 @@ import torch
 from imerge.control.messages import BlocksReady
 from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, JobFailed
+from imerge.core.knobs import apply, describe
 from imerge.core.planning import COST_PLAN, Plan
 from imerge.telemetry.timeline import Timeline
 
 from . import hooks, rounds
 from .buffers import FlatParams
-from .comm import CommLoop, open_comm
+from .comm import CommLoop, open_comm, slot_policy
 from .config import WorkerConfig
 from .grads import LocalGrads
 from .groups import GroupRuntime, GroupTable, RoundResult
@@ -72,8 +73,9 @@ class SyncEngine:
                                   config.wait_timeout_s, generation)
         self.state = self._hook_state(model, plan, store, settings or LoopSettings())
         optimizer.on_step = self.state.loop.stepped
-        if config.fusion == "cost" or (config.profile_out and config.rank == 0):
-            self._start_profiling()
+        switches = config.plan_options().switches
+        if switches or (config.profile_out and config.rank == 0):
+            self._start_profiling(switches)
         self._remove_hooks = hooks.install(self.state, model, self.params)
 
     def _hook_state(self, model: torch.nn.Module, plan: Plan, store: WorkerStore,
@@ -125,21 +127,25 @@ class SyncEngine:
     def use_plan(self, plan: Plan, block_rounds: dict[str, int]) -> None:
         """Group the (unchanging) blocks as ``plan`` says, each group at its blocks' round."""
         rounds.settle_accumulator(self.state)
-        self.state.table = GroupTable(plan, self.flat, self.params, block_rounds)
+        self.state.table = GroupTable(plan, self.flat, self.params, block_rounds).handed_over(self.state.table)
         self.comm.plan_version = plan.version
 
-    def _start_profiling(self) -> None:
-        self.state.profiler = Profiler(len(self.plan.units), plans=self.config.fusion == "cost")
-        self.state.schedule.profiling = self.state.profiler.plans  # the profiled iterations sync every group
+    def _start_profiling(self, switches: bool) -> None:
+        """Profile the first iterations: for the plan switch (``switches``: --fusion cost, --tune) or only for
+        --profile-out. Fusion cost's profiled iterations sync every group, whatever T (its cost model prices every
+        group's push); --tune's keep the job's schedule, so that tuning never changes the result."""
+        self.state.profiler = Profiler(len(self.plan.units), plans=switches)
+        self.state.schedule.profiling = switches and self.config.fusion == "cost"
         self.comm.on_push = self.state.profiler.push
         self.state.after_backward = self._after_profiled_backward
 
     def _stop_profiling(self, schedule_start: int | None = None) -> None:
-        """Profiling is over; a cost plan's schedule counts from ``schedule_start``."""
+        """Profiling is over; where the profiled iterations synced every group, the schedule counts from
+        ``schedule_start``."""
         self.state.profiler = None
-        self.state.schedule.profiling = False
-        if schedule_start is not None:
+        if schedule_start is not None and self.state.schedule.profiling:
             self.state.schedule.restart(schedule_start, self.plan.period)
+        self.state.schedule.profiling = False
         self.comm.on_push = None
         self.state.after_backward = None
 
@@ -156,9 +162,17 @@ class SyncEngine:
         plan = cost_plan(self.store, profiler, self.plan, self.config.rank,
                          self.config.wait_timeout_s, self.comm.compression.estimate)
         self.use_plan(plan, self.block_rounds())
+        if plan.knobs:
+            self._use_knobs(plan)
         self._stop_profiling(schedule_start=self.iteration)
-        log.info("worker %d: cost plan v%d with %d groups from iteration %d", self.config.rank, plan.version,
-                 len(plan.groups), self.iteration)
+        log.info("worker %d: plan v%d with %d groups from iteration %d%s", self.config.rank, plan.version,
+                 len(plan.groups), self.iteration, f" ({describe(plan.knobs)}, chosen by --tune)" if plan.knobs else "")
+
+    def _use_knobs(self, plan: Plan) -> None:
+        """Push as the knobs --tune chose say (priority, slot policy) from now on."""
+        chosen = apply(self.config, plan.knobs)
+        slots, width = slot_policy(chosen, plan, self.store, self.generation)
+        self.comm.use_schedule(chosen.priority, slots, chosen.slot_scope, width)
 
     # -- the blocks on the shards ------------------------------------------------------------
     def initialize(self, optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None) -> None:

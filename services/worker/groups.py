@@ -110,6 +110,9 @@ class GroupTable:
         self.param_group: dict[int, int] = {}        # id(param) -> its optimizer parameter group
         self.blocks_of: dict[int, list[str]] = {}    # id(param) -> the blocks that hold it
         self.pieces_of: dict[str, list[int]] = {b.block_id: [pid for pid, _ in flat.pieces(b)] for b in plan.blocks}
+        # the group whose latest sync answers "what did the shards say of the latest round" until this table's own
+        # last group has synced: after a plan switch, the previous table's (see :meth:`handed_over`)
+        self.latest_of_previous: GroupRuntime | None = None
         for group in plan.groups:
             members = [p for p in params if group.offset <= flat.range[id(p)][0] < group.offset + group.numel]
             blocks = plan.group_blocks(group)
@@ -131,6 +134,20 @@ class GroupTable:
 
     def block_rounds(self) -> dict[str, int]:
         return {b.block_id: g.round for g in self.groups for b in g.blocks}
+
+    def handed_over(self, previous: "GroupTable") -> "GroupTable":
+        """This table, taking over from ``previous`` (a plan switch between two iterations): the result of the round
+        pushed last (the loss scaler's overflow, the clipped norm) is read from ``previous`` until this table syncs
+        its own first round."""
+        last = previous.groups[-1]
+        self.latest_of_previous = last if last.latest is not None else previous.latest_of_previous
+        return self
+
+    def last_synced(self) -> GroupRuntime | None:
+        """The group whose latest sync carries the latest round's result: the last group (the first layers), or
+        before it synced under this plan, the previous plan's."""
+        last = self.groups[-1]
+        return last if last.latest is not None else self.latest_of_previous
 
 
 def _uneven_rounds(group: int, rounds: dict[str, int]) -> str:

@@ -78,7 +78,8 @@ class Profiler:
             latest = max(latest, statistics.fmean(it[unit] for it in measured) if measured else 0.0)
             ready.append(latest)
         alpha, beta = fit_cost(self.pushes)
-        return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
+        return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta,
+                       forward_s=self.forward_times())
 
 
     def forward_times(self) -> list[float]:
@@ -93,8 +94,7 @@ class Profiler:
         return [t / len(measured) for t in totals] if measured else totals
 
     def backward_times(self) -> list[float]:
-        ready = self.summary([0] * self.num_units).ready_s
-        return [b - a for a, b in zip([0.0] + ready[:-1], ready)]
+        return self.summary([0] * self.num_units).backward_s()
 
     def write(self, path: str, plan: Plan) -> None:
         """The profile as ``imerge simulate --profile`` reads it (:mod:`imerge.sim.profiles`)."""

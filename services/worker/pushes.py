@@ -90,7 +90,12 @@ class Pusher:
     streams: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)  # the push streams not yet answered
 
     def __post_init__(self) -> None:
-        policy = SendPolicy(self.priority, self.slots.holds_flags, self.slot_scope, self.rank)
+        self.use(self.priority, self.slots, self.slot_scope, self.lane)
+
+    def use(self, priority: bool, slots: NoSlots, slot_scope: str, lane: int) -> None:
+        """Schedule the pushes from now on with this priority and slot policy (nothing queued: a fresh kernel)."""
+        self.priority, self.slots, self.slot_scope, self.lane = priority, slots, slot_scope, lane
+        policy = SendPolicy(priority, slots.holds_flags, slot_scope, self.rank)
         self.senders = Senders(policy, self.compression.estimate, lambda block: block.offset,
                                dropped=lambda pending: pending.failed)
 

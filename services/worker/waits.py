@@ -90,8 +90,8 @@ class Waits:
 
     def last_round(self, table: GroupTable) -> RoundResult | None:
         """What the shards said of the latest round pushed (waiting for its first block to come back)."""
-        group = table.groups[-1]  # the first layers: the group the next forward needs first
-        if group.latest is None:
+        group = table.last_synced()  # the first layers: the group the next forward needs first
+        if group is None or group.latest is None:
             return None
         block_id = group.blocks[0].block_id
         round_ = self.wait(group.latest.block_futures[block_id].result, group,

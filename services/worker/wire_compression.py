@@ -2,7 +2,7 @@
 bytes of what goes out and comes back.
 
 A block's mode is fixed when the job's first plan is made (see
-:func:`imerge.core.compression.block_modes`); its compressor lives as long as
+:func:`imerge.core.modes.block_modes`); its compressor lives as long as
 the worker's engine, so a top-k residual carries over from one round to the
 next. Compression runs on the comm thread, once per sync of a block, after
 the group's device copy completed.
@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from imerge.core.compression import BlockMode, Compressor, Payload, all_finite, make_compressor, payload_bytes
+from imerge.core.compression import Compressor, Payload, all_finite, make_compressor
+from imerge.core.modes import BlockMode, payload_bytes
 from imerge.core.errors import UnsupportedUse
 from imerge.core.planning import BYTES_PER_ELEMENT
 from imerge.wire.encoding import dtype_name, nnz_of

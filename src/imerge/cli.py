@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from imerge.core.config import (LAUNCH_FLAGS_ENV, add_options, env_name, flag_name, from_namespace, given_options,
-                                setup_logging, to_env)
+from imerge.core.config import (LAUNCH_FLAGS_ENV, add_options, env_name, explicit_fields, flag_name, from_namespace,
+                                given_options, setup_logging, to_env)
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, Rejoin
 
 log = logging.getLogger("imerge.cli")
@@ -49,11 +49,12 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from imerge.worker.config import WorkerConfig
+    from imerge.worker.config import ScheduleConfig, WorkerConfig
     from imerge.worker.job import run_job
     from imerge.workloads.job import JobConfig
 
     worker, job = from_namespace(WorkerConfig, args), from_namespace(JobConfig, args)
+    worker = worker.tuned(explicit_fields(ScheduleConfig, args.given))  # --tune auto: the knobs no option gives
     if worker.nproc_per_node > 1 or args.command:  # a node's processes, or a script run as this worker
         from imerge.ops.node import run_node
 
@@ -86,7 +87,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     from imerge.workloads.job import JobConfig
 
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
-    schedule = from_namespace(ScheduleConfig, args)
+    schedule = from_namespace(ScheduleConfig, args).tuned(explicit_fields(ScheduleConfig, args.given))
     logging.basicConfig(level=logging.WARNING, format="imerge launch: %(message)s")
     return Launcher(config, job_env(job, args), args.command, schedule_env=to_env(schedule), save_state=True).run()
 
@@ -122,7 +123,7 @@ def _run_testbed(args: argparse.Namespace) -> int:
         print(f"removed {len(removed)} namespaces left by dead testbed runs: {' '.join(removed) or '-'}")
         return 0
     config, job = from_namespace(LaunchConfig, args), from_namespace(JobConfig, args)
-    schedule = from_namespace(ScheduleConfig, args)
+    schedule = from_namespace(ScheduleConfig, args).tuned(explicit_fields(ScheduleConfig, args.given))
     with Testbed(testbed.links(job_roles(config.shards, config.workers)), testbed.subnet,
                  mtu=testbed.mtu, tcp_congestion=testbed.tcp_congestion) as bed:
         redis_url = start_redis(bed)
@@ -164,7 +165,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from imerge.sim.runner import SimConfig
 
     config, base = from_namespace(SimConfig, args), from_namespace(ScheduleConfig, args)
-    pinned = frozenset(args.given & {f.name for f in dataclasses.fields(ScheduleConfig)})
+    pinned = frozenset(explicit_fields(ScheduleConfig, args.given))
     print(run_target(args.target, config, base, lambda line: print(line, file=sys.stderr, flush=True), pinned))
     return 0
 

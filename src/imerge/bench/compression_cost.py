@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from imerge.core.codec import PayloadReceiver
-from imerge.core.compression import CompressionSpec, Payload, accumulate, encode_pull, make_compressor
+from imerge.core.compression import Payload, accumulate, encode_pull, make_compressor
+from imerge.core.modes import CompressionSpec
 
 MODES = ("none", "fp16", "bf16", "topk")
 

@@ -13,8 +13,9 @@ import json
 import math
 from typing import Any, TypeVar
 
-from imerge.core.errors import JobFailed, LayoutMismatchError, PlanError, StoreError
+from imerge.core.errors import ConfigError, JobFailed, LayoutMismatchError, PlanError, StoreError
 from imerge.core.planning import Layout, Plan, PlanOptions
+from imerge.core.schedule_config import ScheduleConfig
 
 M = TypeVar("M", bound="Message")
 
@@ -217,27 +218,52 @@ class WorkerPosition(Message):
 
 @dataclasses.dataclass(frozen=True)
 class LayoutSubmission(Message):
-    """What a worker submits: its model layout and the scheduling options the plan depends on."""
+    """What a worker submits: its model layout, the scheduling options the plan depends on, and its whole schedule
+    (worker 0's is the base the coordinator's tuner starts from; its host-local paths are left out)."""
 
     layout: Layout
     options: PlanOptions
+    schedule: ScheduleConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None:  # a WorkerConfig's schedule fields, without its host-local paths
+            fields = {f.name: getattr(self.schedule, f.name) for f in dataclasses.fields(ScheduleConfig)}
+            object.__setattr__(self, "schedule", ScheduleConfig(**{**fields, "profile_out": "", "trace_dir": ""}))
 
     def _to_dict(self) -> dict[str, Any]:
-        return {"layout": json.loads(self.layout.to_json()), "options": dataclasses.asdict(self.options)}
+        raw = {"layout": json.loads(self.layout.to_json()), "options": dataclasses.asdict(self.options)}
+        if self.schedule is not None:
+            raw["schedule"] = dataclasses.asdict(self.schedule)
+        return raw
 
     @classmethod
     def _from_dict(cls, raw: dict[str, Any]) -> "LayoutSubmission":
-        return cls(Layout.from_json(json.dumps(raw["layout"])), PlanOptions(**raw["options"]))
+        schedule = raw.get("schedule")
+        try:
+            base = ScheduleConfig(**schedule) if isinstance(schedule, dict) else None
+        except ConfigError as exc:
+            raise ValueError(f"schedule: {exc}") from None
+        return cls(Layout.from_json(json.dumps(raw["layout"])), PlanOptions(**raw["options"]), base)
 
 
 @dataclasses.dataclass(frozen=True)
 class Profile(Message):
-    """Worker 0's profile for ``--fusion cost``: when each unit's gradient is ready, its bytes, the push cost."""
+    """Worker 0's profile for ``--fusion cost`` and ``--tune``: when each unit's gradient is ready, its bytes, the
+    push cost, and (for the tuner's simulation) each unit's forward time."""
 
     ready_s: list[float]
     unit_bytes: list[int]
     alpha_s: float
     beta_s_per_byte: float
+    forward_s: list[float] = dataclasses.field(default_factory=list)  # empty: not measured
+
+    def __post_init__(self) -> None:
+        if self.forward_s and len(self.forward_s) != len(self.ready_s):
+            raise ValueError(f"{len(self.forward_s)} forward times for {len(self.ready_s)} units")
+
+    def backward_s(self) -> list[float]:
+        """Each unit's backward time (the ready times' increments)."""
+        return [b - a for a, b in zip([0.0] + self.ready_s[:-1], self.ready_s)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,7 +71,8 @@ class PayloadReceiver:
     """
 
     def __init__(self, numel: int, dtype: str, nnz: int, what: str):
-        from imerge.core.compression import INDEX_BYTES, WIRE_DTYPES
+        from imerge.core.compression import WIRE_DTYPES
+        from imerge.core.modes import INDEX_BYTES
 
         self._dtype, self._numel, self._nnz, self._what = WIRE_DTYPES[dtype], numel, nnz, what
         itemsize = self._dtype.itemsize

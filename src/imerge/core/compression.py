@@ -24,20 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from imerge.core.codec import tensor_view
-from imerge.core.errors import ConfigError, InvalidArgument
+from imerge.core.errors import InvalidArgument
+from imerge.core.modes import CAST_MODES, INDEX_BYTES, WIRE_ITEMSIZE, BlockMode, topk_count
 
-if TYPE_CHECKING:
-    from imerge.core.planning import Plan
-
-MODES = ("none", "fp16", "bf16", "topk", "mixed")
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CAST_MODES = {"fp16": "float16", "bf16": "bfloat16"}
-INDEX_BYTES = 4  # int32: a block holds at most 2**31 - 1 elements
+assert {name: dtype.itemsize for name, dtype in WIRE_DTYPES.items()} == WIRE_ITEMSIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,41 +82,6 @@ class Payload:
         return [tensor_view(t.contiguous().view(torch.uint8)) for t in self.tensors]
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockMode:
-    """How one block's data travel: ``kind`` (none, fp16, bf16, topk), the top-k ``ratio`` of a push, and the
-    most a pull sends of the block (``pull_ratio``; 0: every parameter that changed)."""
-
-    kind: str = "none"
-    ratio: float = 0.0
-    pull_ratio: float = 0.0
-
-    def __str__(self) -> str:
-        if self.kind != "topk":
-            return "" if self.kind == "none" else self.kind
-        return f"topk:{self.ratio:g}" + (f":{self.pull_ratio:g}" if self.pull_ratio else "")
-
-    @property
-    def cast(self) -> str:
-        """The wire dtype of a dense payload."""
-        return CAST_MODES.get(self.kind, "float32")
-
-    @property
-    def sparse(self) -> bool:
-        """Whether a push carries (index, value) pairs (top-k)."""
-        return self.kind == "topk"
-
-    @property
-    def compressed(self) -> bool:
-        return self.kind != "none"
-
-    def push_bytes(self, numel: int) -> int:
-        """The wire bytes a push of a block of ``numel`` elements carries (the sending kernel's byte credit)."""
-        if self.sparse:
-            return payload_bytes(numel, "float32", topk_count(self.ratio, numel))
-        return payload_bytes(numel, self.cast, -1)
-
-
 class Compressor(Protocol):
     @property
     def mode(self) -> BlockMode: ...
@@ -144,11 +105,6 @@ class CastCompressor:
 
     def compress(self, tensor: torch.Tensor) -> tuple[Payload, int]:
         return Payload(tensor.to(self.dtype)), tensor.numel()
-
-
-def topk_count(ratio: float, numel: int) -> int:
-    """Elements a top-k payload of a block of ``numel`` carries: ceil(ratio * numel), at least 1."""
-    return min(numel, max(1, math.ceil(ratio * numel)))
 
 
 def select_topk(tensor: torch.Tensor, k: int) -> torch.Tensor:
@@ -255,42 +211,6 @@ def encode_pull(param: torch.Tensor, mode: BlockMode, held: torch.Tensor | None 
     return Payload(param.to(WIRE_DTYPES[mode.cast]) if mode.cast != "float32" else param)
 
 
-@dataclasses.dataclass(frozen=True)
-class CompressionSpec:
-    """What a run compresses: ``mode`` (none, fp16, bf16, topk, mixed), the top-k ``ratio``, and for mixed the
-    group size under which a group goes fp16 (``threshold_bytes``) rather than top-k."""
-
-    mode: str = "none"
-    ratio: float = 0.01
-    threshold_bytes: int = 256 << 10
-    pull_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError("--compression", f"{self.mode!r} is not one of {', '.join(MODES)}")
-        if not 0 < self.ratio <= 1:
-            raise ConfigError("--topk-ratio", f"{self.ratio} is not in (0, 1]")
-        if self.threshold_bytes < 0:
-            raise ConfigError("--mixed-threshold-kib", f"{self.threshold_bytes / 1024:g} is negative")
-        if not 0 <= self.pull_ratio <= 1:
-            raise ConfigError("--topk-pull-ratio", f"{self.pull_ratio} is not in [0, 1]")
-
-    def block_mode(self, group_bytes: int) -> BlockMode:
-        """The mode of a block of a group of ``group_bytes`` (fp32) bytes."""
-        topk = BlockMode("topk", self.ratio, self.pull_ratio)
-        if self.mode == "mixed":
-            return BlockMode("fp16") if group_bytes < self.threshold_bytes else topk
-        if self.mode == "topk":
-            return topk
-        return BlockMode(self.mode)
-
-
-def payload_bytes(numel: int, dtype: str, nnz: int) -> int:
-    """The wire bytes of a payload: dense (``nnz`` -1) or ``nnz`` (index, value) pairs."""
-    itemsize = WIRE_DTYPES[dtype].itemsize
-    return numel * itemsize if nnz < 0 else nnz * (INDEX_BYTES + itemsize)
-
-
 def check_sparse(indices: torch.Tensor, numel: int, what: str) -> None:
     """Refuse indices outside 0..numel-1 or not strictly increasing (a repeated index would count twice)."""
     if indices.numel() == 0:
@@ -300,13 +220,3 @@ def check_sparse(indices: torch.Tensor, numel: int, what: str) -> None:
                               f"(from {int(indices[0])} to {int(indices[-1])})")
     if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
         raise InvalidArgument(f"{what}: sparse indices are not strictly increasing")
-
-
-def block_modes(spec: CompressionSpec, plan: Plan) -> dict[str, BlockMode]:
-    """Each block's mode, by the size of its group in ``plan`` (the job's first plan: a block keeps its mode when a
-    cost plan regroups the blocks later)."""
-    modes: dict[str, BlockMode] = {}
-    for group in plan.groups:
-        for index in group.blocks:
-            modes[plan.blocks[index].block_id] = spec.block_mode(group.numel * 4)
-    return modes

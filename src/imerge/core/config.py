@@ -113,6 +113,15 @@ def given_options(argv: list[str], *classes: type) -> set[str]:
     return set(vars(parser.parse_known_args(argv)[0]))
 
 
+def explicit_fields(cls: type, given: set[str] | frozenset[str] = frozenset(),
+                    env: Mapping[str, str] | None = None) -> set[str]:
+    """The fields of ``cls`` given explicitly: by a flag or keyword (``given``) or by a set IMERGE_* variable."""
+    env = os.environ if env is None else env
+    in_env = {field.name for field in dataclasses.fields(cls)
+              if any(env.get(name, "") != "" for name in (env_name(field.name), *field.metadata.get("aliases", ())))}
+    return (set(given) & {field.name for field in dataclasses.fields(cls)}) | in_env
+
+
 def from_namespace(cls: type[C], namespace: argparse.Namespace) -> C:
     return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import LayoutMismatchError, PlanError
+from imerge.core.knobs import JOB_KNOBS
 from imerge.core.schedule import phase
 
 FUSIONS = ("none", "size", "cost")
@@ -35,7 +36,7 @@ MANY_SHARDS = 8        # from this many shards on, lpt and round-robin cut a sha
 BLOCKS_PER_SHARD = 16  # ... into at least this many blocks
 MIN_BLOCK_BYTES = 2048  # ... but no block smaller than this (a tiny model on many shards stays unbalanced)
 MIN_PIECE_BYTES = 1024  # placement stripe cuts no piece smaller than this off a unit
-COST_PLAN = 2   # with --fusion cost: the blocks of the first plan, regrouped from worker 0's profile
+COST_PLAN = 2   # with --fusion cost or --tune: the blocks of the first plan, regrouped from worker 0's profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,8 @@ class Plan:
     units: tuple[Unit, ...]
     blocks: tuple[Block, ...]
     groups: tuple[Group, ...]
+    knobs: tuple[tuple[str, str], ...] = ()  # the knob values the coordinator chose (--tune): the workers apply them
+    predicted_s: float = 0.0  # the chosen schedule's predicted seconds per iteration (0: not tuned)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -150,7 +153,9 @@ class Plan:
                    units=tuple(Unit(**u) for u in raw["units"]),
                    blocks=tuple(Block(**b) for b in raw["blocks"]),
                    groups=tuple(Group(g["index"], tuple(g["units"]), g["offset"], g["numel"], tuple(g["blocks"]))
-                                for g in raw["groups"]))
+                                for g in raw["groups"]),
+                   knobs=tuple((str(k), str(v)) for k, v in raw.get("knobs", ())),
+                   predicted_s=float(raw.get("predicted_s", 0.0)))
 
     def group_blocks(self, group: Group) -> list[Block]:
         return [self.blocks[i] for i in group.blocks]
@@ -377,12 +382,24 @@ class PlanOptions:
     partition_bytes: int = 1 << 20
     placement: str = "lpt"
     period: int = 1
+    tune: str = ""  # the knobs the coordinator chooses at the plan switch (comma list; empty: none)
+
+    @property
+    def tuned_knobs(self) -> list[str]:
+        return [knob for knob in self.tune.split(",") if knob]
+
+    @property
+    def switches(self) -> bool:
+        """Whether the job switches to a second plan (COST_PLAN) after its profiled iterations."""
+        return self.fusion == "cost" or bool(self.tune)
 
     def validate(self) -> "PlanOptions":
         if self.fusion not in FUSIONS:
             raise PlanError(f"unknown fusion {self.fusion!r}; choose from {', '.join(FUSIONS)}")
         if self.placement not in PLACEMENTS:
             raise PlanError(f"unknown placement {self.placement!r}")
+        if not set(self.tuned_knobs) <= set(JOB_KNOBS):
+            raise PlanError(f"tune {self.tune!r}: only {', '.join(JOB_KNOBS)} can be tuned in a job")
         if self.period < 1 or min(self.size_cap_bytes, self.first_cap_bytes, self.partition_bytes) < 4:
             raise PlanError("period must be >= 1 and every cap at least 4 bytes")
         return self

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Self
 
-from imerge.core.compression import MODES, CompressionSpec
+from imerge.core.modes import MODES, CompressionSpec
 from imerge.core.config import check_choices, option, require
+from imerge.core.knobs import JOB_KNOBS, TUNE_AUTO, TUNE_NONE, free_job_knobs, parse_tune
 from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
 from imerge.core.slots import SLOT_SCOPES, SLOTS
 
@@ -25,6 +27,11 @@ COMPRESSION_OPTIONS = {"topk_ratio": ("topk", "mixed"), "topk_pull_ratio": ("top
 class ScheduleConfig:
     """The scheduler's options: every mechanism can be switched off to measure what it buys."""
 
+    tune: str = option(TUNE_AUTO, "the knobs the coordinator chooses for the job from its first --profile-iters "
+                                  "iterations, by simulating the candidates on the measured profile: auto (each of "
+                                  f"{', '.join(JOB_KNOBS)} that no option gives explicitly; fusion only at "
+                                  "--interleave-period 1), none (the options as given), or a comma list of them",
+                       )
     fusion: str = option("none", "fusion planner: none (one group per module), size (byte cap), "
                                  "cost (profiled cost model)", choices=FUSIONS)
     size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
@@ -79,6 +86,11 @@ class ScheduleConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.tune != TUNE_AUTO:
+            try:
+                parse_tune(self.tune)
+            except ValueError as exc:
+                require(False, "tune", str(exc))
         for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
             require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
@@ -103,8 +115,25 @@ class ScheduleConfig:
         return CompressionSpec(self.compression, self.topk_ratio, int(self.mixed_threshold_kib * 1024),
                                self.topk_pull_ratio)
 
+    def tuned(self, explicit: set[str]) -> Self:
+        """``--tune auto`` resolved: the job knobs none of whose fields are in ``explicit`` (the options given by a
+        flag, an IMERGE_* variable or a keyword), or 'none'. A resolved value is kept."""
+        if self.tune != TUNE_AUTO:
+            return self
+        return dataclasses.replace(self, tune=",".join(free_job_knobs(explicit, self.interleave_period)) or TUNE_NONE)
+
+    def explicit_fields(self) -> set[str]:
+        """Where no one said what was given explicitly (a config object built in code): the fields that differ
+        from their defaults."""
+        return {f.name for f in dataclasses.fields(ScheduleConfig) if getattr(self, f.name) != f.default}
+
+    @property
+    def tuned_knobs(self) -> list[str]:
+        """The knobs the coordinator may choose for this job."""
+        return parse_tune(self.tuned(self.explicit_fields()).tune)
+
     def plan_options(self) -> PlanOptions:
         return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),
                            first_cap_bytes=int(self.first_cap_mib * MIB),
                            partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
-                           period=self.interleave_period)
+                           period=self.interleave_period, tune=",".join(self.tuned_knobs))

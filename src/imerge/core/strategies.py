@@ -13,6 +13,7 @@ SHALLOW = 16.0  # kB: a shallow switch port queue that drops under incast
 
 STRATEGIES: dict[str, dict[str, Any]] = {
     "ddp": {},
+    "auto": {},  # the defaults: --tune auto chooses fusion, priority and slots from the job's profile
     "ps-naive": dict(fusion="none", overlap=False, priority=False, slots="off"),
     "wfbp": dict(fusion="none", priority=False, slots="off"),
     "size": dict(fusion="size", priority=False, slots="off"),
@@ -50,7 +51,7 @@ class Scenario:
 SCENARIOS = {
     "B1": Scenario("resnet18", 8, 3, 3),
     "B2": Scenario("vgg", 8, 3, 3),
-    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=tuple(INCAST)),
+    "B3": Scenario("resnet18", 8, 6, 1, shard_queue_kb=SHALLOW, mtu=1500, strategies=("auto", *INCAST)),
     "B4": Scenario("resnet18", 8, 1, 1, sizes=(1, 2, 3, 4, 5, 6)),
     # the strategies whose paths differ on a real network (the slot variants and T > 1 are checked in-process)
     "tiny": Scenario("digits-cnn", 16, 2, 1, rate_mbit=100.0, iters=12,

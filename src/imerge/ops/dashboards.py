@@ -121,6 +121,15 @@ SCHEDULER = [
            (rate("imerge_coordinator_flags_expired_total", "imerge_job", JOB), "expired (lease)")],
           "Slot flags granted, granted after a wait, and taken back because a holder's lease ran out.",
           (GREEN, {"color": "red", "value": 0.1})),
+    Panel("Seconds per iteration: predicted by --tune, and measured", "timeseries", "s",
+          [(f"max by (imerge_job) (imerge_schedule_predicted_seconds{{{JOB}}})", "{{imerge_job}} predicted"),
+           (f"job:imerge_iteration_seconds:mean1m{{{JOB}}}", "{{imerge_job}} measured (slowest worker)")],
+          "The seconds per iteration the coordinator's simulation predicted for the schedule --tune chose, beside "
+          "the slowest worker's measured mean. A measured time well above the prediction: the cluster is not the "
+          "one the decision assumed (give the coordinator --link-gbit, --queue-kb or a --calibration)."),
+    Panel("Schedule chosen by --tune", "table", "none",
+          [(f"max by (imerge_job, fusion, priority, slots) (imerge_schedule_info{{{JOB}}})", "")],
+          "The knob values --tune chose for the job (a knob an option gave reads 'given')."),
 ]
 WORKERS = [
     Panel("Compute and exposed communication per iteration", "timeseries", "s",

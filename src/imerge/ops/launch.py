@@ -148,7 +148,22 @@ class TestbedHosts:
     def role_env(self, role: str) -> dict[str, str]:
         """The role's link capacity, so its metrics report utilization against the shaped rate; /metrics on the
         namespace's address, where the host's Prometheus (the testbed's switch) reaches it."""
-        return {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}", "IMERGE_METRICS_HOST": "0.0.0.0"}
+        env = {"IMERGE_LINK_MBPS": f"{self.testbed.links[role].rate_mbit:g}", "IMERGE_METRICS_HOST": "0.0.0.0"}
+        if role == "coordinator":
+            env.update(self.tuning_env())
+        return env
+
+    def tuning_env(self) -> dict[str, str]:
+        """What the coordinator's --tune knows of the testbed: the shards' link rate and port queue, and the
+        calibration of this machine's testbed that ships with the package (every role shares its cores)."""
+        from importlib import resources
+
+        shard = self.testbed.links["ps0"]
+        calibration = resources.files("imerge.sim").joinpath("share", "testbed.json")
+        env = {"IMERGE_LINK_GBIT": f"{shard.rate_mbit / 1000:g}", "IMERGE_CALIBRATION": str(calibration)}
+        if shard.ingress_limit_kb:
+            env["IMERGE_QUEUE_KB"] = f"{shard.ingress_limit_kb:g}"
+        return {name: value for name, value in env.items() if not os.environ.get(name)}  # the user's win
 
     def master(self) -> tuple[str, int]:
         return "worker0", MASTER_PORT

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import simpy
 
 from imerge.core.errors import ConfigError
-from imerge.core.compression import block_modes, payload_bytes, topk_count
+from imerge.core.modes import block_modes, payload_bytes, topk_count
 from imerge.core.planning import BYTES_PER_ELEMENT, COST_PLAN, FIRST_PLAN, Plan, fit_cost, fuse_cost, make_plan
 from imerge.core.queue import STOP, CommQueue
 from imerge.core.sending import SendPolicy, Senders, Stream

@@ -132,10 +132,21 @@ def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: 
     if name == "ddp":
         result = DDPJob(profile, cluster, constants, iters, 2).run()
     else:
+        if schedule is None and name == "auto":  # what the job's --tune would choose on this profile and cluster
+            schedule = job_choice(profile, cluster, constants, base)
         options = strategy_schedule(name, base) if schedule is None else schedule
         result = PSJob(profile, cluster, constants, dataclasses.replace(options, profile_iters=max(2, warmup)),
                        iters, warmup).run()
     return dataclasses.replace(result, strategy=name, simulated_in_s=time.perf_counter() - started)
+
+
+def job_choice(profile: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig) -> ScheduleConfig:
+    """The schedule a job's ``--tune`` chooses for ``profile`` on ``cluster``: the job knobs ``base`` leaves free
+    (the fields that differ from their defaults pin theirs), found by the tuner."""
+    from .tuning import chosen_schedule, tune
+
+    fixed = dataclasses.replace(base, tune="none")
+    return chosen_schedule(tune(profile, cluster, constants, fixed, only=base.tuned_knobs), fixed)
 
 
 def bounds(profile: ModelProfile, cluster: Cluster, compute_s: float | None = None) -> tuple[float, float]:

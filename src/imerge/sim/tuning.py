@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
+from imerge.core.knobs import KNOBS, apply, describe, knob_fields, knobs_of
 from imerge.core.schedule_config import ScheduleConfig
 
 from .cluster import Cluster, Constants
@@ -31,43 +31,12 @@ MAX_PASSES = 2
 TUNE_ITERS = 8    # iterations simulated per candidate (the first PROFILED + 1 not timed)
 PROFILED = 2      # iterations fusion cost profiles in a simulated candidate
 
-# knob -> its values, each a set of ScheduleConfig fields; the first value of a knob is its plainest
-KNOBS: dict[str, dict[str, dict[str, Any]]] = {
-    "fusion": {"none": dict(fusion="none"), "size": dict(fusion="size"), "cost": dict(fusion="cost")},
-    "priority": {"on": dict(priority=True), "off": dict(priority=False)},
-    "slots": {"off": dict(slots="off"), "port": dict(slots="ack", slot_scope="shard", slot_width=0),
-              "port/2": dict(slots="ack", slot_scope="shard", slot_width=2),
-              "group": dict(slots="ack", slot_scope="group", slot_width=1)},
-    "partition": {"1 MiB": dict(partition_mib=1.0), "0.25 MiB": dict(partition_mib=0.25),
-                  "4 MiB": dict(partition_mib=4.0)},
-    "placement": {"lpt": dict(placement="lpt"), "stripe": dict(placement="stripe")},
-    "compression": {"none": dict(compression="none"), "fp16": dict(compression="fp16"),
-                    "mixed": dict(compression="mixed")},
-}
-
-
-def apply(base: ScheduleConfig, knobs: Mapping[str, str]) -> ScheduleConfig:
-    fields: dict[str, Any] = {}
-    for knob, value in knobs.items():
-        fields.update(KNOBS[knob][value])
-    return dataclasses.replace(base, **fields)
-
-
-def knobs_of(schedule: ScheduleConfig, allowed: list[str]) -> dict[str, str]:
-    """The knob values ``schedule`` has (a knob whose fields match none of its values: its first value)."""
-    values = {}
-    for knob in allowed:
-        matching = [name for name, fields in KNOBS[knob].items()
-                    if all(getattr(schedule, key) == value for key, value in fields.items())]
-        values[knob] = matching[0] if matching else next(iter(KNOBS[knob]))
-    return values
-
-
 def free_knobs(pinned_fields: set[str], compression_auto: bool) -> tuple[list[str], list[str]]:
     """The knobs the tuner may vary and those the user pinned (any of the knob's fields given by a flag)."""
-    free, pinned = [], []
-    for knob, values in KNOBS.items():
-        fields = {key for choice in values.values() for key in choice}
+    free: list[str] = []
+    pinned: list[str] = []
+    for knob in KNOBS:
+        fields = knob_fields(knob)
         if knob == "compression" and not compression_auto:
             continue
         (pinned if fields & pinned_fields else free).append(knob)
@@ -85,11 +54,15 @@ def simulate_schedule(profile: ModelProfile, cluster: Cluster, constants: Consta
 
 
 def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig,
-         pinned_fields: set[str] = frozenset(), compression_auto: bool = False, iters: int = TUNE_ITERS,
-         progress: Callable[[str], None] = lambda line: None) -> TuningReport:
-    """The fastest schedule the coordinate descent finds from ``base`` (see the module's docstring)."""
+         pinned_fields: frozenset[str] | set[str] = frozenset(), compression_auto: bool = False, iters: int = TUNE_ITERS,
+         progress: Callable[[str], None] = lambda line: None, only: list[str] | None = None) -> TuningReport:
+    """The fastest schedule the coordinate descent finds from ``base`` (see the module's docstring); ``only``:
+    the knobs it may vary (default: every knob not pinned)."""
     started = time.process_time()
     free, pinned = free_knobs(set(pinned_fields), compression_auto)
+    if only is not None:
+        pinned += [knob for knob in free if knob not in only]
+        free = [knob for knob in free if knob in only]
     skipped = []
     if "slots" in free and not cluster.queue_kb:
         free.remove("slots")  # flags only serialize pushes; what they buy is a port queue that does not overflow
@@ -102,7 +75,7 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
         if key not in tried:
             trial = simulate_schedule(profile, cluster, constants, apply(base, knobs), iters)
             tried[key] = dataclasses.replace(trial, knobs=dict(knobs))
-            progress(f"{_describe(knobs)}: {tried[key].mean_iteration_s:.4f} s/it")
+            progress(f"{describe(knobs)}: {tried[key].mean_iteration_s:.4f} s/it")
         return tried[key]
 
     best = predicted(current)
@@ -126,17 +99,13 @@ def chosen_schedule(report: TuningReport, base: ScheduleConfig) -> ScheduleConfi
     return apply(base, report.chosen.knobs)
 
 
-def _describe(knobs: Mapping[str, str]) -> str:
-    return ", ".join(f"{knob} {value}" for knob, value in knobs.items())
-
-
 def explain_markdown(report: TuningReport) -> str:
     """The decision, the runner-up and every candidate simulated, as ``imerge simulate --explain`` prints it."""
     chosen, runner_up = report.chosen, report.runner_up
     lines = [f"{report.model}, {report.workers} workers, {report.shards} shards, links {report.link_gbit:g} Gbit/s: "
-             f"chosen {_describe(chosen.knobs) or 'the given schedule'}, predicted {chosen.mean_iteration_s:.4f} s/it"]
+             f"chosen {describe(chosen.knobs)}, predicted {chosen.mean_iteration_s:.4f} s/it"]
     if runner_up is not None:
-        lines.append(f"runner-up {_describe(runner_up.knobs)}, predicted {runner_up.mean_iteration_s:.4f} s/it "
+        lines.append(f"runner-up {describe(runner_up.knobs)}, predicted {runner_up.mean_iteration_s:.4f} s/it "
                      f"({runner_up.mean_iteration_s / chosen.mean_iteration_s - 1:+.1%})")
     lines.append(f"pinned by flags: {', '.join(report.pinned) or 'none'}; decided in {report.decided_in_cpu_s:.1f} "
                  f"CPU s over {len(report.trials)} simulations")

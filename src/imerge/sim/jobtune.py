@@ -1,0 +1,98 @@
+"""A running job's schedule decision (``--tune``): the tuner fed with what the job measured. Pure but for simpy.
+
+The coordinator calls :func:`decide` at the plan switch with worker 0's
+profile of its first iterations (each unit's forward and backward time, the
+push cost ``alpha + beta * bytes`` fitted to its pushes) and what it knows of
+the cluster: the link rate (``--link-gbit``; unknown: the rate the pushes
+measured, ``1 / beta``), the shard port's queue (``--queue-kb``; unknown: no
+slot flags are tried, there is no incast for them to avoid) and a calibration
+of the constants (``--calibration``; default: real hosts, each its own cores).
+Where the link rate is the measured one, the data path's CPU is already in it
+and is not counted again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from imerge.core.knobs import KNOBS
+from imerge.core.planning import Plan, PlanOptions
+from imerge.core.schedule_config import ScheduleConfig
+
+from .cluster import GBIT, Cluster, Constants
+from .profiles import ModelProfile, from_measurement
+from .results import TuningReport
+from .tuning import tune
+
+DEFAULT_GBIT = 10.0  # the link rate assumed where neither --link-gbit nor a push measured it
+
+
+class Profile(Protocol):
+    """Worker 0's measurement (the control plane's Profile message): when each unit's gradient is ready in
+    backward, its bytes, the push cost, each unit's forward time (empty: not measured)."""
+
+    @property
+    def ready_s(self) -> Sequence[float]: ...
+    @property
+    def unit_bytes(self) -> Sequence[int]: ...
+    @property
+    def alpha_s(self) -> float: ...
+    @property
+    def beta_s_per_byte(self) -> float: ...
+    @property
+    def forward_s(self) -> Sequence[float]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDecision:
+    """What the coordinator publishes: the chosen knob values, and the tuner's report."""
+
+    knobs: dict[str, str]
+    report: TuningReport
+
+    @property
+    def fusion(self) -> str:
+        return self.knobs.get("fusion", "")
+
+
+def job_profile(profile: Profile, plan: Plan, name: str = "job") -> ModelProfile:
+    """The simulator's profile of the job: the plan's units with worker 0's measured times."""
+    forward = list(profile.forward_s) or [0.0] * len(plan.units)
+    backward = [b - a for a, b in zip([0.0, *profile.ready_s[:-1]], profile.ready_s)]
+    return from_measurement(name, [(u.module, u.numel, u.group) for u in plan.units], forward, backward,
+                            profile.alpha_s, profile.beta_s_per_byte)
+
+
+def job_cluster(profile: Profile, plan: Plan, link_gbit: float, queue_kb: float) -> Cluster:
+    """The cluster the job runs on: given link rate, or the one its pushes measured (CPU included)."""
+    workers, shards = plan.num_workers, len(plan.shard_addresses)
+    if link_gbit > 0:
+        return Cluster(workers, shards, link_gbit, link_gbit, queue_kb)
+    measured = 1 / (profile.beta_s_per_byte * GBIT) if profile.beta_s_per_byte > 0 else DEFAULT_GBIT
+    return Cluster(workers, shards, measured, measured, queue_kb, shard_cores=0, worker_cores=0)
+
+
+def job_constants(profile: Profile, calibration: Constants | None) -> Constants:
+    """A calibration as given; else real hosts' defaults with the latency the pushes measured (half of alpha)."""
+    if calibration is not None:
+        return calibration
+    return Constants(latency_s=profile.alpha_s / 2) if profile.alpha_s > 0 else Constants()
+
+
+def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleConfig, *, link_gbit: float = 0.0,
+           queue_kb: float = 0.0, calibration: Constants | None = None,
+           progress: Callable[[str], None] = lambda line: None) -> JobDecision:
+    """The knobs of ``options.tune`` chosen for the job (the others as ``base`` has them)."""
+    base = dataclasses.replace(base, fusion=options.fusion, tune="none")
+    report = tune(job_profile(profile, plan), job_cluster(profile, plan, link_gbit, queue_kb),
+                  job_constants(profile, calibration), base, only=options.tuned_knobs, progress=progress)
+    return JobDecision(dict(report.chosen.knobs), report)
+
+
+def plan_fields(knobs: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The knob values as a plan carries them (every name checked against :data:`KNOBS`)."""
+    for knob, value in knobs.items():
+        if value not in KNOBS.get(knob, {}):
+            raise ValueError(f"unknown knob value {knob}={value!r}")
+    return tuple(sorted(knobs.items()))

@@ -1,0 +1,161 @@
+"""--tune: a job chooses its own schedule at the plan switch, from worker 0's profile, by simulating candidates.
+
+What the user gives pins a knob; the decision travels in plan v2 and every worker applies it at the same
+iteration; at T = 1 whatever it chooses leaves the parameters bit-identical to the schedule as given.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+import imerge
+from imerge.control.messages import LayoutSubmission, Profile
+from imerge.core.config import explicit_fields
+from imerge.core.errors import ConfigError, PlanError, StoreError
+from imerge.core.knobs import JOB_KNOBS, KNOBS
+from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, ParamInfo, Plan, PlanOptions, make_plan
+from imerge.core.schedule_config import ScheduleConfig
+from imerge.sim.jobtune import decide, job_cluster
+from imerge.sim.tuning import MARGIN
+from imerge.workloads.models import build_model
+
+from test_equivalence import OPTIMIZERS, WORKERS, batches
+
+# -- what pins a knob ----------------------------------------------------------------------------
+def test_auto_frees_the_knobs_no_option_gives_and_never_fusion_with_t_above_one():
+    assert ScheduleConfig().tuned(set()).tune == "fusion,priority,slots"
+    assert ScheduleConfig(fusion="none").tuned({"fusion"}).tune == "priority,slots"  # the default given: pinned
+    assert ScheduleConfig().tuned({"slot_width"}).tune == "fusion,priority"  # one field of a knob pins it
+    assert ScheduleConfig(interleave_period=2).tuned(set()).tune == "priority,slots"
+    assert ScheduleConfig().tuned({"fusion", "priority", "slots"}).tune == "none"
+    assert ScheduleConfig(tune="priority").tuned(set()).tune == "priority"  # a resolved value is kept
+    # a config built in code, never resolved: the fields that differ from their defaults pin
+    assert ScheduleConfig(fusion="size").plan_options().tune == "priority,slots"
+    assert ScheduleConfig(tune="none").plan_options().tune == ""
+    assert not ScheduleConfig(tune="none", fusion="size").plan_options().switches
+    assert ScheduleConfig(tune="none", fusion="cost").plan_options().switches
+
+
+def test_an_option_in_the_environment_pins_like_a_flag():
+    env = {"IMERGE_FUSION": "size", "IMERGE_TRACE_DIR": "", "IMERGE_PRIORITY": "0"}
+    assert explicit_fields(ScheduleConfig, {"slots", "not_a_field"}, env) == {"fusion", "priority", "slots"}
+
+
+@pytest.mark.parametrize("value", ["bogus", "fusion,partition", ",", "auto,none"])
+def test_a_tune_value_out_of_its_knobs_is_refused_naming_the_option(value):
+    with pytest.raises(ConfigError, match="--tune") as raised:
+        ScheduleConfig(tune=value)
+    assert "fusion, priority, slots" in str(raised.value)
+    with pytest.raises(PlanError, match="partition"):
+        PlanOptions(tune="fusion,partition").validate()
+
+
+def test_the_decision_travels_in_the_plan_and_the_schedule_in_the_layout():
+    layout = Layout((ParamInfo("a", (300,), "a"), ParamInfo("b", (500,), "b")))
+    plan = make_plan(layout, 2, ["s0:1"], FIRST_PLAN)
+    tuned = Plan(**{**plan.__dict__, "knobs": (("fusion", "size"), ("priority", "off")), "predicted_s": 0.25})
+    assert Plan.from_json(tuned.to_json()) == tuned
+    assert Plan.from_json(json.dumps({k: v for k, v in json.loads(plan.to_json()).items()
+                                      if k not in ("knobs", "predicted_s")})) == plan  # an older plan: not tuned
+    worker = ScheduleConfig(fusion="size", trace_dir="/tmp", profile_out="")
+    sent = LayoutSubmission.decode(LayoutSubmission(layout, worker.plan_options(), worker).encode())
+    assert sent.schedule == ScheduleConfig(fusion="size")  # host-local paths stay on the worker's host
+    broken = json.loads(LayoutSubmission(layout, worker.plan_options(), worker).encode())
+    broken["schedule"]["slots"] = "sometimes"
+    with pytest.raises(StoreError, match="schedule"):
+        LayoutSubmission.decode(json.dumps(broken))
+    with pytest.raises(StoreError, match="forward times"):
+        Profile.decode(json.dumps(dict(ready_s=[0.1, 0.2], unit_bytes=[4, 4], alpha_s=0.0, beta_s_per_byte=0.0,
+                                       forward_s=[0.1])))
+
+
+def test_the_decision_varies_only_the_tuned_knobs_and_tries_flags_only_against_a_port_queue():
+    """A model of four units (the suite's small CNN's sizes) on one shard behind a 100 Mbit/s link: against a
+    shallow port queue three workers' pushes overflow it, so the tuner takes port flags and fewer, larger groups;
+    without a queue it tries no flags."""
+    sizes = [40, 2560, 10240, 131072]
+    layout = Layout(tuple(ParamInfo(f"m{u}", (n // 4,), f"m{u}") for u, n in enumerate(sizes)))
+    plan = make_plan(layout, 3, ["s0:1"], FIRST_PLAN)
+    profile = Profile(ready_s=[1e-3 * (u + 1) for u in range(4)], unit_bytes=sizes, alpha_s=1e-3,
+                      beta_s_per_byte=1e-8, forward_s=[1e-3] * 4)
+    every = PlanOptions(tune="fusion,priority,slots")
+    only = decide(profile, plan, PlanOptions(tune="priority"), ScheduleConfig(tune="none"), queue_kb=2)
+    assert set(only.knobs) == {"priority"} and "fusion" in only.report.pinned
+    chosen = decide(profile, plan, every, ScheduleConfig(tune="none"), link_gbit=0.1, queue_kb=2)
+    assert chosen.knobs["slots"] == "port" and chosen.knobs["fusion"] == "size", chosen.report
+    fastest = min(t.mean_iteration_s for t in chosen.report.trials)  # a tie within the margin keeps the given value
+    assert chosen.report.runner_up and chosen.report.chosen.mean_iteration_s <= fastest * (1 + MARGIN)
+    unqueued = decide(profile, plan, every, ScheduleConfig(tune="none"), link_gbit=0.1)
+    assert "slots" not in unqueued.knobs and unqueued.report.skipped
+    assert all(value in KNOBS[knob] for knob, value in chosen.knobs.items()) and set(chosen.knobs) <= set(JOB_KNOBS)
+    assert job_cluster(profile, plan, 0, 0).worker_gbit == pytest.approx(0.8)  # the pushes' rate: 1 / beta
+    assert job_cluster(profile, plan, 25, 16).worker_gbit == 25 and job_cluster(profile, plan, 25, 16).queue_kb == 16
+
+
+# -- a real job --------------------------------------------------------------------------------------
+def _run(c, data, keywords: bool = False, **options) -> list[dict[str, torch.Tensor]]:
+    """The job on cluster ``c``: each worker's config built in code, or (``keywords``) from imerge.distribute's
+    keywords, as a script passes them."""
+    models = [build_model("digits-cnn", seed=0) for _ in range(WORKERS)]
+
+    def body(rank: int):
+        if keywords:
+            model = imerge.distribute(models[rank], OPTIMIZERS["sgd"], job=c.job, redis_url=c.redis_url, rank=rank,
+                                      world_size=WORKERS, wait_timeout_s=60, **options)
+        else:
+            model = imerge.distribute(models[rank], OPTIMIZERS["sgd"], c.worker_config(rank, **options))
+        with model:
+            for step in data:
+                x, y = step[rank]
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+    return c.run_workers(body)
+
+
+def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_the_given_one_does(cluster):
+    """The coordinator is told the shard sits behind a 1 Mbit/s link with a 2 kB port queue: three workers' pushes
+    overflow it, so the tuner takes slot flags, and the workers really take them from the switch on (whatever it
+    chose of fusion and priority as well); the parameters equal, bit for bit, those of the schedule as given
+    (--tune none: one group per module, no flags)."""
+    from imerge.coordinator.metrics import coordinator_registry
+
+    data = batches()
+    tuned = cluster(WORKERS, 1, coordinator_options=dict(link_gbit=0.001, queue_kb=2))
+    results = _run(tuned, data, profile_iters=3)
+    plan = tuned.coordinator.plan
+    assert plan is not None and plan.version == COST_PLAN and plan.predicted_s > 0
+    knobs = dict(plan.knobs)
+    assert knobs["slots"] != "off" and set(knobs) == {"fusion", "priority", "slots"}, knobs
+    scraped = generate_latest(coordinator_registry(tuned.coordinator.store, WORKERS, 1000.0,
+                                                   lambda: tuned.coordinator.plan, lambda: 0)).decode()
+    assert f"imerge_schedule_predicted_seconds {plan.predicted_s}" in scraped
+    assert (f'imerge_schedule_info{{fusion="{knobs["fusion"]}",priority="{knobs["priority"]}",'
+            f'slots="{knobs["slots"]}"}} 1.0') in scraped
+    granted = [line for line in scraped.splitlines() if line.startswith("imerge_coordinator_flags_granted_total")]
+    assert granted and float(granted[0].split()[-1]) > 0, scraped  # the workers took flags after the switch
+
+    given = cluster(WORKERS, 1)
+    expected = _run(given, data, profile_iters=3, tune="none")
+    assert given.coordinator.plan.version == FIRST_PLAN and len(given.coordinator.plan.groups) == 4
+    assert "imerge_schedule_info" not in generate_latest(coordinator_registry(
+        given.coordinator.store, WORKERS, 1000.0, lambda: given.coordinator.plan, lambda: 0)).decode()
+    for worker, params in enumerate(results):
+        for name, value in expected[0].items():
+            assert torch.equal(params[name], value), f"worker {worker}, {name} differs after the switch"
+
+
+def test_a_pinned_knob_is_kept_and_a_job_shorter_than_its_profile_ends_on_the_first_plan(cluster):
+    data = batches()
+    pinned = cluster(WORKERS, 1)
+    _run(pinned, data[:6], keywords=True, profile_iters=3, fusion="none", priority=False)  # given, default or not
+    # the one free knob, slots, is not tried without a port queue: nothing to choose, the schedule as given
+    assert pinned.coordinator.plan.version == COST_PLAN and pinned.coordinator.plan.knobs == ()
+    short = cluster(WORKERS, 1)
+    _run(short, data[:2], profile_iters=3)
+    short._thread.join(30)
+    assert short.coordinator_result == [0] and short.coordinator.plan.version == FIRST_PLAN
+
