@@ -6,6 +6,7 @@ iteration; at T = 1 whatever it chooses leaves the parameters bit-identical to t
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -116,13 +117,14 @@ def _run(c, data, keywords: bool = False, **options) -> list[dict[str, torch.Ten
     return c.run_workers(body)
 
 
-def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_the_given_one_does(cluster):
+def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_the_given_one_does(cluster, caplog):
     """The coordinator is told the shard sits behind a 1 Mbit/s link with a 2 kB port queue: three workers' pushes
     overflow it, so the tuner takes slot flags, and the workers really take them from the switch on (whatever it
     chose of fusion and priority as well); the parameters equal, bit for bit, those of the schedule as given
     (--tune none: one group per module, no flags)."""
     from imerge.coordinator.metrics import coordinator_registry
 
+    caplog.set_level(logging.INFO, "imerge.telemetry.progress")
     data = batches()
     tuned = cluster(WORKERS, 1, coordinator_options=dict(link_gbit=0.001, queue_kb=2))
     results = _run(tuned, data, profile_iters=3)
@@ -135,6 +137,9 @@ def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_t
     assert f"imerge_schedule_predicted_seconds {plan.predicted_s}" in scraped
     assert (f'imerge_schedule_info{{fusion="{knobs["fusion"]}",priority="{knobs["priority"]}",'
             f'slots="{knobs["slots"]}"}} 1.0') in scraped
+    assert plan.runner_up and plan.runner_up_s >= plan.predicted_s
+    reported = [r.getMessage() for r in caplog.records if "event=schedule" in r.getMessage()]
+    assert len(reported) == 1 and f"predicted_s={plan.predicted_s:.4g}" in reported[0], reported  # worker 0 only
     granted = [line for line in scraped.splitlines() if line.startswith("imerge_coordinator_flags_granted_total")]
     assert granted and float(granted[0].split()[-1]) > 0, scraped  # the workers took flags after the switch
 
@@ -159,3 +164,24 @@ def test_a_pinned_knob_is_kept_and_a_job_shorter_than_its_profile_ends_on_the_fi
     short._thread.join(30)
     assert short.coordinator_result == [0] and short.coordinator.plan.version == FIRST_PLAN
 
+
+
+def test_the_launcher_and_the_benchmark_say_what_was_chosen_and_what_it_predicted():
+    from imerge.bench.report import markdown
+    from imerge.bench.runner import summarize
+    from imerge.core.bench_results import RunResult
+    from imerge.core.strategies import SCENARIOS
+    from imerge.ops.launch import schedule_line
+
+    event = {"event": "schedule", "iteration": 5, "knobs": {"fusion": "size", "priority": "on"},
+             "predicted_s": 1.23456, "runner_up": {"fusion": "none", "priority": "on"}, "runner_up_s": 1.3}
+    assert schedule_line(event) == ("schedule chosen by --tune from iteration 5: fusion size, priority on, predicted "
+                                    "1.235 s/it; runner-up fusion none, priority on, 1.300 s/it")
+    rounds = [RunResult("auto", [1.0, 1.2], 1.1, 1.2, 2, schedule=f"fusion {f}", predicted_s=p)
+              for f, p in (("size", 1.0), ("none", 1.2))]
+    report = summarize(SCENARIOS["B1"], {"auto": rounds, "wfbp": [RunResult("wfbp", [1.5], 1.5, 1.5, 1)]})
+    assert report.strategies["auto"].schedule == "fusion size; fusion none"
+    assert report.strategies["auto"].predicted_s == pytest.approx(1.1)
+    assert report.strategies["wfbp"].predicted_s is None
+    assert "auto: --tune chose fusion size; fusion none, predicted 1.100 s/it (measured mean 1.100 s/it)" \
+        in markdown(report)

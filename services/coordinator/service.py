@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 from imerge.control.messages import (FailureReport, GenerationEvent, JobLease, LayoutSubmission, Malformed, Member,
                                      PlanPublished, Profile, WorkerDone)
@@ -28,7 +29,7 @@ from imerge.core.knobs import describe
 from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, Plan, PlanOptions, fuse_cost, make_plan
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.sim.cluster import Constants
-from imerge.sim.jobtune import JobDecision, decide, plan_fields
+from imerge.sim.jobtune import JobDecision, decide
 from imerge.telemetry.metrics import MetricsServer
 
 from .metrics import coordinator_registry
@@ -137,13 +138,12 @@ class Coordinator:
         if profile is None:
             log.info("every worker finished before worker 0's profile: the job kept plan v%d", first.version)
             return first
-        knobs: dict[str, str] = {}
-        predicted_s = 0.0
+        tuned: dict[str, Any] = {}
         groups = None
         if options.tuned_knobs:
             decision = self._decide(profile, first, options, base or ScheduleConfig())
             if decision is not None:
-                knobs, predicted_s = decision.knobs, decision.report.chosen.mean_iteration_s
+                tuned = decision.plan_fields()
                 options = dataclasses.replace(options, fusion=decision.fusion or options.fusion)
         if options.fusion == "cost":
             groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
@@ -151,7 +151,7 @@ class Coordinator:
                      profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
         plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
                          groups=groups, blocks_of=first.blocks)
-        plan = dataclasses.replace(plan, knobs=plan_fields(knobs), predicted_s=predicted_s)
+        plan = dataclasses.replace(plan, **tuned)
         self._publish(plan)
         return plan
 

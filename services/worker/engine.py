@@ -30,6 +30,7 @@ from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.knobs import apply, describe
 from imerge.core.planning import COST_PLAN, Plan
+from imerge.telemetry import progress
 from imerge.telemetry.timeline import Timeline
 
 from . import hooks, rounds
@@ -164,6 +165,10 @@ class SyncEngine:
         self.use_plan(plan, self.block_rounds())
         if plan.knobs:
             self._use_knobs(plan)
+        if plan.predicted_s and self.config.rank == 0:  # imerge launch prints it; imerge bench records it
+            progress.report("schedule", iteration=self.iteration, plan=plan.version, knobs=dict(plan.knobs),
+                            predicted_s=plan.predicted_s, runner_up=dict(plan.runner_up),
+                            runner_up_s=plan.runner_up_s)
         self._stop_profiling(schedule_start=self.iteration)
         log.info("worker %d: plan v%d with %d groups from iteration %d%s", self.config.rank, plan.version,
                  len(plan.groups), self.iteration, f" ({describe(plan.knobs)}, chosen by --tune)" if plan.knobs else "")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,11 @@ def markdown(report: BenchReport | ScalingReport) -> str:
     for name, result in report.strategies.items():
         lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, key), fmt, key) for key, _, fmt in COLUMNS)
                      + " |")
+    for name, result in report.strategies.items():
+        if result.schedule:
+            predicted = f", predicted {result.predicted_s:.3f} s/it" if result.predicted_s else ""
+            lines.append(f"\n{name}: --tune chose {result.schedule}{predicted} (measured mean "
+                         f"{statistics.fmean(result.iteration_s):.3f} s/it).")
     return "\n".join(lines) + "\n"
 
 

@@ -25,6 +25,7 @@ from rich.console import Console
 from imerge.core.bench_results import BenchReport, RunResult, ScalingReport, StrategyResult
 from imerge.core.config import option, require
 from imerge.core.errors import IMergeError
+from imerge.core.knobs import describe
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
 from imerge.bench.testbed import HostCounters, Testbed, TestbedConfig, job_roles, start_redis
 from imerge.core.strategies import INCAST, SCENARIOS, STRATEGIES, TCP_CONGESTION, Scenario, warmup_iterations
@@ -185,6 +186,7 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
     traces = trace_metrics(run_dir / "trace", scenario.workers, skip)
     retrans = sum(last[h].tcp_retrans_segs - first[h].tcp_retrans_segs for h in sampler.hosts)
     iteration_s = [e["seconds"] for e in timed]
+    chosen = [e for e in events if e.get("event") == "schedule"]
     return RunResult(
         name, iteration_s, statistics.median(iteration_s), percentile(iteration_s, 0.9), len(iteration_s),
         compute_s=statistics.median(traces.compute_s) if traces.compute_s else None,
@@ -198,7 +200,9 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
         tcp_retransmissions=retrans,
         utilization_series=[(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
                             for t, counters in sampler.samples],
-        trace_dir=str(run_dir / "trace"))
+        trace_dir=str(run_dir / "trace"),
+        schedule=describe(chosen[-1].get("knobs") or {}) if chosen else "",
+        predicted_s=chosen[-1].get("predicted_s") if chosen else None)
 
 
 def model_size(model: str) -> int:
@@ -222,8 +226,11 @@ def summarize(scenario: Scenario, runs: dict[str, list[RunResult]], name: str = 
     merged = {}
     for strategy, results in runs.items():  # the bound from the model's bytes spread evenly: an unbalanced
         bound = max(compute, ring if strategy == "ddp" else even_ps)  # placement is not forgiven
+        predicted = [r.predicted_s for r in results if r.predicted_s]
         merged[strategy] = StrategyResult(**{
             **dataclasses.asdict(results[-1]), "iteration_s": iteration_s[strategy],
+            "schedule": "; ".join(r.schedule for r in results if r.schedule),
+            "predicted_s": statistics.fmean(predicted) if predicted else None,
             "median_iteration_s": medians[strategy], "p90_iteration_s": percentile(iteration_s[strategy], 0.9),
             "rounds": len(results), "bound_s": bound, "ratio_to_bound": medians[strategy] / bound if bound else None,
             "ratio_to_ddp": medians[strategy] / medians["ddp"] if "ddp" in medians else None})

@@ -62,6 +62,8 @@ class RunResult:
     tcp_retransmissions: int = 0
     utilization_series: list[tuple[float, dict[str, int]]] = dataclasses.field(default_factory=list)
     trace_dir: str = ""
+    schedule: str = ""                      # what --tune chose (the strategy auto): its knobs, per round
+    predicted_s: float | None = None        # ... and the seconds per iteration it predicted (the rounds' mean)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -141,6 +141,8 @@ class Plan:
     groups: tuple[Group, ...]
     knobs: tuple[tuple[str, str], ...] = ()  # the knob values the coordinator chose (--tune): the workers apply them
     predicted_s: float = 0.0  # the chosen schedule's predicted seconds per iteration (0: not tuned)
+    runner_up: tuple[tuple[str, str], ...] = ()  # the fastest candidate with other knob values, and its prediction
+    runner_up_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -155,7 +157,9 @@ class Plan:
                    groups=tuple(Group(g["index"], tuple(g["units"]), g["offset"], g["numel"], tuple(g["blocks"]))
                                 for g in raw["groups"]),
                    knobs=tuple((str(k), str(v)) for k, v in raw.get("knobs", ())),
-                   predicted_s=float(raw.get("predicted_s", 0.0)))
+                   predicted_s=float(raw.get("predicted_s", 0.0)),
+                   runner_up=tuple((str(k), str(v)) for k, v in raw.get("runner_up", ())),
+                   runner_up_s=float(raw.get("runner_up_s", 0.0)))
 
     def group_blocks(self, group: Group) -> list[Block]:
         return [self.blocks[i] for i in group.blocks]

@@ -475,6 +475,8 @@ class Launcher:
                 for event in self._read_events(stream, buffer, 0.2):
                     event["received"] = time.time()
                     self.events.append(event)
+                    if event.get("event") == "schedule" and not self.quiet:
+                        self._say("bold", schedule_line(event))
                     if event.get("event") == "iteration":
                         loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
                         bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),
@@ -612,3 +614,14 @@ class Launcher:
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
         Console().print(table)
 
+
+def schedule_line(event: dict[str, Any]) -> str:
+    """Worker 0's report of the schedule --tune chose, as one console line."""
+    from imerge.core.knobs import describe
+
+    line = (f"schedule chosen by --tune from iteration {event.get('iteration', '?')}: "
+            f"{describe(dict(event.get('knobs') or {}))}, predicted {_figure(event, 'predicted_s', 3)} s/it")
+    if event.get("runner_up_s"):
+        line += (f"; runner-up {describe(dict(event.get('runner_up') or {}))}, "
+                 f"{_figure(event, 'runner_up_s', 3)} s/it")
+    return line

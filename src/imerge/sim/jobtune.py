@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from imerge.core.knobs import KNOBS
 from imerge.core.planning import Plan, PlanOptions
@@ -55,6 +55,14 @@ class JobDecision:
     def fusion(self) -> str:
         return self.knobs.get("fusion", "")
 
+    def plan_fields(self) -> dict[str, Any]:
+        """The decision as the plan carries it (:class:`~imerge.core.planning.Plan`'s knobs, predicted_s, runner_up,
+        runner_up_s); every knob value checked against :data:`KNOBS`."""
+        runner = self.report.runner_up
+        return {"knobs": plan_knobs(self.knobs), "predicted_s": self.report.chosen.mean_iteration_s,
+                "runner_up": plan_knobs(runner.knobs) if runner else (),
+                "runner_up_s": runner.mean_iteration_s if runner else 0.0}
+
 
 def job_profile(profile: Profile, plan: Plan, name: str = "job") -> ModelProfile:
     """The simulator's profile of the job: the plan's units with worker 0's measured times."""
@@ -90,7 +98,7 @@ def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleCon
     return JobDecision(dict(report.chosen.knobs), report)
 
 
-def plan_fields(knobs: dict[str, str]) -> tuple[tuple[str, str], ...]:
+def plan_knobs(knobs: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """The knob values as a plan carries them (every name checked against :data:`KNOBS`)."""
     for knob, value in knobs.items():
         if value not in KNOBS.get(knob, {}):
