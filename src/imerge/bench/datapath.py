@@ -123,7 +123,7 @@ class DatapathReport(JsonReport):
 
 def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> DatapathRun:
     """One run of ``strategy`` on loopback; its s/it and per-role throughput and CPU cost."""
-    from imerge.core.strategies import warmup_iterations
+    from imerge.core.strategies import untimed_iterations, warmup_iterations
 
     ddp = strategy == "ddp"
     skip = 2 if ddp else warmup_iterations(iters)
@@ -141,7 +141,7 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
     if code != 0:
         raise IMergeError(f"datapath: strategy {strategy} failed (exit code {code}); logs in {out}")
     steps = [e for e in launcher.events if e.get("event") == "iteration" and e.get("rank", 0) == 0]
-    timed = [e for e in steps if e["iteration"] > skip]
+    timed = [e for e in steps if e["iteration"] > (skip if ddp else untimed_iterations(iters))]
     if len(timed) < 3:
         raise IMergeError(f"datapath: only {len(timed)} timed iterations; run more --iters")
     start, end = timed[0]["received"], timed[-1]["received"]

@@ -28,7 +28,8 @@ from imerge.core.errors import IMergeError
 from imerge.core.knobs import describe
 from imerge.ops.launch import LaunchConfig, Launcher, TestbedHosts
 from imerge.bench.testbed import HostCounters, Testbed, TestbedConfig, job_roles, start_redis
-from imerge.core.strategies import INCAST, SCENARIOS, STRATEGIES, TCP_CONGESTION, Scenario, warmup_iterations
+from imerge.core.strategies import (INCAST, SCENARIOS, STRATEGIES, TCP_CONGESTION, Scenario, untimed_iterations,
+                                    warmup_iterations)
 
 
 
@@ -165,7 +166,7 @@ def run_strategy(name: str, scenario: Scenario, iters: int, out: Path, rounds_di
 
 def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler: CounterSampler,
             run_dir: Path, iters: int) -> RunResult:
-    skip = warmup_iterations(iters) if name != "ddp" else 2
+    skip = untimed_iterations(iters) if name != "ddp" else 2
     steps = [e for e in events if e.get("event") == "iteration"]
     timed = [e for e in steps if e["iteration"] > skip] or steps
     window = sampler.window(timed[0]["received"], timed[-1]["received"])

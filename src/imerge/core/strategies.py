@@ -62,3 +62,10 @@ SCENARIOS = {
 def warmup_iterations(iters: int) -> int:
     """Iterations not timed: warm-up, and the profile of fusion cost (which runs that long)."""
     return min(5, max(2, iters // 4))
+
+
+def untimed_iterations(iters: int) -> int:
+    """Iterations a measurement of a PS strategy leaves out: the warm-up and the one after it. A plan switch
+    (fusion cost's, --tune's) synchronizes every push at the warm-up's end, so the next iteration waits for
+    nothing and reads fast; the benchmark and the simulator leave it out for every strategy alike."""
+    return warmup_iterations(iters) + 1

@@ -98,7 +98,7 @@ class WorkerClass:
     ready: list[list[float]] = dataclasses.field(default_factory=list)   # profiled: each unit's gradient ready
     pushes: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # profiled: (bytes, seconds)
     fixed: FixedSlots | None = None
-    moved_before: tuple[float, float] = (0.0, 0.0)  # its links' bytes when the timed iterations began
+    moved_before: tuple[float, float] = (0.0, 0.0)  # its links' bytes when counting began
 
 
 class PSJob:
@@ -108,6 +108,9 @@ class PSJob:
                  iters: int, warmup: int, max_shard_classes: int = 16):
         self.profile, self.cluster, self.k, self.schedule = profile, cluster, constants, schedule
         self.iters, self.warmup, self.max_shard_classes = iters, warmup, max_shard_classes
+        # bytes are counted from the iteration before the first timed one: the first after a plan switch, when
+        # nothing is in flight (its time is not taken: it waits for nothing)
+        self._bytes_from = max(0, warmup - 1)
         self.env = simpy.Environment()
         self.fabric = Fabric(self.env, constants.cores)
         self.host_cap = constants.host_gbit * GBIT if constants.host_gbit else math.inf
@@ -270,7 +273,7 @@ class PSJob:
         profiling = self.cost_plan is not None
         for iteration in range(self.iters):
             worker.starts.append(self.env.now)
-            if iteration == self.warmup:
+            if iteration == self._bytes_from:
                 self.fabric.settle()
                 worker.moved_before = (worker.uplink.busy, worker.downlink.busy)
             waited = yield from self._forward(worker)
@@ -557,6 +560,6 @@ class PSJob:
         up = worker.uplink.busy - worker.moved_before[0]
         down = worker.downlink.busy - worker.moved_before[1]
         return SimRun(timed, statistics.median(timed), statistics.fmean(timed), statistics.fmean(waited),
-                      max(up, down) / max(1, len(timed)), self.env.now, len(self.workers), len(self.shard_classes),
+                      max(up, down) / max(1, self.iters - self._bytes_from), self.env.now, len(self.workers), len(self.shard_classes),
                       len((self.published or self.first_plan).groups))
 

@@ -16,7 +16,7 @@ from typing import Any
 from imerge.core.config import option, require
 from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import ScheduleConfig
-from imerge.core.strategies import INCAST, SCENARIOS, SCHEDULES, STRATEGIES, warmup_iterations
+from imerge.core.strategies import INCAST, SCENARIOS, SCHEDULES, STRATEGIES, untimed_iterations, warmup_iterations
 
 from .cluster import GBIT, Cluster, Constants
 from .ddp import DDPJob, ring_bytes
@@ -136,7 +136,7 @@ def simulate_one(name: str, profile: ModelProfile, cluster: Cluster, constants: 
             schedule = job_choice(profile, cluster, constants, base)
         options = strategy_schedule(name, base) if schedule is None else schedule
         result = PSJob(profile, cluster, constants, dataclasses.replace(options, profile_iters=max(2, warmup)),
-                       iters, warmup).run()
+                       iters, untimed_iterations(iters)).run()
     return dataclasses.replace(result, strategy=name, simulated_in_s=time.perf_counter() - started)
 
 
