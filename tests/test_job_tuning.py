@@ -96,6 +96,26 @@ def test_the_decision_varies_only_the_tuned_knobs_and_tries_flags_only_against_a
     assert job_cluster(profile, plan, 25, 16).worker_gbit == 25 and job_cluster(profile, plan, 25, 16).queue_kb == 16
 
 
+def test_a_profile_measured_on_shared_cores_is_taken_back_to_the_simulators_alone_times():
+    """On the testbed every process shares the machine's cores: worker 0's profile holds the contention of the
+    others, which the simulator adds again. Measured as the simulator says a job of the alone-times would run,
+    the profile comes back to those alone-times; on real hosts (no shared cores) it is kept as measured."""
+    from imerge.sim.cluster import Cluster, Constants
+    from imerge.sim.jobtune import uncontended
+    from imerge.sim.profiles import measured
+    from imerge.sim.testbed import testbed_constants
+    from imerge.sim.tuning import simulate_schedule
+
+    alone, cluster, shared = measured("resnet18"), Cluster(3, 3, 1.0), testbed_constants()
+    schedule = ScheduleConfig(tune="none")
+    run = simulate_schedule(alone, cluster, shared, schedule)
+    as_measured = alone.scaled(run.mean_iteration_s - run.exposed_comm_s)  # what worker 0's clock would read
+    assert as_measured.compute_s > 1.3 * alone.compute_s  # three workers' compute on two cores
+    recovered = uncontended(as_measured, cluster, shared, schedule)
+    assert recovered.compute_s == pytest.approx(alone.compute_s, rel=0.05)
+    assert uncontended(as_measured, cluster, Constants(), schedule) is as_measured
+
+
 # -- a real job --------------------------------------------------------------------------------------
 def _run(c, data, keywords: bool = False, **options) -> list[dict[str, torch.Tensor]]:
     """The job on cluster ``c``: each worker's config built in code, or (``keywords``) from imerge.distribute's

@@ -485,3 +485,40 @@ def test_a_role_user_makes_its_facets_writes_and_no_other_facets(secured_redis, 
         admin.close()
         own.close()
         everything.close()
+
+
+def test_the_re_tuning_keys_follow_the_roles(secured_redis):
+    """Online re-tuning: a worker records its polls and worker 0 its windows; only the coordinator publishes a
+    re-tuned plan (a Lua script, as its own user); a shard touches neither."""
+    import dataclasses
+
+    from imerge.control.messages import PlanPublished, Window
+    from imerge.control.store import CoordinatorStore, WorkerStore
+    from imerge.core.planning import Layout, ParamInfo, make_plan
+
+    worker = WorkerStore(role_url(secured_redis, "worker"), "secured")
+    coordinator = CoordinatorStore(role_url(secured_redis, "coordinator"), "secured")
+    shard = Store(role_url(secured_redis, "ps"), "secured")
+    admin = redis.Redis.from_url(secured_redis.url)
+    plan = make_plan(Layout((ParamInfo("a", (8,), "a"),)), 1, ["s0:1"], 3)
+    try:
+        assert worker.poll_plans(0, 20) == 0
+        worker.submit_window(Window(0, 2, 20, 0.5, 0.1))
+        assert coordinator.publish_switch(PlanPublished(dataclasses.replace(plan, switch_at=60)), 1, 40) == -1
+        assert worker.poll_plans(0, 40) == 3
+        with pytest.raises(StoreError, match="no permissions"):
+            shard.poll_plans(0, 60)
+        with pytest.raises(StoreError, match="no permissions"):
+            shard.submit_window(Window(0, 2, 20, 0.5, 0.1))
+        as_worker = Store(role_url(secured_redis, "worker"), "secured")  # every facet's method, the worker's user
+        try:
+            with pytest.raises(StoreError, match="no permissions"):
+                as_worker.publish_switch(PlanPublished(dataclasses.replace(plan, version=4, switch_at=80)), 1, 60)
+        finally:
+            as_worker.close()
+    finally:
+        admin.delete(*(f"imerge:secured:{key}" for key in ("worker:0:polled", "windows:queue", "plan:latest",
+                                                            "event:plan:3", "event:plan:3:value")))
+        for store in (worker, coordinator, shard):
+            store.close()
+        admin.close()

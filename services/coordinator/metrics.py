@@ -21,9 +21,9 @@ FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted a
 
 class _CoordinatorCollector(Collector):
     def __init__(self, store: StoreBase, num_workers: int, plan: Callable[[], Plan | None],
-                 generation: Callable[[], int]):
+                 generation: Callable[[], int], retuning: Callable[[], tuple[int, int] | None]):
         self.store, self.num_workers, self.plan = store, num_workers, plan
-        self.generation = generation
+        self.generation, self.retuning = generation, retuning
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
         plan = self.plan()
@@ -35,6 +35,12 @@ class _CoordinatorCollector(Collector):
             knobs = dict(plan.knobs)
             yield InfoMetricFamily("imerge_schedule", "The schedule --tune chose (a knob not tuned: given)",
                                    value={knob: knobs.get(knob, "given") for knob in JOB_KNOBS})
+        counts = self.retuning()
+        if counts is not None:  # online re-tuning
+            yield CounterMetricFamily("imerge_schedule_evaluations", "Times online re-tuning decided again after "
+                                      "the job drifted from its schedule's expected time", value=counts[0])
+            yield CounterMetricFamily("imerge_schedule_switches", "Times online re-tuning switched the schedule",
+                                      value=counts[1])
         yield GaugeMetricFamily("imerge_coordinator_generation", "The job generation (recoveries so far)",
                                 value=self.generation())
         try:
@@ -54,7 +60,8 @@ class _CoordinatorCollector(Collector):
 
 
 def coordinator_registry(store: StoreBase, num_workers: int, link_mbps: float, plan: Callable[[], Plan | None],
-                         generation: Callable[[], int]) -> CollectorRegistry:
+                         generation: Callable[[], int],
+                         retuning: Callable[[], tuple[int, int] | None] = lambda: None) -> CollectorRegistry:
     registry = role_registry(link_mbps)
-    registry.register(_CoordinatorCollector(store, num_workers, plan, generation))
+    registry.register(_CoordinatorCollector(store, num_workers, plan, generation, retuning))
     return registry

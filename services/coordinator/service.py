@@ -17,23 +17,22 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
 
 from imerge.control.messages import (FailureReport, GenerationEvent, JobLease, LayoutSubmission, Malformed, Member,
-                                     PlanPublished, Profile, WorkerDone)
+                                     PlanPublished, Profile, Window, WorkerDone)
 from imerge.control.store import CoordinatorStore
 from imerge.core.config import CommonConfig, option, require
 from imerge.core.errors import (IMergeError, JobFailed, JobTaken, LayoutMismatchError, PlanError, StoreError,
                                 WaitTimeout)
-from imerge.core.knobs import describe
-from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, Plan, PlanOptions, fuse_cost, make_plan
+from imerge.core.planning import COST_PLAN, FIRST_PLAN, Layout, Plan, PlanOptions, make_plan
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.sim.cluster import Constants
-from imerge.sim.jobtune import JobDecision, decide
+from imerge.sim.jobtune import JobDecision, decided_plan
 from imerge.telemetry.metrics import MetricsServer
 
 from .metrics import coordinator_registry
 from .recovery import RecoveryImpossible, RecoveryPolicy
+from .retuning import RetuneContext, Retuner, decide_logged
 
 log = logging.getLogger(__name__)
 REDIS_STALL_S = 1.0  # a Redis call this much slower than asked means Redis stalled: heartbeats are no evidence
@@ -92,6 +91,7 @@ class Coordinator:
         self.store = store or CoordinatorStore(config.redis_url, config.job)
         self._stop = threading.Event()
         self.plan: Plan | None = None  # the latest published plan
+        self.retuner: Retuner | None = None  # online re-tuning, once --tune decided (with --retune-window)
         self.recovery = RecoveryPolicy(config.num_shards, config.recover, config.max_recoveries)
         self._alive: set[Member] = set()  # members seen alive in the current generation
         self._claimed: set[int] = set()  # workers reported done (counted done once they left the job)
@@ -138,46 +138,23 @@ class Coordinator:
         if profile is None:
             log.info("every worker finished before worker 0's profile: the job kept plan v%d", first.version)
             return first
-        tuned: dict[str, Any] = {}
-        groups = None
+        decision = None
         if options.tuned_knobs:
             decision = self._decide(profile, first, options, base or ScheduleConfig())
-            if decision is not None:
-                tuned = decision.plan_fields()
-                options = dataclasses.replace(options, fusion=decision.fusion or options.fusion)
-        if options.fusion == "cost":
-            groups = fuse_cost(profile.ready_s, profile.unit_bytes, profile.alpha_s, profile.beta_s_per_byte)
+        plan = decided_plan(layout, options, first, profile, decision.knobs if decision else {},
+                            decision.plan_fields() if decision else {}, COST_PLAN)
+        if ((decision.fusion if decision else "") or options.fusion) == "cost":
             log.info("cost plan from alpha %.2e s, beta %.2e s/B: %d units in %d groups", profile.alpha_s,
-                     profile.beta_s_per_byte, len(profile.unit_bytes), len(groups))
-        plan = make_plan(layout, first.num_workers, first.shard_addresses, COST_PLAN, options,
-                         groups=groups, blocks_of=first.blocks)
-        plan = dataclasses.replace(plan, **tuned)
+                     profile.beta_s_per_byte, len(profile.unit_bytes), len(plan.groups))
         self._publish(plan)
+        if decision is not None and options.retune_window:
+            context = RetuneContext(layout, options, first, base or ScheduleConfig(), profile)
+            self.retuner = Retuner(self.config, self.store, context, plan)
         return plan
 
     def _decide(self, profile: Profile, first: Plan, options: PlanOptions, base: ScheduleConfig
                 ) -> JobDecision | None:
-        """--tune's decision, logged with its prediction and the runner-up's; None (the given schedule kept) where
-        the simulation cannot run on this profile."""
-        cfg = self.config
-        try:
-            calibration = Constants.read(cfg.calibration) if cfg.calibration else None
-            decision = decide(profile, first, options, base, link_gbit=cfg.link_gbit, queue_kb=cfg.queue_kb,
-                              calibration=calibration)
-        except (IMergeError, ValueError, ArithmeticError) as exc:
-            log.error("--tune could not simulate the candidates (%s); the job keeps the given schedule", exc)
-            return None
-        report = decision.report
-        runner = report.runner_up
-        log.info("schedule chosen by --tune: %s, predicted %.4f s/it; runner-up %s, %s; tuned %s on a cluster of "
-                 "%d workers, %d shards, links %.3g Gbit/s; decided in %.1f CPU s over %d simulations",
-                 describe(decision.knobs), report.chosen.mean_iteration_s,
-                 describe(runner.knobs) if runner else "none",
-                 f"predicted {runner.mean_iteration_s:.4f} s/it" if runner else "-", ", ".join(options.tuned_knobs),
-                 report.workers, report.shards, report.link_gbit, report.decided_in_cpu_s, len(report.trials))
-        for reason in report.skipped:
-            log.info("--tune did not try %s", reason)
-        return decision
+        return decide_logged(self.config, profile, first, options, base, link_gbit=self.config.link_gbit)
 
     def _await_profile(self) -> Profile | None:
         """Worker 0's profile (--fusion cost, --tune), watching the job meanwhile: a failure during the profiled
@@ -244,6 +221,8 @@ class Coordinator:
                 self._claimed.add(report.rank)
                 self._claimed_at.setdefault(report.rank, time.monotonic())
                 self._confirm_done(done)
+            elif isinstance(report, Window):
+                self._take_window(report)
             elif report is not None:
                 self.handle_failure(report)
             else:
@@ -255,6 +234,15 @@ class Coordinator:
                 raise
             log.warning("%s; retrying", exc)
             self._stop.wait(0.5)
+
+    def _take_window(self, window: Window) -> None:
+        """Worker 0's window: online re-tuning may decide again and publish the next plan."""
+        if self.retuner is None:
+            log.debug("a window report was ignored: this job does not re-tune")
+        elif window.generation == self.recovery.generation:
+            plan = self.retuner.take(window)
+            if plan is not None:
+                self.plan = plan
 
     def _check_members(self, done: set[int]) -> None:
         cfg = self.config
@@ -305,7 +293,8 @@ class Coordinator:
 
     def serve_metrics(self) -> MetricsServer:
         registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
-                                        lambda: self.plan, lambda: self.recovery.generation)
+                                        lambda: self.plan, lambda: self.recovery.generation,
+                                        lambda: self.retuner.counts() if self.retuner else None)
         return MetricsServer(registry, self.config.metrics_port, "coordinator", self.config.metrics_address(),
                              ports_file=self.config.ports_file)
 

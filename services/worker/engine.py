@@ -45,6 +45,7 @@ from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
+from .retuning import Retuning
 from .saving import block_states, check_optimizer_state
 from .shard_blocks import ShardBlocks
 from .waits import Waits
@@ -74,6 +75,7 @@ class SyncEngine:
                                   config.wait_timeout_s, generation)
         self.state = self._hook_state(model, plan, store, settings or LoopSettings())
         optimizer.on_step = self.state.loop.stepped
+        self.retuning: Retuning | None = None  # online re-tuning, from --tune's plan switch on
         switches = config.plan_options().switches
         if switches or (config.profile_out and config.rank == 0):
             self._start_profiling(switches)
@@ -161,17 +163,44 @@ class SyncEngine:
             return
         self.synchronize()
         plan = cost_plan(self.store, profiler, self.plan, self.config.rank,
-                         self.config.wait_timeout_s, self.comm.compression.estimate)
+                         self.config.wait_timeout_s, self.comm.compression.estimate, self.generation)
+        self._switch(plan, "chosen by --tune" if plan.knobs else "fusion cost")
+        self._stop_profiling(schedule_start=self.iteration)
+        self._start_retuning()
+
+    def _switch(self, plan: Plan, why: str) -> None:
+        """After this iteration's backward: every group's latest sync done, then ``plan``'s groups and knobs; worker
+        0 reports a tuned plan (imerge launch prints it, imerge bench records it)."""
+        if plan.blocks != self.plan.blocks:
+            raise IMergeError(f"plan v{plan.version} changed the blocks; only the groups may change")
+        self.synchronize()
         self.use_plan(plan, self.block_rounds())
         if plan.knobs:
             self._use_knobs(plan)
-        if plan.predicted_s and self.config.rank == 0:  # imerge launch prints it; imerge bench records it
+        log.info("worker %d: plan v%d with %d groups from iteration %d (%s%s)", self.config.rank, plan.version,
+                 len(plan.groups), self.iteration + 1, f"{describe(plan.knobs)}, " if plan.knobs else "", why)
+        if plan.predicted_s and self.config.rank == 0:
             progress.report("schedule", iteration=self.iteration, plan=plan.version, knobs=dict(plan.knobs),
                             predicted_s=plan.predicted_s, runner_up=dict(plan.runner_up),
                             runner_up_s=plan.runner_up_s)
-        self._stop_profiling(schedule_start=self.iteration)
-        log.info("worker %d: plan v%d with %d groups from iteration %d%s", self.config.rank, plan.version,
-                 len(plan.groups), self.iteration, f" ({describe(plan.knobs)}, chosen by --tune)" if plan.knobs else "")
+
+    # -- online re-tuning ------------------------------------------------------------------------
+    def _start_retuning(self) -> None:
+        """After --tune's plan switch: look at the plans at each window boundary (worker 0: and measure each
+        window), and switch where a re-tuned plan says."""
+        window = self.config.plan_options().retune_window
+        if not (window and self.plan.knobs) or self.retuning is not None:
+            return
+        self.retuning = Retuning(self.store, self.config.rank, window, self.plan.version)
+        self.comm.on_push = self.retuning.meter.push if self.retuning.meter else None
+        self.state.after_backward = self._after_window_backward
+
+    def _after_window_backward(self) -> None:
+        assert self.retuning is not None
+        plan = self.retuning.after_backward(self.iteration, self.generation, self.plan.version,
+                                            self.state.waits.waited_s)
+        if plan is not None:
+            self._switch(plan, "re-tuned online")
 
     def _use_knobs(self, plan: Plan) -> None:
         """Push as the knobs --tune chose say (priority, slot policy) from now on."""
@@ -205,15 +234,18 @@ class SyncEngine:
 
     def resume(self, round_: int) -> None:
         """Rejoin a recovered job: fetch the restored parameters (every block at ``round_``) and count
-        ``round_`` iterations as done; a cost plan already published is used as is, without profiling."""
+        ``round_`` iterations as done; a cost plan already published is used as is, without profiling, and so is
+        a re-tuned one (every worker of a recovered job rejoins with the newest plan)."""
         self.fetch_all("the restored parameters from the shards")
         restored = set(self.block_rounds().values())
         if restored != {round_}:
             raise IMergeError(f"worker {self.config.rank}: the shards restored rounds {sorted(restored)}, "
                               f"expected {round_} for every block")
         self.state.loop.iteration = round_
-        if self.state.profiler is not None and self.plan.version == COST_PLAN:
+        if self.state.profiler is not None and self.plan.version >= COST_PLAN:
             self._stop_profiling(schedule_start=self.config.profile_iters)
+        if self.plan.version >= COST_PLAN:
+            self._start_retuning()
 
     def export_states(self) -> dict[str, bytes]:
         """Every block's parameters and optimizer state (safetensors bytes), from its shard."""

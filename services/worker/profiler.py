@@ -108,10 +108,11 @@ class Profiler:
 
 
 def cost_plan(store: WorkerStore, profiler: Profiler, current: Plan, rank: int, wait_timeout_s: float,
-              wire_bytes: Callable[[Any], int] | None = None) -> Plan:
+              wire_bytes: Callable[[Any], int] | None = None, generation: int = 0) -> Plan:
     """After the profiled iterations: submit the profile (worker 0), wait for the cost plan and check that it
     only regroups the blocks of ``current``. ``wire_bytes(block)``: what a push of the block carries (after
-    compression), so that the cost model prices the bytes the pushes were measured with."""
+    compression), so that the cost model prices the bytes the pushes were measured with. A failure meanwhile (the
+    job leaves ``generation``) raises GenerationChanged at once: the plan will come in the next generation."""
     if rank == 0:
         unit_bytes = [u.numel * BYTES_PER_ELEMENT for u in current.units]
         if wire_bytes is not None:
@@ -122,7 +123,8 @@ def cost_plan(store: WorkerStore, profiler: Profiler, current: Plan, rank: int, 
         log.info("profile: alpha %.2e s, beta %.2e s/B, backward %.3f s", profile.alpha_s,
                  profile.beta_s_per_byte, profile.ready_s[-1])
         store.submit_profile(profile)
-    plan: Plan = store.wait_plan(COST_PLAN, wait_timeout_s, f"the coordinator's cost plan (v{COST_PLAN})").result()
+    plan: Plan = store.wait_switch_plan(COST_PLAN, generation, wait_timeout_s,
+                                        f"the coordinator's cost plan (v{COST_PLAN})").result()
     if plan.blocks != current.blocks:
         raise IMergeError("the cost plan changed the blocks; only the groups may change")
     return plan

@@ -265,6 +265,44 @@ class Profile(Message):
         """Each unit's backward time (the ready times' increments)."""
         return [b - a for a, b in zip([0.0] + self.ready_s[:-1], self.ready_s)]
 
+    def remeasured(self, window: "Window") -> "Profile":
+        """This profile under a window's measurement (online re-tuning): every unit's compute scaled to the window's
+        compute time, and the push cost the window fitted where it timed enough pushes."""
+        profiled = sum(self.forward_s) + (self.ready_s[-1] if self.ready_s else 0.0)
+        scale = window.compute_s / profiled if profiled > 0 and window.compute_s > 0 else 1.0
+        fitted = window.beta_s_per_byte > 0
+        return dataclasses.replace(self, ready_s=[t * scale for t in self.ready_s],
+                                   forward_s=[t * scale for t in self.forward_s],
+                                   alpha_s=window.alpha_s if fitted else self.alpha_s,
+                                   beta_s_per_byte=window.beta_s_per_byte if fitted else self.beta_s_per_byte)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window(Message):
+    """Worker 0's measurement of ``--retune-window`` iterations after the plan switch (online re-tuning): the mean
+    iteration time, the part of it the forwards waited for parameters, and the push cost fitted over the window's
+    pushes (0, 0 where too few were timed)."""
+
+    generation: int
+    plan: int  # the plan version the window ran on
+    iteration: int  # the window's last iteration
+    iteration_s: float
+    forward_wait_s: float
+    alpha_s: float = 0.0
+    beta_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        numbers = (self.iteration_s, self.forward_wait_s, self.alpha_s, self.beta_s_per_byte)
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in numbers):
+            raise ValueError(f"window times must be finite and >= 0: {numbers}")
+        if min(self.generation, self.plan, self.iteration) < 0:
+            raise ValueError("generation, plan and iteration must be >= 0")
+
+    @property
+    def compute_s(self) -> float:
+        """The iteration's time without its forward waits."""
+        return max(0.0, self.iteration_s - self.forward_wait_s)
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointRounds(Message):

@@ -143,6 +143,7 @@ class Plan:
     predicted_s: float = 0.0  # the chosen schedule's predicted seconds per iteration (0: not tuned)
     runner_up: tuple[tuple[str, str], ...] = ()  # the fastest candidate with other knob values, and its prediction
     runner_up_s: float = 0.0
+    switch_at: int = 0  # a re-tuned plan (v3 on): the iteration after whose backward every worker takes it
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -159,7 +160,7 @@ class Plan:
                    knobs=tuple((str(k), str(v)) for k, v in raw.get("knobs", ())),
                    predicted_s=float(raw.get("predicted_s", 0.0)),
                    runner_up=tuple((str(k), str(v)) for k, v in raw.get("runner_up", ())),
-                   runner_up_s=float(raw.get("runner_up_s", 0.0)))
+                   runner_up_s=float(raw.get("runner_up_s", 0.0)), switch_at=int(raw.get("switch_at", 0)))
 
     def group_blocks(self, group: Group) -> list[Block]:
         return [self.blocks[i] for i in group.blocks]
@@ -387,6 +388,7 @@ class PlanOptions:
     placement: str = "lpt"
     period: int = 1
     tune: str = ""  # the knobs the coordinator chooses at the plan switch (comma list; empty: none)
+    retune_window: int = 0  # with tune: iterations per window of online re-tuning (0: decided once)
 
     @property
     def tuned_knobs(self) -> list[str]:
@@ -404,6 +406,8 @@ class PlanOptions:
             raise PlanError(f"unknown placement {self.placement!r}")
         if not set(self.tuned_knobs) <= set(JOB_KNOBS):
             raise PlanError(f"tune {self.tune!r}: only {', '.join(JOB_KNOBS)} can be tuned in a job")
+        if self.retune_window < 0 or (self.retune_window and not self.tune):
+            raise PlanError("retune_window must be >= 0, and 0 where nothing is tuned")
         if self.period < 1 or min(self.size_cap_bytes, self.first_cap_bytes, self.partition_bytes) < 4:
             raise PlanError("period must be >= 1 and every cap at least 4 bytes")
         return self

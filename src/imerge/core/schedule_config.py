@@ -32,6 +32,9 @@ class ScheduleConfig:
                                   f"{', '.join(JOB_KNOBS)} that no option gives explicitly; fusion only at "
                                   "--interleave-period 1), none (the options as given), or a comma list of them",
                        )
+    retune_window: int = option(20, "with --tune: every this many iterations worker 0 reports the window's mean "
+                                     "iteration time; where it drifts from the prediction the coordinator decides "
+                                     "again with the new measurements and may switch the schedule (0: decide once)")
     fusion: str = option("none", "fusion planner: none (one group per module), size (byte cap), "
                                  "cost (profiled cost model)", choices=FUSIONS)
     size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
@@ -98,6 +101,7 @@ class ScheduleConfig:
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
         require(self.flag_lease_s > 0, "flag_lease_s", "must be positive")
         require(self.profile_iters >= 2, "profile_iters", "must be at least 2")
+        require(self.retune_window >= 0, "retune_window", "must be >= 0 (0: decide once)")
         require(not self.profile_out or Path(self.profile_out).resolve().parent.is_dir(), "profile_out",
                 f"{self.profile_out}: its folder does not exist")
         require(0 < self.topk_ratio <= 1, "topk_ratio", "must lie in (0, 1]")
@@ -136,4 +140,5 @@ class ScheduleConfig:
         return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),
                            first_cap_bytes=int(self.first_cap_mib * MIB),
                            partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
-                           period=self.interleave_period, tune=",".join(self.tuned_knobs))
+                           period=self.interleave_period, tune=",".join(self.tuned_knobs),
+                           retune_window=self.retune_window if self.tuned_knobs else 0)

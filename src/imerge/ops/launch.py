@@ -619,9 +619,10 @@ def schedule_line(event: dict[str, Any]) -> str:
     """Worker 0's report of the schedule --tune chose, as one console line."""
     from imerge.core.knobs import describe
 
-    line = (f"schedule chosen by --tune from iteration {event.get('iteration', '?')}: "
+    retuned = int(event.get("plan") or 0) > 2  # plans v3 on: online re-tuning switched (the runner-up: the old one)
+    line = (f"schedule {'re-tuned' if retuned else 'chosen'} by --tune from iteration {event.get('iteration', '?')}: "
             f"{describe(dict(event.get('knobs') or {}))}, predicted {_figure(event, 'predicted_s', 3)} s/it")
     if event.get("runner_up_s"):
-        line += (f"; runner-up {describe(dict(event.get('runner_up') or {}))}, "
-                 f"{_figure(event, 'runner_up_s', 3)} s/it")
+        line += (f"; {'was' if retuned else 'runner-up'} {describe(dict(event.get('runner_up') or {}))}, "
+                 f"{_figure(event, 'runner_up_s', 3)} s/it{' under the new measurements' if retuned else ''}")
     return line

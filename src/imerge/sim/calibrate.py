@@ -5,8 +5,9 @@ Pure. The cases are the strategies of one or more ``results.json`` files of
 measured) mean iteration time by coordinate search: each constant in turn is
 tried at a few multiples of its value (the incast efficiency at a few levels,
 only if some case has a shallow queue; the ring's CPU per byte and latency only if some
-case runs DDP on two or more workers; the CPU per fp32 byte apart from the
-CPU per wire byte only if some case compresses), the best kept, for a few sweeps. The
+case runs DDP on two or more workers; a flag's round trip only if some case takes
+slot flags; the CPU per fp32 byte apart from the CPU per wire byte only if some case
+compresses), the best kept, for a few sweeps. The
 shared cores are the calibrating machine's (the testbed's hosts all run on
 it). Check a calibration on runs it was not fitted to (``imerge simulate
 B1 --measured ... --calibration ...``).
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from imerge.core.schedule_config import ScheduleConfig
-from imerge.core.strategies import STRATEGIES
+from imerge.core.strategies import INCAST, STRATEGIES
 
 from .cluster import Constants
 from .profiles import measured
@@ -117,6 +118,9 @@ def fitted_names(cases: list[Case]) -> list[str]:
         names += ["ring_cpu_per_byte", "ring_latency_s"]
     if any(c.scenario.shard_queue_kb for c in cases):
         names.append("incast_efficiency")
+    if any({**STRATEGIES, **INCAST}.get(c.strategy, {}).get("slots", "off") != "off" and c.workers > 1
+           for c in cases):
+        names.append("flag_rtt_s")  # a flag's turn: Redis and, on shared cores, the scheduling of its processes
     return names
 
 

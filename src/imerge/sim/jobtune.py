@@ -17,15 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from imerge.core.knobs import KNOBS
-from imerge.core.planning import Plan, PlanOptions
+from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
 from imerge.core.schedule_config import ScheduleConfig
 
 from .cluster import GBIT, Cluster, Constants
 from .profiles import ModelProfile, from_measurement
 from .results import TuningReport
-from .tuning import tune
+from .tuning import simulate_schedule, tune
 
 DEFAULT_GBIT = 10.0  # the link rate assumed where neither --link-gbit nor a push measured it
+CONTENTION_STEPS = 3  # simulations that take the contention of shared cores out of a profile (uncontended)
 
 
 class Profile(Protocol):
@@ -42,6 +43,7 @@ class Profile(Protocol):
     def beta_s_per_byte(self) -> float: ...
     @property
     def forward_s(self) -> Sequence[float]: ...
+    def backward_s(self) -> list[float]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +69,7 @@ class JobDecision:
 def job_profile(profile: Profile, plan: Plan, name: str = "job") -> ModelProfile:
     """The simulator's profile of the job: the plan's units with worker 0's measured times."""
     forward = list(profile.forward_s) or [0.0] * len(plan.units)
-    backward = [b - a for a, b in zip([0.0, *profile.ready_s[:-1]], profile.ready_s)]
-    return from_measurement(name, [(u.module, u.numel, u.group) for u in plan.units], forward, backward,
+    return from_measurement(name, [(u.module, u.numel, u.group) for u in plan.units], forward, profile.backward_s(),
                             profile.alpha_s, profile.beta_s_per_byte)
 
 
@@ -88,14 +89,47 @@ def job_constants(profile: Profile, calibration: Constants | None) -> Constants:
     return Constants(latency_s=profile.alpha_s / 2) if profile.alpha_s > 0 else Constants()
 
 
+def uncontended(model: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig) -> ModelProfile:
+    """The job's profile as the simulator's compute times mean them (each worker alone on its cores).
+
+    Where the constants share their cores among every process (``cores``: the testbed, every host on one
+    machine), worker 0 measured its compute while the other workers and the shards ran beside it, so its times
+    already hold the contention the simulator adds again. The profile is scaled until the simulated compute of
+    the profiled schedule (iteration time less the forward waits) equals the measured one: a few simulations."""
+    if not constants.cores or model.compute_s <= 0:
+        return model
+    measured, scaled = model.compute_s, model
+    for _ in range(CONTENTION_STEPS):
+        run = simulate_schedule(scaled, cluster, constants, base)
+        simulated = run.mean_iteration_s - (run.exposed_comm_s or 0.0)
+        if simulated <= 0 or abs(simulated / measured - 1) < 0.02:
+            break
+        scaled = model.scaled(min(measured, max(0.05 * measured, scaled.compute_s * measured / simulated)))
+    return scaled
+
+
 def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleConfig, *, link_gbit: float = 0.0,
            queue_kb: float = 0.0, calibration: Constants | None = None,
            progress: Callable[[str], None] = lambda line: None) -> JobDecision:
     """The knobs of ``options.tune`` chosen for the job (the others as ``base`` has them)."""
     base = dataclasses.replace(base, fusion=options.fusion, tune="none")
-    report = tune(job_profile(profile, plan), job_cluster(profile, plan, link_gbit, queue_kb),
-                  job_constants(profile, calibration), base, only=options.tuned_knobs, progress=progress)
+    cluster, constants = job_cluster(profile, plan, link_gbit, queue_kb), job_constants(profile, calibration)
+    model = uncontended(job_profile(profile, plan), cluster, constants, base)
+    report = tune(model, cluster, constants, base, only=options.tuned_knobs, progress=progress)
     return JobDecision(dict(report.chosen.knobs), report)
+
+
+def decided_plan(layout: Layout, options: PlanOptions, first: Plan, profile: Profile, knobs: dict[str, str],
+                 fields: dict[str, Any], version: int) -> Plan:
+    """The plan of ``version``: the blocks of ``first`` grouped by the fusion ``knobs`` give (or ``options``' where
+    they give none; fusion cost: from ``profile``'s ready times and push cost), with ``fields`` (a decision's
+    :meth:`JobDecision.plan_fields`)."""
+    options = dataclasses.replace(options, fusion=knobs.get("fusion") or options.fusion)
+    groups = (fuse_cost(list(profile.ready_s), list(profile.unit_bytes), profile.alpha_s, profile.beta_s_per_byte)
+              if options.fusion == "cost" else None)
+    plan = make_plan(layout, first.num_workers, first.shard_addresses, version, options, groups=groups,
+                     blocks_of=first.blocks)
+    return dataclasses.replace(plan, **fields)
 
 
 def plan_knobs(knobs: dict[str, str]) -> tuple[tuple[str, str], ...]:

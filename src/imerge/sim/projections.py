@@ -35,7 +35,8 @@ from .runner import SWEEPS, SimConfig, bounds, simulate_one
 SIZES = (8, 32, 128, 512, 1024)
 SHARDS_PER_WORKER = (0.25, 0.5, 1.0)
 LINKS_GBIT = (10.0, 25.0, 100.0)
-BOUND_STRATEGIES = ("ddp", "ps-naive", "wfbp", "size", "imerge", "imerge-T2", "imerge-T4")
+BOUND_STRATEGIES = ("ddp", "ps-naive", "wfbp", "size", "imerge", "imerge-T2", "imerge-T4", "auto")
+FIXED_T1 = ("ps-naive", "wfbp", "size", "imerge")  # the fixed PS strategies at T = 1 that auto is held against
 INCAST_STRATEGIES = ("imerge-noslots", "imerge", "imerge-fixed")
 INCAST_QUEUE_KB = 64.0  # about 3.5 jumbo frames per port: two senders fit, more overflow
 PERIODS = (1, 2, 4, 8)
@@ -125,12 +126,44 @@ def projections_markdown(report: ProjectionReport) -> str:
                                strategy=strategy) for link in LINKS_GBIT]
                 cells.append(" / ".join(f"{v.ratio_to_bound:.2f}" for v in values if v))
             lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
-        lines.append("")
+        lines += [_auto_line(rows, model), ""]
+    if "bound" in swept:
+        lines += _auto_summary(rows)
     if "incast" in swept:
         lines += _incast_lines(rows)
     if "period" in swept:
         lines += _period_lines(rows)
     return "\n".join(lines + cores_markdown(rows, SYNTHETIC)) + "\n"
+
+
+def _auto_ratio(rows: list[ProjectionRow], **cell: Any) -> float | None:
+    """auto's mean s/it over the best fixed T = 1 PS strategy's in one cell of the bound sweep."""
+    auto = _row(rows, sweep="bound", strategy="auto", **cell)
+    fixed = [r for s in FIXED_T1 if (r := _row(rows, sweep="bound", strategy=s, **cell)) is not None]
+    return auto.mean_iteration_s / min(r.mean_iteration_s for r in fixed) if auto and fixed else None
+
+
+def _auto_line(rows: list[ProjectionRow], model: str) -> str:
+    cells = []
+    for workers in SIZES:
+        ratios = [_auto_ratio(rows, model=model, workers=workers, shards=max(1, workers // 2), link_gbit=link)
+                  for link in LINKS_GBIT]
+        cells.append(" / ".join(f"{r:.2f}" for r in ratios if r is not None))
+    return "| auto / best fixed T = 1 | " + " | ".join(cells) + " |"
+
+
+def _auto_summary(rows: list[ProjectionRow]) -> list[str]:
+    cells = {(r.model, r.workers, r.shards, r.link_gbit) for r in rows if r.sweep == "bound" and r.strategy == "auto"}
+    ratios = sorted(((ratio, cell) for cell in cells if (ratio := _auto_ratio(
+        rows, model=cell[0], workers=cell[1], shards=cell[2], link_gbit=cell[3])) is not None), reverse=True)
+    if not ratios:
+        return []
+    (worst, (model, workers, shards, link)) = ratios[0]
+    within = sum(1 for ratio, _ in ratios if ratio <= 1.05)
+    return [f"auto (what `--tune` chooses on the cell) over the best of {', '.join(FIXED_T1)} in each of the "
+            f"{len(ratios)} cells of the bound sweep (S = W/4, W/2, W): within 1.05x in {within}, at most "
+            f"{worst:.2f}x ({model}, W = {workers}, S = {shards}, {link:g} Gbit/s); median "
+            f"{ratios[len(ratios) // 2][0]:.2f}x.", ""]
 
 
 def _incast_lines(rows: list[ProjectionRow]) -> list[str]:

@@ -38,6 +38,9 @@ key                         type     meaning
                                      (a shard accepts an Import only then); expires
 ``profile``                 string   worker 0's profile for ``--fusion cost`` (JSON)
 ``profile:queue``           list     a token, pushed when the profile is submitted
+``plan:latest``             string   the newest published plan's version
+``windows:queue``           list     :class:`Window`: worker 0's measurement of each ``--retune-window`` iterations
+``worker:{rank}:polled``    string   the iteration at which the worker last read ``plan:latest`` (re-tuning)
 ``flag:{f}``                string   holder token of slot flag f (:class:`Flag`: ``{v}:{g}:{s}[:{lane}]``, plan
                                      v, group g or ``port``, shard s, lane when not 0), with the lease as its
                                      expiry; absent = free
@@ -63,7 +66,8 @@ key                         type     meaning
 ==========================  =======  ==============================================
 
 Events in use: ``plan:{version}`` (:class:`PlanPublished`; version 1 is the
-first plan, 2 the cost plan), ``blocks-ready:{version}`` (:class:`BlocksReady`:
+first plan, 2 the cost plan, 3 on the plans of online re-tuning, each with the
+iteration every worker switches at), ``blocks-ready:{version}`` (:class:`BlocksReady`:
 rank 0 created every block of that plan; ``blocks-ready:1`` means the job is
 running), ``generation:{g}`` (:class:`GenerationEvent`: recover from the
 checkpoint of its round), ``restored:{g}:{shard}`` (:class:`Restored`) and
@@ -75,6 +79,10 @@ BLPOP for at most the holder's remaining lease, then tries again, so a dead
 holder frees the flag when its lease expires and nobody polls. Releasing is a
 Lua compare-and-delete on the holder token, so a late release by an old
 holder never frees a newer holder's flag.
+A re-tuned plan is published by a Lua script only while no worker has read
+``plan:latest`` at or past the window boundary before its switch (each worker
+records its boundary and reads the version in one MULTI), so every worker sees
+it in time and all switch at the same iteration.
 A latch is waited on with BLPOP and the token is pushed back at once, so any
 number of waiters see it, now or later.
 """

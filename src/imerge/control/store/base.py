@@ -30,7 +30,8 @@ FLAG_STATS = ("granted", "contended", "expired")
 # command by command and key by key, and a key declared to a script must be writable by the caller.
 _CONNECTION = ("ping", "select", "multi", "exec", "discard", "info")  # and client|setinfo where Redis has it (7.2)
 ROLE_COMMANDS = {
-    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists", "scan", "unlink"),
+    "coordinator": _CONNECTION + ("get", "set", "rpush", "blpop", "hgetall", "hlen", "exists", "scan", "unlink",
+                                  "evalsha", "script|load"),
     "ps": _CONNECTION + ("get", "set", "hset", "rpush", "blpop", "pexpire", "time"),
     "worker": _CONNECTION + ("get", "set", "hset", "hget", "rpush", "blpop", "del", "exists", "pttl", "pexpire",
                              "hincrby", "time", "evalsha", "script|load"),
@@ -43,7 +44,7 @@ ROLE_WRITES = {
            "event:restored:*"),
     "worker": ("workers", "worker:*", "layout:*", "layouts:queue", "done", "done:queue", "positions", "loading",
                "profile",
-               "profile:queue", "buffers:*", "flag:*", "flags:stats", "failures:queue", _LATCHES,
+               "profile:queue", "windows:queue", "buffers:*", "flag:*", "flags:stats", "failures:queue", _LATCHES,
                "event:blocks-ready:*", "event:loaded:*"),
 }
 ACL_MIN_REDIS = (7, 0)  # %R~ (read-only) key permissions
@@ -156,11 +157,16 @@ class StoreBase:
         return PlanPublished.decode(payload) if payload else None
 
     def latest_plan(self) -> PlanPublished | None:
-        """The newest published plan (the cost plan once there is one), without waiting."""
+        """The newest published plan (the cost plan once there is one, a re-tuned one after it), without waiting."""
         first = self.read_plan(FIRST_PLAN)
         if first is None or first.plan is None:
             return first
-        return self.read_plan(COST_PLAN) or first
+        return self.read_plan(self.latest_version()) or self.read_plan(COST_PLAN) or first
+
+    @_translated
+    def latest_version(self) -> int:
+        """The newest published plan's version (0: none yet)."""
+        return int(self._redis.get(self._key("plan", "latest")) or 0)
 
     @_translated
     def wait_blocks_ready(self, version: int, timeout_s: float) -> BlocksReady:

@@ -7,17 +7,48 @@ import time
 from imerge.core.errors import StoreError
 
 from ..messages import (FailureReport, GenerationEvent, JobLease, LayoutSubmission, Malformed, PlanPublished,
-                        Profile, WorkerDone)
+                        Profile, Window, WorkerDone)
 from .base import ACL_MIN_REDIS, ROLE_COMMANDS, ROLE_WRITES, StoreBase, _slice, _text, _translated
+
+
+# A re-tuned plan is published only where no worker has polled the plans at or past ARGV[3] (the last window
+# boundary before its switch): each worker then reads it at that boundary at the latest, as its poll (one MULTI)
+# comes after this script. Else the furthest boundary polled comes back, and nothing is written.
+_PUBLISH_SWITCH = """
+for i = 4, #KEYS do
+  local polled = tonumber(redis.call('GET', KEYS[i]) or '-1')
+  if polled >= tonumber(ARGV[3]) then return polled end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('SET', KEYS[3], ARGV[2])
+return -1
+"""
 
 
 class CoordinatorStore(StoreBase):
     """What coordinator writes (ROLE_WRITES["coordinator"]), besides what every role may read."""
 
+    def __init__(self, url: str, job: str, *, socket_timeout_s: float = 10.0):
+        super().__init__(url, job, socket_timeout_s=socket_timeout_s)
+        self._publish_switch = self._redis.register_script(_PUBLISH_SWITCH)
+
     # -- the plan ---------------------------------------------------------------
     @_translated
     def publish_plan(self, version: int, message: PlanPublished) -> None:
         self._set_event(f"plan:{version}", message.encode())
+        self._redis.set(self._key("plan", "latest"), str(version))
+
+    @_translated
+    def publish_switch(self, message: PlanPublished, workers: int, unpolled_from: int) -> int:
+        """Publish a re-tuned plan (its version and switch iteration in ``message``) unless one of the ``workers``
+        polled the plans at iteration ``unpolled_from`` or later; -1 where published, else that furthest
+        iteration polled (choose a later switch and try again)."""
+        assert message.plan is not None
+        version = message.plan.version
+        keys = [self._key("event", f"plan:{version}", "value"), self._key("event", f"plan:{version}"),
+                self._key("plan", "latest"), *(self._key("worker", rank, "polled") for rank in range(workers))]
+        return int(self._publish_switch(keys=keys, args=[message.encode(), str(version), str(unpolled_from)]))
 
     # -- shards -------------------------------------------------------------
     @_translated
@@ -109,15 +140,17 @@ class CoordinatorStore(StoreBase):
         self._redis.set(self._key("generation"), str(event.generation))
 
     @_translated
-    def pop_report(self, timeout_s: float) -> WorkerDone | FailureReport | Malformed | None:
-        """The next report (a worker finished, or a process saw a failure), or None within ``timeout_s``; one
+    def pop_report(self, timeout_s: float) -> WorkerDone | FailureReport | Window | Malformed | None:
+        """The next report (a worker finished, a process saw a failure, worker 0 measured a window), or None
+        within ``timeout_s``; one
         that does not decode comes back as :class:`Malformed` (a worker's Redis user may write these queues)."""
-        item = self._redis.blpop([self._key("failures", "queue"), self._key("done", "queue")],
-                                 timeout=_slice(timeout_s))
+        queues = {self._key(name, "queue"): name for name in ("failures", "done", "windows")}
+        item = self._redis.blpop(list(queues), timeout=_slice(timeout_s))
         if item is None:
             return None
-        done = item[0] == self._key("done", "queue")
+        queue = queues[_text(item[0])]
+        kind = {"failures": FailureReport, "done": WorkerDone, "windows": Window}[queue]
         try:
-            return WorkerDone.decode(_text(item[1])) if done else FailureReport.decode(_text(item[1]))
+            return kind.decode(_text(item[1]))  # type: ignore[attr-defined,no-any-return]
         except StoreError as exc:
-            return Malformed("done" if done else "failures", str(exc))
+            return Malformed(queue, str(exc))

@@ -6,8 +6,8 @@ import time
 
 from imerge.core.errors import GenerationChanged, WaitTimeout
 
-from ..messages import (BlocksReady, Flag, FlagGrant, LayoutSubmission, Loaded, ModuleState, Profile, RankHolder,
-                        RankLeaseValue, WorkerInfo, WorkerPosition)
+from ..messages import (BlocksReady, Flag, FlagGrant, LayoutSubmission, Loaded, ModuleState, PlanPublished, Profile,
+                        RankHolder, RankLeaseValue, Window, WorkerInfo, WorkerPosition)
 from .base import _BLOCK_SLICE_S, StoreBase, _slice, _text, _translated
 
 # The generation key is read by name (ARGV[5]), not declared: a key declared to a script must be writable by the
@@ -151,6 +151,40 @@ class WorkerStore(StoreBase):
         pipe.set(self._key("profile"), profile.encode())
         pipe.rpush(self._key("profile", "queue"), "1")
         pipe.execute()
+
+    @_translated
+    def wait_switch_plan(self, version: int, generation: int, timeout_s: float, what: str) -> PlanPublished:
+        """Plan ``version`` once published; GenerationChanged as soon as the job left ``generation`` (a failure
+        during the profile: the plan will not come in this generation), JobFailed where it cannot recover."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return PlanPublished.decode(self._wait_event(f"plan:{version}", min(1.0, timeout_s), what))
+            except WaitTimeout:
+                current = self.generation()
+                if current is not None and current != generation:
+                    event = self.generation_event(current)
+                    if event is not None:
+                        event.check()
+                    raise GenerationChanged(f"the job moved to generation {current} while this worker waited for "
+                                            f"{what}", current) from None
+                if time.monotonic() >= deadline:
+                    raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}") from None
+
+    # -- online re-tuning ------------------------------------------------------
+    @_translated
+    def submit_window(self, window: Window) -> None:
+        self._redis.rpush(self._key("windows", "queue"), window.encode())
+
+    @_translated
+    def poll_plans(self, rank: int, iteration: int) -> int:
+        """Record that this worker looked at the plans at ``iteration`` and return the newest version, in one
+        transaction: a re-tuned plan is published only before every worker's poll at the boundary ahead of its
+        switch (see the coordinator's publish_switch)."""
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self._key("worker", rank, "polled"), str(iteration))
+        pipe.get(self._key("plan", "latest"))
+        return int(pipe.execute()[1] or 0)
 
     # -- imerge.load ------------------------------------------------------------
     @_translated
