@@ -26,7 +26,7 @@ from .results import TuningReport
 from .tuning import simulate_schedule, tune
 
 DEFAULT_GBIT = 10.0  # the link rate assumed where neither --link-gbit nor a push measured it
-CONTENTION_STEPS = 3  # simulations that take the contention of shared cores out of a profile (uncontended)
+CONTENTION_STEPS = 4  # simulations (after the first) that take the contention of shared cores out of a profile (uncontended)
 
 
 class Profile(Protocol):
@@ -98,14 +98,23 @@ def uncontended(model: ModelProfile, cluster: Cluster, constants: Constants, bas
     the profiled schedule (iteration time less the forward waits) equals the measured one: a few simulations."""
     if not constants.cores or model.compute_s <= 0:
         return model
-    measured, scaled = model.compute_s, model
+    measured = model.compute_s
+
+    def simulated(compute_s: float) -> float:
+        run = simulate_schedule(model.scaled(compute_s), cluster, constants, base)
+        return run.mean_iteration_s - (run.exposed_comm_s or 0.0)
+
+    # secant steps on compute -> simulated compute (increasing, not through 0), from the measurement itself
+    points = [(measured, simulated(measured))]
+    guess = measured * measured / points[0][1] if points[0][1] > 0 else measured
     for _ in range(CONTENTION_STEPS):
-        run = simulate_schedule(scaled, cluster, constants, base)
-        simulated = run.mean_iteration_s - (run.exposed_comm_s or 0.0)
-        if simulated <= 0 or abs(simulated / measured - 1) < 0.02:
+        guess = min(measured, max(0.05 * measured, guess))
+        points.append((guess, simulated(guess)))
+        if abs(points[-1][1] / measured - 1) < 0.02:
             break
-        scaled = model.scaled(min(measured, max(0.05 * measured, scaled.compute_s * measured / simulated)))
-    return scaled
+        (x0, y0), (x1, y1) = points[-2:]
+        guess = x1 - (y1 - measured) * (x1 - x0) / (y1 - y0) if y1 != y0 else x1 * measured / y1
+    return model.scaled(min(points, key=lambda point: abs(point[1] - measured))[0])
 
 
 def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleConfig, *, link_gbit: float = 0.0,
