@@ -7,7 +7,7 @@ import sys
 
 
 def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "5",
+    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "6",
                              "--strategies", "ddp,imerge", "--out", str(tmp_path)],  # gRPC's path: test_bench
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -141,9 +141,11 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
     if code != 0:
         raise IMergeError(f"datapath: strategy {strategy} failed (exit code {code}); logs in {out}")
     steps = [e for e in launcher.events if e.get("event") == "iteration" and e.get("rank", 0) == 0]
-    timed = [e for e in steps if e["iteration"] > (skip if ddp else untimed_iterations(iters))]
+    untimed = skip if ddp else untimed_iterations(iters)
+    timed = [e for e in steps if e["iteration"] > untimed]
     if len(timed) < 3:
-        raise IMergeError(f"datapath: only {len(timed)} timed iterations; run more --iters")
+        raise IMergeError(f"datapath: only {len(timed)} timed iterations of {strategy} (the first {untimed} are not "
+                          f"timed); run --iters {untimed + 3} or more")
     start, end = timed[0]["received"], timed[-1]["received"]
     iterations = timed[-1]["iteration"] - timed[0]["iteration"]
     seconds = statistics.median(e["seconds"] for e in timed)
