@@ -206,3 +206,28 @@ def test_a_worker_waiting_at_the_plan_switch_leaves_as_soon_as_the_job_recovers_
     finally:
         store.clear_job()
         store.close()
+
+
+def test_a_re_tuned_plan_keeps_the_groups_in_use_where_fusion_is_not_tuned(redis_url):
+    """--fusion cost pinned (or T > 1, where fusion is never tuned): a re-tuned plan changes the push order or the
+    slots only; regrouping on the window's remeasured profile would change which parameters travel, and at T > 1
+    what the job computes."""
+    from imerge.coordinator.retuning import RetuneContext, Retuner
+    from imerge.coordinator.service import CoordinatorConfig
+
+    layout = Layout(tuple(ParamInfo(f"m{u}", (256,), f"m{u}") for u in range(4)))
+    options = PlanOptions(fusion="cost", period=2, tune="priority", retune_window=10)
+    first = make_plan(layout, 2, ["s0:1"], FIRST_PLAN, options)
+    in_use = dataclasses.replace(first, version=COST_PLAN, knobs=(("priority", "on"),), predicted_s=1.0)
+    profile = Profile(ready_s=[0.01, 0.02, 0.03, 0.04], unit_bytes=[1024] * 4, alpha_s=1.0, beta_s_per_byte=1e-9)
+    assert len(in_use.groups) == 4  # one group per module; fusion cost on this profile (alpha 1 s) would merge them
+    store = Store(redis_url, "retune-groups")
+    store.clear_job()
+    try:
+        config = CoordinatorConfig(job="retune-groups", redis_url=redis_url, num_workers=2)
+        retuner = Retuner(config, store, RetuneContext(layout, options, first, ScheduleConfig(), profile), in_use)
+        plan = retuner.publish({"priority": "off"}, {"predicted_s": 0.9}, after=10, profile=profile)
+        assert plan is not None and plan.groups == in_use.groups and dict(plan.knobs) == {"priority": "off"}
+    finally:
+        store.clear_job()
+        store.close()

@@ -146,6 +146,8 @@ class Retuner:
         ctx, window = self.context, self.context.options.retune_window
         plan = decided_plan(ctx.layout, ctx.options, ctx.first, profile or ctx.profile, knobs,
                             {"knobs": plan_knobs(knobs), **fields}, self.plan.version + 1)
+        if "fusion" not in knobs:  # not tuned (pinned, or T > 1): the groups in use stay, whatever a new profile says
+            plan = dataclasses.replace(plan, groups=self.plan.groups)
         switch_at = (after // window + 2) * window
         for _ in range(PUBLISH_TRIES):
             plan = dataclasses.replace(plan, switch_at=switch_at)
