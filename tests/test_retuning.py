@@ -231,3 +231,36 @@ def test_a_re_tuned_plan_keeps_the_groups_in_use_where_fusion_is_not_tuned(redis
     finally:
         store.clear_job()
         store.close()
+
+
+def test_an_evaluation_runs_off_the_report_loop_and_windows_meanwhile_are_left_out(redis_url):
+    """The coordinator hands a window to the re-tuner and goes back to its reports and heartbeats at once: the
+    simulations run on a thread of their own; a window that comes meanwhile is left out, not queued."""
+    from imerge.coordinator.retuning import RetuneContext, Retuner
+    from imerge.coordinator.service import CoordinatorConfig
+
+    layout = Layout(tuple(ParamInfo(f"m{u}", (256,), f"m{u}") for u in range(4)))
+    options = PlanOptions(fusion="none", tune="priority", retune_window=10)
+    first = make_plan(layout, 2, ["s0:1"], FIRST_PLAN, options)
+    in_use = dataclasses.replace(first, version=COST_PLAN, knobs=(("priority", "on"),), predicted_s=1.0)
+    profile = Profile(ready_s=[0.01, 0.02, 0.03, 0.04], unit_bytes=[1024] * 4, alpha_s=1e-3, beta_s_per_byte=1e-9)
+    store = Store(redis_url, "retune-thread")
+    store.clear_job()
+    try:
+        config = CoordinatorConfig(job="retune-thread", redis_url=redis_url, num_workers=2)
+        retuner = Retuner(config, store, RetuneContext(layout, options, first, ScheduleConfig(), profile), in_use)
+        retuner.state = dataclasses.replace(retuner.state, drifted=SETTINGS.windows - 1)  # the next drift decides
+        window = Window(generation=0, plan=COST_PLAN, iteration=30, iteration_s=3.0, forward_wait_s=0.0, alpha_s=1e-3,
+                        beta_s_per_byte=1e-9)
+        published: list = []
+        with retuner._lock:  # as if a long evaluation held it: submit must not wait for it
+            started = time.monotonic()
+            assert retuner.submit(window, published.append)
+            assert not retuner.submit(dataclasses.replace(window, iteration=40), published.append)
+            assert time.monotonic() - started < 0.5 and retuner.state.evaluations == 0
+        assert retuner.wait_idle(60)
+        assert retuner.state.evaluations == 1  # the first window was decided on, the second left out
+        assert published == ([retuner.plan] if retuner.plan.version > COST_PLAN else [])
+    finally:
+        store.clear_job()
+        store.close()

@@ -126,6 +126,22 @@ def one_layer(numel: int, forward_s: float = 0.0, backward_s: float = 0.0) -> Mo
     return ModelProfile("one-layer", (UnitProfile("fc", numel, forward_s, backward_s),))
 
 
+def test_a_sync_costs_the_comm_loop_its_cpu_once_per_shard_it_touches():
+    """sync_cpu_s: a group's pull request and push stream per shard, whatever their bytes; so one group per module
+    (8 groups on one shard each) costs the comm loop 8 of them, size fusion's one group on 2 shards 2."""
+    profile = ModelProfile("eight", tuple(UnitProfile(f"l{u}", 1024, 0.0, 0.0) for u in range(8)))
+    cluster = Cluster(1, 2, 10_000.0, 10_000.0, shard_cores=0, worker_cores=0)
+
+    def extra(name: str) -> float:
+        def seconds(sync_s: float) -> float:
+            return simulate_one(name, profile, cluster, dataclasses.replace(QUIET, sync_cpu_s=sync_s),
+                                6).median_iteration_s
+        return seconds(1e-3) - seconds(0.0)
+
+    assert extra("ps-naive") == pytest.approx(8e-3, rel=0.02)
+    assert extra("size") == pytest.approx(2e-3, rel=0.02)
+
+
 def test_one_worker_and_one_shard_take_bytes_over_rate_plus_latency_each_way():
     numel, latency = 1 << 18, 1e-3
     rate = GBIT  # 1 Gbit/s

@@ -12,13 +12,17 @@ predicted clearly faster than the one in use becomes the next plan (v3, v4,
 ...), which every worker takes at the same iteration: ``switch_at``, a window
 boundary at least two windows past the report, that no worker has reached
 when the plan is published (the store's publish_switch checks it against each
-worker's last poll, atomically). A restarted coordinator does not re-tune.
+worker's last poll, atomically). An evaluation runs on a thread of its own
+(:meth:`Retuner.submit`): the coordinator keeps taking reports and checking
+heartbeats while it simulates, and a window that comes meanwhile is left out.
+A restarted coordinator does not re-tune.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from imerge.control.messages import PlanPublished, Profile, Window
@@ -93,13 +97,44 @@ class Retuner:
         self.plan = plan  # the newest plan this job runs or will switch to
         self.state = start(plan.predicted_s, settings)
         self._lock = threading.RLock()  # one plan version at a time (publish may be called from another thread)
+        self._deciding: threading.Thread | None = None  # an evaluation in progress (submit's)
 
     def counts(self) -> tuple[int, int]:
         """Evaluations and switches so far (the metrics)."""
         return self.state.evaluations, self.state.switches
 
+    def submit(self, window: Window, published: Callable[[Plan], None]) -> bool:
+        """Take one window off the coordinator's report loop: the evaluation (many simulations where flags are
+        candidates) runs on a thread of its own, so reports and heartbeats are watched meanwhile; ``published``
+        is called with a plan it published. False: a window that came while an evaluation ran (measured on the
+        plan being replaced, or by then outdated), left out."""
+        if self._deciding is not None and self._deciding.is_alive():
+            log.debug("window up to iteration %d left out: a re-tuning evaluation is running", window.iteration)
+            return False
+
+        def evaluate() -> None:
+            try:
+                plan = self.take(window)
+            except IMergeError as exc:  # a store error publishing: the job keeps its plan, the next window retries
+                log.error("re-tuning after the window up to iteration %d failed (%s); the job keeps plan v%d",
+                          window.iteration, exc, self.plan.version)
+                return
+            if plan is not None:
+                published(plan)
+
+        self._deciding = threading.Thread(target=evaluate, name="imerge-retune", daemon=True)
+        self._deciding.start()
+        return True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for an evaluation in progress; True when none runs."""
+        thread = self._deciding
+        if thread is not None:
+            thread.join(timeout_s)
+        return thread is None or not thread.is_alive()
+
     def take(self, window: Window) -> Plan | None:
-        """One window: the plan published for the workers to switch to, or None."""
+        """One window, decided on the calling thread: the plan published for the workers to switch to, or None."""
         with self._lock:
             if window.plan != self.plan.version:  # measured on an older plan: a switch to the newest is ahead
                 return None

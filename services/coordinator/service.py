@@ -240,9 +240,11 @@ class Coordinator:
         if self.retuner is None:
             log.debug("a window report was ignored: this job does not re-tune")
         elif window.generation == self.recovery.generation:
-            plan = self.retuner.take(window)
-            if plan is not None:
-                self.plan = plan
+            self.retuner.submit(window, self._retuned)
+
+    def _retuned(self, plan: Plan) -> None:
+        """A plan re-tuning published (on its thread): the one the metrics and a recovery go by."""
+        self.plan = plan
 
     def _check_members(self, done: set[int]) -> None:
         cfg = self.config

@@ -27,7 +27,8 @@ class WindowMeter:
         self._lock = threading.Lock()
         self._pushes: list[tuple[int, float]] = []
         self._last: float | None = None  # when the previous iteration's backward ended
-        self._seconds: list[float] = []
+        self._timed = 0  # iterations timed in the window
+        self._seconds = 0.0  # their time
         self._waited = 0.0
 
     def push(self, nbytes: int, seconds: float) -> None:
@@ -38,7 +39,8 @@ class WindowMeter:
         """An iteration's backward ended; its forward waited ``waited_s``."""
         now = time.monotonic()
         if self._last is not None:
-            self._seconds.append(now - self._last)
+            self._timed += 1
+            self._seconds += now - self._last
             self._waited += waited_s
         self._last = now
 
@@ -46,12 +48,12 @@ class WindowMeter:
         """The window ending at ``iteration`` (None: no iteration timed yet); the meter starts the next."""
         with self._lock:
             pushes, self._pushes = self._pushes, []
-        seconds, waited = self._seconds, self._waited
-        self._seconds, self._waited = [], 0.0
-        if not seconds:
+        timed, seconds, waited = self._timed, self._seconds, self._waited
+        self._timed, self._seconds, self._waited = 0, 0.0, 0.0
+        if not timed:
             return None
         alpha, beta = fit_cost(pushes) if len(pushes) >= 4 else (0.0, 0.0)
-        return Window(generation, plan, iteration, sum(seconds) / len(seconds), waited / len(seconds), alpha, beta)
+        return Window(generation, plan, iteration, seconds / timed, waited / timed, alpha, beta)
 
 
 class Retuning:

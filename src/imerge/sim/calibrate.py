@@ -7,7 +7,8 @@ tried at a few multiples of its value (the incast efficiency at a few levels,
 only if some case has a shallow queue; the ring's CPU per byte and latency only if some
 case runs DDP on two or more workers; a flag's round trip only if some case takes
 slot flags; the CPU per fp32 byte apart from the CPU per wire byte only if some case
-compresses), the best kept, for a few sweeps. The
+compresses; a sync's CPU per shard only if some PS case runs two or more workers,
+where the cores are busy enough to tell fusions apart), the best kept, for a few sweeps. The
 shared cores are the calibrating machine's (the testbed's hosts all run on
 it). Check a calibration on runs it was not fitted to (``imerge simulate
 B1 --measured ... --calibration ...``).
@@ -34,7 +35,7 @@ from .testbed import measured_mean, measured_runs, scenario_cluster
 FITTED = ("latency_s", "cpu_per_byte", "compute_cores", "step_s_per_byte")
 START = Constants(latency_s=2e-4, flag_rtt_s=3e-4, incast_efficiency=1.0, cpu_per_byte=1e-8,
                   dense_cpu_per_byte=2e-9, ring_cpu_per_byte=4e-9, compute_cores=1.5, step_s_per_byte=1e-9,
-                  topk_cpu_per_byte=5.3e-9)  # top-k: imerge bench compression's measurement, kept, not fitted
+                  topk_cpu_per_byte=5.3e-9, sync_cpu_s=1e-3)  # top-k: imerge bench compression's measurement, kept, not fitted
 MULTIPLES = (0.25, 0.5, 2.0, 4.0)
 INCAST_LEVELS = (0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
 LIMITS = {"compute_cores": (0.5, 4.0)}  # and at most the shared cores: one worker alone cannot use more
@@ -116,6 +117,8 @@ def fitted_names(cases: list[Case]) -> list[str]:
         names.append("dense_cpu_per_byte")  # compressed pushes tell the cost per wire byte from that per fp32 byte
     if any(c.strategy == "ddp" and c.workers > 1 for c in cases):
         names += ["ring_cpu_per_byte", "ring_latency_s"]
+    if any(c.strategy != "ddp" and c.workers > 1 for c in cases):
+        names.append("sync_cpu_s")  # a sync's cost per shard: it tells fusions apart where the cores are busy
     if any(c.scenario.shard_queue_kb for c in cases):
         names.append("incast_efficiency")
     if any({**STRATEGIES, **INCAST}.get(c.strategy, {}).get("slots", "off") != "off" and c.workers > 1

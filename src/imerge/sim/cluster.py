@@ -42,7 +42,7 @@ class Cluster:
 
 
 SHARED_CORE_COSTS = frozenset({"cpu_per_byte", "dense_cpu_per_byte", "ring_cpu_per_byte", "ring_latency_s",
-                               "topk_cpu_per_byte", "compute_cores"})
+                               "topk_cpu_per_byte", "compute_cores", "sync_cpu_s"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Constants:
     latency_s: float = 50e-6        # one way, per PS message (switch, stacks, gRPC framing, the Python that sends it)
     ring_latency_s: float = 50e-6   # one way, per step of DDP's ring (switch, stacks, gloo)
     flag_rtt_s: float = 200e-6      # a slot flag's take or release: one round trip to Redis
+    sync_cpu_s: float = 0.0         # core seconds a group's sync costs per shard it touches, whatever its bytes: the
+    #                                 pull request and push stream, the Futures and hooks around them, both ends
+    #                                 (fitted on the testbed's shared cores; on real hosts not measured: 0)
     incast_efficiency: float = 0.5  # goodput of a port whose queue overflows (losses, retransmission timeouts)
     cores: float = 0.0              # cores every role shares (the testbed: this machine's); 0: each host its own
     cpu_per_byte: float = 0.0       # with shared cores: core seconds per byte a PS push or pull moves (both ends)

@@ -14,7 +14,10 @@ What the worker does, step by step (``services/worker``): a module's forward
 waits for its blocks' latest pull; backward produces the units' gradients in
 order; a complete group that syncs in this iteration is queued (with overlap)
 and the next group's gradients wait for its previous push; the comm loop takes
-the highest-priority group, starts its pull, and hands its blocks to the
+the highest-priority group, spends ``sync_cpu_s`` per shard the group touches
+(its pull request and push stream, the Futures around them: a cost per group,
+whatever its bytes, which is what makes one group per module dearer than size
+fusion where the cores are busy), starts its pull, and hands its blocks to the
 sending kernel (:mod:`imerge.core.sending`, the worker's own), which batches
 each shard's queued blocks into push streams up to its byte credit with a
 bounded number unanswered, or, with slots scoped to (group, shard), orders the
@@ -137,6 +140,7 @@ class PSJob:
         self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
         self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
         self._group_blocks: dict[int, list[dict[int, list[int]]]] = {}  # version -> group -> shard class -> blocks
+        self._group_shards: dict[int, list[int]] = {}  # plan version -> group -> the shards its blocks are on
         self._index_plan(self.first_plan)
 
     # -- classes ------------------------------------------------------------------------------
@@ -264,6 +268,7 @@ class PSJob:
         self._unit_blocks[plan.version] = unit_blocks
         self._group_of_unit[plan.version] = {u: g.index for g in plan.groups for u in g.units}
         self._group_blocks[plan.version] = [self._rep_blocks(plan, g.index) for g in plan.groups]
+        self._group_shards[plan.version] = [len({plan.blocks[i].shard for i in g.blocks}) for g in plan.groups]
 
     # -- the training thread ------------------------------------------------------------------------
     def _compute(self, worker: WorkerClass, seconds: float) -> simpy.Event:
@@ -419,6 +424,9 @@ class PSJob:
             sync, previous = item
             if previous is not None and not previous.pull_done.triggered:
                 yield previous.pull_done
+            if self.k.sync_cpu_s:  # the comm loop's own work for the sync's pull requests and push streams
+                yield self.fabric.compute(self.k.sync_cpu_s * self._group_shards[worker.plan.version][sync.group],
+                                          count=worker.count)
             by_class = self._group_blocks[worker.plan.version][sync.group]
             for k, blocks in by_class.items():
                 for index in blocks:
