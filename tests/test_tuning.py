@@ -55,6 +55,37 @@ def test_a_tie_keeps_the_given_schedule():
     assert report.chosen.knobs == {"fusion": "none", "priority": "off"}
 
 
+def test_a_candidate_whose_simulation_would_pass_the_budget_is_not_tried_and_the_report_says_so():
+    """Slot flags at W = 8 over a port queue: each lane position is a worker class of its own (group scope: 8
+    classes against one without flags). A budget that the first simulation spends keeps every further one out,
+    each named; an ample one tries them all, flags included."""
+    queued = dataclasses.replace(CLUSTER, workers=8, queue_kb=32.0)
+    base = ScheduleConfig()
+    ample = tune(PROFILE, queued, Constants(), base, pinned_except("slots"), budget_cpu_s=1e6)
+    assert {t.knobs["slots"] for t in ample.trials} == set(KNOBS["slots"]) and not ample.skipped
+    tight = tune(PROFILE, queued, Constants(), base, pinned_except("slots"), budget_cpu_s=0.0)
+    assert [t.knobs for t in tight.trials] == [{"slots": "off"}]  # the given schedule is always simulated
+    assert len(tight.skipped) == len(KNOBS["slots"]) - 1
+    assert all("past its budget of 0 CPU s" in reason for reason in tight.skipped)
+    assert any("slots group: its simulation (8 worker classes" in reason for reason in tight.skipped)
+
+
+def test_partitions_that_cut_the_same_blocks_are_simulated_once(monkeypatch):
+    """From 8 shards on, lpt cuts a shard's even share of the model: on 16 shards every partition candidate of a
+    ResNet-18-like model yields the same blocks, so one simulation answers for the three."""
+    import imerge.sim.tuning as tuning
+
+    calls = []
+    monkeypatch.setattr(tuning, "simulate_schedule", lambda *args, **kw: calls.append(args[3]) or
+                        simulate_schedule(*args, **kw))
+    wide = dataclasses.replace(CLUSTER, shards=16)
+    report = tune(PROFILE, wide, Constants(), ScheduleConfig(), pinned_except("partition"))
+    assert {t.knobs["partition"] for t in report.trials} == set(KNOBS["partition"])
+    assert len({t.mean_iteration_s for t in report.trials}) == 1 and len(calls) == 1
+    narrow = tune(PROFILE, CLUSTER, Constants(), ScheduleConfig(), pinned_except("partition"))  # 2 shards: they differ
+    assert len({t.mean_iteration_s for t in narrow.trials}) == 3 and len(calls) == 4
+
+
 def test_explain_prints_the_choice_the_runner_up_and_auto_beside_the_strategies(tmp_path, capsys):
     from imerge.cli import main
 

@@ -67,10 +67,17 @@ class JobDecision:
 
 
 def job_profile(profile: Profile, plan: Plan, name: str = "job") -> ModelProfile:
-    """The simulator's profile of the job: the plan's units with worker 0's measured times."""
+    """The simulator's profile of the job: the plan's units with worker 0's measured times, and the groups fusion
+    cost gives them (a fusion cost candidate is simulated with the plan the job would run)."""
     forward = list(profile.forward_s) or [0.0] * len(plan.units)
-    return from_measurement(name, [(u.module, u.numel, u.group) for u in plan.units], forward, profile.backward_s(),
-                            profile.alpha_s, profile.beta_s_per_byte)
+    model = from_measurement(name, [(u.module, u.numel, u.group) for u in plan.units], forward, profile.backward_s(),
+                             profile.alpha_s, profile.beta_s_per_byte)
+    return dataclasses.replace(model, cost_groups=tuple(tuple(group) for group in cost_groups(profile)))
+
+
+def cost_groups(profile: Profile) -> list[list[int]]:
+    """The units' groups under fusion cost: from the profile's ready times, bytes and fitted push cost."""
+    return fuse_cost(list(profile.ready_s), list(profile.unit_bytes), profile.alpha_s, profile.beta_s_per_byte)
 
 
 def job_cluster(profile: Profile, plan: Plan, link_gbit: float, queue_kb: float) -> Cluster:
@@ -134,8 +141,7 @@ def decided_plan(layout: Layout, options: PlanOptions, first: Plan, profile: Pro
     they give none; fusion cost: from ``profile``'s ready times and push cost), with ``fields`` (a decision's
     :meth:`JobDecision.plan_fields`)."""
     options = dataclasses.replace(options, fusion=knobs.get("fusion") or options.fusion)
-    groups = (fuse_cost(list(profile.ready_s), list(profile.unit_bytes), profile.alpha_s, profile.beta_s_per_byte)
-              if options.fusion == "cost" else None)
+    groups = cost_groups(profile) if options.fusion == "cost" else None
     plan = make_plan(layout, first.num_workers, first.shard_addresses, version, options, groups=groups,
                      blocks_of=first.blocks)
     return dataclasses.replace(plan, **fields)

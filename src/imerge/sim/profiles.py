@@ -37,6 +37,9 @@ class ModelProfile:
     units: tuple[UnitProfile, ...]  # backward order: the last layer first
     alpha_s: float = 0.0            # the push cost the worker fitted (for fusion cost; 0: not measured)
     beta_s_per_byte: float = 0.0
+    # the units' groups under fusion cost where they are known: a job deciding its own schedule (the coordinator's
+    # cost plan from the measured profile, which a simulated cost plan must equal); None: the simulated worker 0's
+    cost_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def numel(self) -> int:

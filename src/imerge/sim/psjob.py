@@ -104,6 +104,22 @@ class WorkerClass:
     moved_before: tuple[float, float] = (0.0, 0.0)  # its links' bytes when counting began
 
 
+def first_plan(profile: ModelProfile, cluster: Cluster, schedule: ScheduleConfig) -> Plan:
+    """The plan a simulated job starts with: the coordinator's for the same layout, workers, shards and options."""
+    addresses = tuple(f"ps{s}" for s in range(cluster.shards))
+    return make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN, schedule.plan_options())
+
+
+def lane_positions(schedule: ScheduleConfig, cluster: Cluster) -> list[tuple[int, int]]:
+    """The worker classes a job is simulated with, as (first rank, workers): one without flags; with flags, one per
+    position in a lane (lane members take the flag in turn), each as many workers as the slot has lanes."""
+    workers = cluster.workers
+    lanes = resolve_width(schedule.slot_scope, schedule.slot_width, cluster.shards)
+    if effective_policy(schedule.slots, lanes, workers) == "off":
+        return [(0, workers)]
+    return [(p * lanes, min(lanes, workers - p * lanes)) for p in range(-(-workers // lanes))]
+
+
 class PSJob:
     """Run with :meth:`run`; read :attr:`result`."""
 
@@ -122,8 +138,7 @@ class PSJob:
         width = resolve_width(schedule.slot_scope, schedule.slot_width, cluster.shards)
         self.policy = effective_policy(schedule.slots, width, cluster.workers)
         self.width = width
-        addresses = tuple(f"ps{s}" for s in range(cluster.shards))
-        self.first_plan = make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN, schedule.plan_options())
+        self.first_plan = first_plan(profile, cluster, schedule)
         if len(self.first_plan.units) != len(profile.units):  # the times would be matched to the wrong units
             raise ConfigError("profile", f"{profile.name}: its {len(profile.units)} units plan as "
                                          f"{len(self.first_plan.units)}; each unit must be one module and group")
@@ -177,14 +192,9 @@ class PSJob:
 
     def _worker_classes(self) -> list[WorkerClass]:
         """One class without flags; with flags, one per position in a lane (lane members take it in turn)."""
-        workers, rate = self.cluster.workers, self.cluster.worker_gbit * GBIT
-        if self.policy == "off":
-            positions = [(0, workers)]
-        else:
-            lanes = self.width
-            positions = [(p * lanes, min(lanes, workers - p * lanes)) for p in range(-(-workers // lanes))]
+        rate = self.cluster.worker_gbit * GBIT
         classes = []
-        for index, (rank, count) in enumerate(positions):
+        for index, (rank, count) in enumerate(lane_positions(self.schedule, self.cluster)):
             fixed = FixedSlots(None, bandwidth_bps=self.schedule.slot_bandwidth_mbps * 1e6 / 8, owner=f"w{rank}",
                                lease_s=1.0, timeout_s=1.0, generation=0) if self.policy == "fixed" else None
             classes.append(WorkerClass(index, rank, count, self._link(f"w{rank}.up", rate),
@@ -369,7 +379,8 @@ class PSJob:
             for index, block in enumerate(self.first_plan.blocks):
                 unit_bytes[block.unit] += self.push_bytes(index)
             self.submitted_profile = dict(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta)
-            groups = fuse_cost(ready, unit_bytes, alpha, beta)
+            known = self.profile.cost_groups  # a job's own decision: the groups its coordinator will make
+            groups = [list(g) for g in known] if known is not None else fuse_cost(ready, unit_bytes, alpha, beta)
             plan = make_plan(self.profile.layout(), self.cluster.workers, self.first_plan.shard_addresses, COST_PLAN,
                              self.schedule.plan_options(), groups=groups,
                              blocks_of=self.first_plan.blocks)

@@ -27,6 +27,8 @@ from .profiles import ModelProfile
 from .results import Trial, TuningReport
 
 MARGIN = 0.01     # a candidate replaces the current schedule only if predicted this much faster
+PLAN_KNOBS = frozenset({"partition", "placement"})  # the knobs that cut and place the blocks
+BUDGET_CPU_S = 5.0  # a decision's simulations: a candidate whose simulation would take it past this is not tried
 MAX_PASSES = 2
 TUNE_ITERS = 8    # iterations simulated per candidate (the first PROFILED + 1 not timed)
 PROFILED = 2      # iterations fusion cost profiles in a simulated candidate
@@ -55,9 +57,14 @@ def simulate_schedule(profile: ModelProfile, cluster: Cluster, constants: Consta
 
 def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig,
          pinned_fields: frozenset[str] | set[str] = frozenset(), compression_auto: bool = False, iters: int = TUNE_ITERS,
-         progress: Callable[[str], None] = lambda line: None, only: list[str] | None = None) -> TuningReport:
+         progress: Callable[[str], None] = lambda line: None, only: list[str] | None = None,
+         budget_cpu_s: float = BUDGET_CPU_S) -> TuningReport:
     """The fastest schedule the coordinate descent finds from ``base`` (see the module's docstring); ``only``:
-    the knobs it may vary (default: every knob not pinned)."""
+    the knobs it may vary (default: every knob not pinned). A candidate whose simulation would take the decision
+    past ``budget_cpu_s`` CPU seconds is not tried (the report's ``skipped`` says which): a simulation costs about
+    the same per worker class, and with slot flags every position in a lane is a class of its own."""
+    from .psjob import first_plan, lane_positions
+
     started = time.process_time()
     free, pinned = free_knobs(set(pinned_fields), compression_auto)
     if only is not None:
@@ -69,22 +76,57 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
         skipped.append("slots: no shard port queue given (--queue-kb), so no incast for flags to avoid")
     current = knobs_of(base, free)
     tried: dict[tuple[tuple[str, str], ...], Trial] = {}
+    over_budget: set[tuple[tuple[str, str], ...]] = set()
+    per_class = [0.0]  # the most CPU seconds a simulation took per worker class so far
+    by_blocks: dict[tuple, Trial] = {}  # (the other knobs, the blocks on the shards) -> its trial
 
-    def predicted(knobs: dict[str, str]) -> Trial:
+    def same_blocks(knobs: dict[str, str]) -> tuple | None:
+        """Candidates that differ only in partition or placement but cut and place the same blocks (from 8 shards
+        on the partition follows the shard count) simulate alike: one key for them."""
+        if not PLAN_KNOBS & set(knobs):
+            return None
+        blocks = first_plan(profile, cluster, apply(base, knobs)).blocks
+        return tuple(sorted((k, v) for k, v in knobs.items() if k not in PLAN_KNOBS)), blocks
+
+    def simulated(knobs: dict[str, str], classes: int) -> Trial:
+        began = time.process_time()
+        trial = simulate_schedule(profile, cluster, constants, apply(base, knobs), iters)
+        per_class[0] = max(per_class[0], (time.process_time() - began) / classes)
+        return remember(knobs, trial)
+
+    def remember(knobs: dict[str, str], trial: Trial) -> Trial:
         key = tuple(sorted(knobs.items()))
-        if key not in tried:
-            trial = simulate_schedule(profile, cluster, constants, apply(base, knobs), iters)
-            tried[key] = dataclasses.replace(trial, knobs=dict(knobs))
-            progress(f"{describe(knobs)}: {tried[key].mean_iteration_s:.4f} s/it")
+        tried[key] = dataclasses.replace(trial, knobs=dict(knobs))
+        blocks = same_blocks(knobs)
+        if blocks is not None:
+            by_blocks.setdefault(blocks, tried[key])
+        progress(f"{describe(knobs)}: {tried[key].mean_iteration_s:.4f} s/it")
         return tried[key]
 
-    best = predicted(current)
+    def predicted(knobs: dict[str, str]) -> Trial | None:
+        """The candidate's trial; None where its simulation would pass the budget."""
+        key = tuple(sorted(knobs.items()))
+        if key in tried or key in over_budget:
+            return tried.get(key)
+        twin = by_blocks.get(same_blocks(knobs) or ())
+        if twin is not None:  # the same blocks as a candidate simulated: its result, not simulated again
+            return remember(knobs, twin)
+        classes = len(lane_positions(apply(base, knobs), cluster))
+        estimate = per_class[0] * classes
+        if time.process_time() - started + estimate > budget_cpu_s:
+            over_budget.add(key)
+            skipped.append(f"{describe(knobs)}: its simulation ({classes} worker classes, about {estimate:.1f} CPU "
+                           f"s) would take the decision past its budget of {budget_cpu_s:g} CPU s")
+            return None
+        return simulated(knobs, classes)
+
+    best = simulated(current, len(lane_positions(apply(base, current), cluster)))  # the given schedule: always
     for _ in range(MAX_PASSES):
         changed = False
         for knob in free:
             for value in KNOBS[knob]:
                 candidate = predicted({**current, knob: value})
-                if candidate.mean_iteration_s < best.mean_iteration_s * (1 - MARGIN):
+                if candidate is not None and candidate.mean_iteration_s < best.mean_iteration_s * (1 - MARGIN):
                     best, current, changed = candidate, dict(candidate.knobs), True
         if not changed:
             break
