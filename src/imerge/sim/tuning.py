@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from imerge.core.knobs import KNOBS, apply, describe, knob_fields, knobs_of
 from imerge.core.schedule_config import ScheduleConfig
@@ -28,7 +29,8 @@ from .results import Trial, TuningReport
 
 MARGIN = 0.01     # a candidate replaces the current schedule only if predicted this much faster
 PLAN_KNOBS = frozenset({"partition", "placement"})  # the knobs that cut and place the blocks
-BUDGET_CPU_S = 5.0  # a decision's simulations: a candidate whose simulation would take it past this is not tried
+BUDGET_CPU_S = 5.0
+BlocksKey = tuple[tuple[tuple[str, str], ...], tuple[Any, ...]]  # the other knobs, and the blocks  # a decision's simulations: a candidate whose simulation would take it past this is not tried
 MAX_PASSES = 2
 TUNE_ITERS = 8    # iterations simulated per candidate (the first PROFILED + 1 not timed)
 PROFILED = 2      # iterations fusion cost profiles in a simulated candidate
@@ -78,9 +80,9 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
     tried: dict[tuple[tuple[str, str], ...], Trial] = {}
     over_budget: set[tuple[tuple[str, str], ...]] = set()
     per_class = [0.0]  # the most CPU seconds a simulation took per worker class so far
-    by_blocks: dict[tuple, Trial] = {}  # (the other knobs, the blocks on the shards) -> its trial
+    by_blocks: dict[BlocksKey, Trial] = {}  # (the other knobs, the blocks on the shards) -> its trial
 
-    def same_blocks(knobs: dict[str, str]) -> tuple | None:
+    def same_blocks(knobs: dict[str, str]) -> BlocksKey | None:
         """Candidates that differ only in partition or placement but cut and place the same blocks (from 8 shards
         on the partition follows the shard count) simulate alike: one key for them."""
         if not PLAN_KNOBS & set(knobs):
@@ -108,7 +110,8 @@ def tune(profile: ModelProfile, cluster: Cluster, constants: Constants, base: Sc
         key = tuple(sorted(knobs.items()))
         if key in tried or key in over_budget:
             return tried.get(key)
-        twin = by_blocks.get(same_blocks(knobs) or ())
+        blocks = same_blocks(knobs)
+        twin = by_blocks.get(blocks) if blocks is not None else None
         if twin is not None:  # the same blocks as a candidate simulated: its result, not simulated again
             return remember(knobs, twin)
         classes = len(lane_positions(apply(base, knobs), cluster))
