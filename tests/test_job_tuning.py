@@ -141,6 +141,9 @@ def test_a_profile_measured_on_shared_cores_is_taken_back_to_the_simulators_alon
     assert as_measured.compute_s > 1.3 * alone.compute_s  # three workers' compute on two cores
     recovered = uncontended(as_measured, cluster, shared, schedule)
     assert recovered.compute_s == pytest.approx(alone.compute_s, rel=0.05)
+    # --fusion cost: the profile was measured on plan v1 (one group per module), not on the cost plan after it
+    cost = dataclasses.replace(schedule, fusion="cost")
+    assert uncontended(as_measured, cluster, shared, cost).compute_s == pytest.approx(alone.compute_s, rel=0.05)
     assert uncontended(as_measured, cluster, Constants(), schedule) is as_measured
 
 

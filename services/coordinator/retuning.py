@@ -66,7 +66,7 @@ def decide_logged(config: TuneConfig, profile: Profile, first: Plan, options: Pl
     report = decision.report
     runner = report.runner_up
     log.info("%s: %s, predicted %.4f s/it; runner-up %s, %s; tuned %s on a cluster of %d workers, %d shards, "
-             "links %.3g Gbit/s; decided in %.1f CPU s over %d simulations", what, describe(decision.knobs),
+             "links %.3g Gbit/s; decided in %.1f CPU s over %d candidates", what, describe(decision.knobs),
              report.chosen.mean_iteration_s, describe(runner.knobs) if runner else "none",
              f"predicted {runner.mean_iteration_s:.4f} s/it" if runner else "-", ", ".join(options.tuned_knobs),
              report.workers, report.shards, report.link_gbit, report.decided_in_cpu_s, len(report.trials))

@@ -96,19 +96,27 @@ def job_constants(profile: Profile, calibration: Constants | None) -> Constants:
     return Constants(latency_s=profile.alpha_s / 2) if profile.alpha_s > 0 else Constants()
 
 
+def profiled_schedule(base: ScheduleConfig) -> ScheduleConfig:
+    """The schedule worker 0's profile was measured under: plan v1's, where fusion cost (and a tuned fusion) keep
+    one group per module until the switch; a fusion the user gave groups the first plan already."""
+    return dataclasses.replace(base, fusion="none") if base.fusion == "cost" else base
+
+
 def uncontended(model: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig) -> ModelProfile:
     """The job's profile as the simulator's compute times mean them (each worker alone on its cores).
 
     Where the constants share their cores among every process (``cores``: the testbed, every host on one
     machine), worker 0 measured its compute while the other workers and the shards ran beside it, so its times
     already hold the contention the simulator adds again. The profile is scaled until the simulated compute of
-    the profiled schedule (iteration time less the forward waits) equals the measured one: a few simulations."""
+    the profiled schedule (plan v1's, :func:`profiled_schedule`; iteration time less the forward waits) equals
+    the measured one: a few simulations."""
     if not constants.cores or model.compute_s <= 0:
         return model
     measured = model.compute_s
+    profiled = profiled_schedule(base)
 
     def simulated(compute_s: float) -> float:
-        run = simulate_schedule(model.scaled(compute_s), cluster, constants, base)
+        run = simulate_schedule(model.scaled(compute_s), cluster, constants, profiled)
         return run.mean_iteration_s - (run.exposed_comm_s or 0.0)
 
     # secant steps on compute -> simulated compute (increasing, not through 0), from the measurement itself

@@ -153,7 +153,7 @@ def explain_markdown(report: TuningReport) -> str:
         lines.append(f"runner-up {describe(runner_up.knobs)}, predicted {runner_up.mean_iteration_s:.4f} s/it "
                      f"({runner_up.mean_iteration_s / chosen.mean_iteration_s - 1:+.1%})")
     lines.append(f"pinned by flags: {', '.join(report.pinned) or 'none'}; decided in {report.decided_in_cpu_s:.1f} "
-                 f"CPU s over {len(report.trials)} simulations")
+                 f"CPU s over {len(report.trials)} candidates")
     lines += [f"not tried: {reason}" for reason in report.skipped]
     knobs = list(chosen.knobs)
     lines += ["", "| " + " | ".join(knobs) + " | predicted s/it | x chosen |", "|" + "---|" * (len(knobs) + 2)]
