@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 ERRORS_SHOWN = 5  # a role's error lines the console shows
 METRICS_PORT = 9400  # every role's /metrics port where each role has its own host (testbed, compose, k8s)
 MAX_REJOINS = 50  # exits with code 75 tolerated per worker (each follows a recovery of the job)
+TEE_DRAIN_S = 5.0  # how long an exited script's last output may take to reach its log
 MASTER_PORT = 29500  # torchrun's default, where each role has its own host
 _ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b.*)$")
 
@@ -191,6 +192,14 @@ class Child:
     errors_shown: int = 0
     run_from: int = 0   # where this run's output starts in the log
     last_failure: tuple[int, str] | None = None  # (exit code, error line) of the previous run that failed
+    tee: threading.Thread | None = None  # copies this run's output to the log (a script's); None once drained
+
+    def drain(self) -> None:
+        """After the process exited: wait (briefly) for its last output to reach the log, which its failure and
+        the next run's start in the log are read from (the tee thread lags the process under load)."""
+        if self.tee is not None:
+            self.tee.join(TEE_DRAIN_S)
+            self.tee = None
 
     def new_errors(self) -> list[str]:
         """The log's ERROR lines written since the last call (complete lines only)."""
@@ -288,6 +297,7 @@ class Launcher:
                                name=f"imerge-tee-{child.role}")
         tee.start()
         self._tees.append(tee)
+        child.tee = tee
 
     def _tee(self, stream: Any, log_path: Path, prefix: str) -> None:
         with stream, open(log_path, "ab") as log_file:
@@ -382,6 +392,8 @@ class Launcher:
         workers_done = True
         for child in self.children:
             code = child.process.poll()
+            if code is not None:
+                child.drain()
             if code is None:
                 workers_done = workers_done and not child.is_worker
             elif code == 0 and (child.is_worker or child.role == "coordinator"):

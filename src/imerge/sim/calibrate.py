@@ -35,7 +35,8 @@ from .testbed import measured_mean, measured_runs, scenario_cluster
 FITTED = ("latency_s", "cpu_per_byte", "compute_cores", "step_s_per_byte")
 START = Constants(latency_s=2e-4, flag_rtt_s=3e-4, incast_efficiency=1.0, cpu_per_byte=1e-8,
                   dense_cpu_per_byte=2e-9, ring_cpu_per_byte=4e-9, compute_cores=1.5, step_s_per_byte=1e-9,
-                  topk_cpu_per_byte=5.3e-9, sync_cpu_s=1e-3)  # top-k: imerge bench compression's measurement, kept, not fitted
+                  topk_cpu_per_byte=5.3e-9,  # imerge bench compression's measurement, kept, not fitted
+                  sync_cpu_s=1e-3)
 MULTIPLES = (0.25, 0.5, 2.0, 4.0)
 INCAST_LEVELS = (0.1, 0.2, 0.35, 0.5, 0.7, 1.0)
 LIMITS = {"compute_cores": (0.5, 4.0)}  # and at most the shared cores: one worker alone cannot use more

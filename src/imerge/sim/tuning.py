@@ -29,8 +29,8 @@ from .results import Trial, TuningReport
 
 MARGIN = 0.01     # a candidate replaces the current schedule only if predicted this much faster
 PLAN_KNOBS = frozenset({"partition", "placement"})  # the knobs that cut and place the blocks
-BUDGET_CPU_S = 5.0
-BlocksKey = tuple[tuple[tuple[str, str], ...], tuple[Any, ...]]  # the other knobs, and the blocks  # a decision's simulations: a candidate whose simulation would take it past this is not tried
+BUDGET_CPU_S = 5.0  # a decision's simulations: a candidate whose simulation would take it past this is not tried
+BlocksKey = tuple[tuple[tuple[str, str], ...], tuple[Any, ...]]  # the other knobs, and the blocks
 MAX_PASSES = 2
 TUNE_ITERS = 8    # iterations simulated per candidate (the first PROFILED + 1 not timed)
 PROFILED = 2      # iterations fusion cost profiles in a simulated candidate
