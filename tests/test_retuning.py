@@ -264,3 +264,46 @@ def test_an_evaluation_runs_off_the_report_loop_and_windows_meanwhile_are_left_o
     finally:
         store.clear_job()
         store.close()
+
+
+def test_reports_that_keep_coming_do_not_starve_the_checks_of_the_members_and_the_jobs_keys(redis_url):
+    """Worker 0's windows come every fraction of a second in a fast job. Between them the coordinator must still
+    check the members and the job's keys: here the keys vanish (Redis restarted empty) while windows keep
+    coming, and the coordinator stops within seconds, naming the cause."""
+    from imerge.control.messages import GenerationEvent
+    from imerge.control.store import CoordinatorStore, WorkerStore
+    from imerge.coordinator.recovery import RecoveryImpossible
+    from imerge.coordinator.service import Coordinator, CoordinatorConfig
+
+    job = "retune-flood"
+    store, worker = CoordinatorStore(redis_url, job), WorkerStore(redis_url, job)
+    store.clear_job()
+    store.start_generation(GenerationEvent(0, round=0))
+    coordinator = Coordinator(CoordinatorConfig(job=job, redis_url=redis_url, num_workers=1, num_shards=1), store)
+    stop, raised = threading.Event(), []
+
+    def flood() -> None:
+        while not stop.is_set():
+            worker.submit_window(Window(0, COST_PLAN, 20, 0.1, 0.0))
+            time.sleep(0.05)
+
+    def watch() -> None:
+        try:
+            coordinator.watch()
+        except RecoveryImpossible as exc:
+            raised.append(exc)
+
+    threads = [threading.Thread(target=flood, daemon=True), threading.Thread(target=watch, daemon=True)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        store.clear_job()
+        threads[1].join(5)
+        assert raised and "Redis lost the job's state" in str(raised[0]), "the windows starved the checks"
+    finally:
+        coordinator.stop()
+        stop.set()
+        store.clear_job()
+        worker.close()
+        store.close()

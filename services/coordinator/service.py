@@ -36,6 +36,7 @@ from .retuning import RetuneContext, Retuner, decide_logged
 
 log = logging.getLogger(__name__)
 REDIS_STALL_S = 1.0  # a Redis call this much slower than asked means Redis stalled: heartbeats are no evidence
+MEMBERS_EVERY_S = 0.5  # the members' heartbeats and the job's keys are checked this often while windows keep coming
 
 
 class JobFinished(JobFailed):
@@ -100,6 +101,7 @@ class Coordinator:
         self._doubted: set[int] = set()  # reported done long ago, still in the job (logged once)
         self._redis_back_at = float("-inf")  # when Redis answered again after it was unreachable or stalled
         self._store_failing_since: float | None = None
+        self._members_checked_at = float("-inf")
         self.token = uuid.uuid4().hex  # the job's lease token where no --job-token is given
 
     def stop(self) -> None:
@@ -225,7 +227,12 @@ class Coordinator:
                 self._take_window(report)
             elif report is not None:
                 self.handle_failure(report)
-            else:
+            due = time.monotonic() - self._members_checked_at >= MEMBERS_EVERY_S
+            if report is None or (isinstance(report, Window) and due):
+                # worker 0's windows, however fast they come, must not starve the checks; a window is taken only
+                # when no failure or done report waits (pop_report's order), so checking after one is as safe as
+                # after none (a worker that left is counted done only once its done report is taken)
+                self._members_checked_at = time.monotonic()
                 self._confirm_done(done)
                 self._check_members(done)
         except StoreError as exc:
