@@ -136,8 +136,7 @@ class PSJob:
         shared_cores = bool(constants.cores)  # the testbed: cpu_per_byte on shared cores instead
         self.shard_cpu, self.worker_cpu = (0.0, 0.0) if shared_cores else constants.data_path_costs(schedule.data_path)
         width = resolve_width(schedule.slot_scope, schedule.slot_width, cluster.shards)
-        self.policy = effective_policy(schedule.slots, width, cluster.workers)
-        self.width = width
+        self.policy = effective_policy(schedule.slots, width, cluster.workers)  # the classes: lane_positions
         self.first_plan = first_plan(profile, cluster, schedule)
         if len(self.first_plan.units) != len(profile.units):  # the times would be matched to the wrong units
             raise ConfigError("profile", f"{profile.name}: its {len(profile.units)} units plan as "
