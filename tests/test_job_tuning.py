@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -191,6 +192,8 @@ def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_t
     assert plan.runner_up and plan.runner_up_s >= plan.predicted_s * (1 - MARGIN)  # a tie keeps the one in use
     reported = [r.getMessage() for r in caplog.records if "event=schedule" in r.getMessage()]
     assert len(reported) == 1 and f"predicted_s={plan.predicted_s:.4g}" in reported[0], reported  # worker 0 only
+    profiled = re.search(r"profile_compute_s=([0-9.e-]+)", reported[0])
+    assert profiled and float(profiled.group(1)) > 0, reported  # the profile's compute it was decided on
     granted = [line for line in scraped.splitlines() if line.startswith("imerge_coordinator_flags_granted_total")]
     assert granted and float(granted[0].split()[-1]) > 0, scraped  # the workers took flags after the switch
 
@@ -219,7 +222,7 @@ def test_a_pinned_knob_is_kept_and_a_job_shorter_than_its_profile_ends_on_the_fi
 
 def test_the_launcher_and_the_benchmark_say_what_was_chosen_and_what_it_predicted():
     from imerge.bench.report import markdown
-    from imerge.bench.runner import summarize
+    from imerge.bench.runner import decision_fields, summarize
     from imerge.core.bench_results import RunResult
     from imerge.core.strategies import SCENARIOS
     from imerge.ops.launch import schedule_line
@@ -228,11 +231,16 @@ def test_the_launcher_and_the_benchmark_say_what_was_chosen_and_what_it_predicte
              "predicted_s": 1.23456, "runner_up": {"fusion": "none", "priority": "on"}, "runner_up_s": 1.3}
     assert schedule_line(event) == ("schedule chosen by --tune from iteration 5: fusion size, priority on, predicted "
                                     "1.235 s/it; runner-up fusion none, priority on, 1.300 s/it")
-    rounds = [RunResult("auto", [1.0, 1.2], 1.1, 1.2, 2, schedule=f"fusion {f}", predicted_s=p)
-              for f, p in (("size", 1.0), ("none", 1.2))]
+    rounds = [RunResult("auto", [1.0, 1.2], 1.1, 1.2, 2, compute_s=0.8, **decision_fields(
+                  {**event, "knobs": {"fusion": f}, "predicted_s": p, "runner_up_s": p + 0.1, "profile_compute_s": c}))
+              for f, p, c in (("size", 1.0, 0.9), ("none", 1.2, 1.3))]
     report = summarize(SCENARIOS["B1"], {"auto": rounds, "wfbp": [RunResult("wfbp", [1.5], 1.5, 1.5, 1)]})
-    assert report.strategies["auto"].schedule == "fusion size; fusion none"
-    assert report.strategies["auto"].predicted_s == pytest.approx(1.1)
-    assert report.strategies["wfbp"].predicted_s is None
-    assert "auto: --tune chose fusion size; fusion none, predicted 1.100 s/it (measured mean 1.100 s/it)" \
-        in markdown(report)
+    auto = report.strategies["auto"]
+    assert auto.schedule == "fusion size; fusion none"
+    assert auto.runner_up == "fusion none, priority on; fusion none, priority on"
+    assert (auto.predicted_s, auto.runner_up_s, auto.profile_compute_s) == pytest.approx((1.1, 1.2, 1.1))
+    assert report.strategies["wfbp"].predicted_s is None and report.strategies["wfbp"].runner_up_s is None
+    assert ("auto: --tune chose fusion size; fusion none, predicted 1.100 s/it; runner-up fusion none, priority "
+            "on; fusion none, priority on, 1.200 s/it (measured mean 1.100 s/it; compute profiled 1.100 s/it, "
+            "measured 0.800).") in markdown(report)
+    assert "wfbp: --tune" not in markdown(report)

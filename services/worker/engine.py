@@ -164,13 +164,14 @@ class SyncEngine:
         self.synchronize()
         plan = cost_plan(self.store, profiler, self.plan, self.config.rank,
                          self.config.wait_timeout_s, self.comm.compression.estimate, self.generation)
-        self._switch(plan, "chosen by --tune" if plan.knobs else "fusion cost")
+        self._switch(plan, "chosen by --tune" if plan.knobs else "fusion cost", profiler.compute_s())
         self._stop_profiling(schedule_start=self.iteration)
         self._start_retuning()
 
-    def _switch(self, plan: Plan, why: str) -> None:
+    def _switch(self, plan: Plan, why: str, profile_compute_s: float = 0.0) -> None:
         """After this iteration's backward: every group's latest sync done, then ``plan``'s groups and knobs; worker
-        0 reports a tuned plan (imerge launch prints it, imerge bench records it)."""
+        0 reports a tuned plan (imerge launch prints it, imerge bench records it), with the compute per iteration
+        of the profile it was decided on (``profile_compute_s``; 0: a re-tuned plan, decided on a window)."""
         if plan.blocks != self.plan.blocks:
             raise IMergeError(f"plan v{plan.version} changed the blocks; only the groups may change")
         self.synchronize()
@@ -182,7 +183,7 @@ class SyncEngine:
         if plan.predicted_s and self.config.rank == 0:
             progress.report("schedule", iteration=self.iteration, plan=plan.version, knobs=dict(plan.knobs),
                             predicted_s=plan.predicted_s, runner_up=dict(plan.runner_up),
-                            runner_up_s=plan.runner_up_s)
+                            runner_up_s=plan.runner_up_s, profile_compute_s=profile_compute_s)
 
     # -- online re-tuning ------------------------------------------------------------------------
     def _start_retuning(self) -> None:

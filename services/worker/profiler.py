@@ -93,6 +93,11 @@ class Profiler:
                 totals[unit] += max(0.0, following - start) + (start if unit == seen[0][1] else 0.0)
         return [t / len(measured) for t in totals] if measured else totals
 
+    def compute_s(self) -> float:
+        """The profiled compute per iteration (forward and backward, waits not counted): what --tune decides on."""
+        summary = self.summary([0] * self.num_units)
+        return sum(summary.forward_s) + (summary.ready_s[-1] if summary.ready_s else 0.0)
+
     def backward_times(self) -> list[float]:
         return self.summary([0] * self.num_units).backward_s()
 

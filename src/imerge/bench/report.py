@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from imerge.core.bench_results import BenchReport, ScalingReport
+from imerge.core.bench_results import BenchReport, RunResult, ScalingReport
 
 if TYPE_CHECKING:
     from imerge.bench.datapath import DatapathReport
@@ -39,12 +39,21 @@ def markdown(report: BenchReport | ScalingReport) -> str:
     for name, result in report.strategies.items():
         lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, key), fmt, key) for key, _, fmt in COLUMNS)
                      + " |")
-    for name, result in report.strategies.items():
-        if result.schedule:
-            predicted = f", predicted {result.predicted_s:.3f} s/it" if result.predicted_s else ""
-            lines.append(f"\n{name}: --tune chose {result.schedule}{predicted} (measured mean "
-                         f"{statistics.fmean(result.iteration_s):.3f} s/it).")
+    lines += [decision_line(name, result) for name, result in report.strategies.items() if result.schedule]
     return "\n".join(lines) + "\n"
+
+
+def decision_line(name: str, result: RunResult) -> str:
+    """What --tune chose in a strategy's rounds, what it predicted and the runner-up's prediction, against what
+    the rounds measured; the profile's compute beside the measured compute (a profile of the first iterations on
+    busy cores is what a prediction's error most often comes from)."""
+    predicted = f", predicted {result.predicted_s:.3f} s/it" if result.predicted_s else ""
+    runner_up = (f"; runner-up {result.runner_up}, {result.runner_up_s:.3f} s/it"
+                 if result.runner_up and result.runner_up_s else "")
+    compute = (f"; compute profiled {result.profile_compute_s:.3f} s/it, measured "
+               f"{result.compute_s:.3f}" if result.profile_compute_s and result.compute_s else "")
+    return (f"\n{name}: --tune chose {result.schedule}{predicted}{runner_up} (measured mean "
+            f"{statistics.fmean(result.iteration_s):.3f} s/it{compute}).")
 
 
 def title(report: BenchReport | ScalingReport, what: str) -> str:

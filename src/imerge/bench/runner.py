@@ -202,8 +202,19 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
         utilization_series=[(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
                             for t, counters in sampler.samples],
         trace_dir=str(run_dir / "trace"),
-        schedule=describe(chosen[-1].get("knobs") or {}) if chosen else "",
-        predicted_s=chosen[-1].get("predicted_s") if chosen else None)
+        **decision_fields(chosen[-1] if chosen else {}))
+
+
+def decision_fields(event: dict[str, Any]) -> dict[str, Any]:
+    """What a run's last schedule event (worker 0's, at a tuned plan switch) says of the decision."""
+    return {"schedule": describe(event.get("knobs") or {}), "predicted_s": event.get("predicted_s"),
+            "runner_up": describe(event.get("runner_up") or {}), "runner_up_s": event.get("runner_up_s") or None,
+            "profile_compute_s": event.get("profile_compute_s") or None}
+
+
+def _rounds_mean(values: list[float | None]) -> float | None:
+    given = [v for v in values if v]
+    return statistics.fmean(given) if given else None
 
 
 def model_size(model: str) -> int:
@@ -227,11 +238,12 @@ def summarize(scenario: Scenario, runs: dict[str, list[RunResult]], name: str = 
     merged = {}
     for strategy, results in runs.items():  # the bound from the model's bytes spread evenly: an unbalanced
         bound = max(compute, ring if strategy == "ddp" else even_ps)  # placement is not forgiven
-        predicted = [r.predicted_s for r in results if r.predicted_s]
         merged[strategy] = StrategyResult(**{
             **dataclasses.asdict(results[-1]), "iteration_s": iteration_s[strategy],
             "schedule": "; ".join(r.schedule for r in results if r.schedule),
-            "predicted_s": statistics.fmean(predicted) if predicted else None,
+            "runner_up": "; ".join(r.runner_up for r in results if r.runner_up),
+            **{key: _rounds_mean([getattr(r, key) for r in results])
+               for key in ("predicted_s", "runner_up_s", "profile_compute_s")},
             "median_iteration_s": medians[strategy], "p90_iteration_s": percentile(iteration_s[strategy], 0.9),
             "rounds": len(results), "bound_s": bound, "ratio_to_bound": medians[strategy] / bound if bound else None,
             "ratio_to_ddp": medians[strategy] / medians["ddp"] if "ddp" in medians else None})

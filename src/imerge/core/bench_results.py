@@ -64,6 +64,9 @@ class RunResult:
     trace_dir: str = ""
     schedule: str = ""                      # what --tune chose (the strategy auto): its knobs, per round
     predicted_s: float | None = None        # ... and the seconds per iteration it predicted (the rounds' mean)
+    runner_up: str = ""                     # ... the fastest candidate with other knob values, per round
+    runner_up_s: float | None = None        # ... and its prediction (the rounds' mean)
+    profile_compute_s: float | None = None  # worker 0's profiled compute per iteration it decided on (rounds' mean)
 
 
 @dataclasses.dataclass(frozen=True)
