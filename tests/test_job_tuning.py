@@ -148,6 +148,46 @@ def test_a_profile_measured_on_shared_cores_is_taken_back_to_the_simulators_alon
     assert uncontended(as_measured, cluster, Constants(), schedule) is as_measured
 
 
+@pytest.mark.unit
+def test_the_profiler_times_each_profiled_iteration_but_the_first_from_its_forward_to_the_next():
+    import time
+
+    from imerge.worker.profiler import Profiler
+
+    profiler = Profiler(1)
+    assert profiler.iteration_time() == 0.0  # nothing profiled
+    for seconds in (0.2, 0.05, 0.1):  # the first (warm-up) not counted
+        profiler.forward_started()
+        profiler.backward_started(time.monotonic())
+        time.sleep(seconds)
+        profiler.backward_ended()
+    assert profiler.iteration_time() == pytest.approx(0.075, abs=0.02)
+    assert profiler.summary([4]).iteration_s == profiler.iteration_time()
+
+
+def test_a_profile_is_anchored_on_the_iteration_time_it_measured_where_the_compute_reads_beyond_the_model():
+    """A worker's compute can read slower than the model's contention makes it (its comm thread holds the
+    interpreter the hooks need: VGG's profile reads 7x its alone-time on the testbed, the model gives 4x). With
+    the profiled iteration's time, the profile is scaled until the simulated iteration takes it; where no scale
+    reaches it (an iteration time the links alone exceed), the compute is matched as before."""
+    from imerge.sim.cluster import Cluster
+    from imerge.sim.jobtune import uncontended
+    from imerge.sim.profiles import measured
+    from imerge.sim.testbed import testbed_constants
+    from imerge.sim.tuning import simulate_schedule
+
+    alone, cluster, shared = measured("vgg"), Cluster(3, 3, 1.0), testbed_constants()
+    schedule = ScheduleConfig(tune="none")
+    run = simulate_schedule(alone, cluster, shared, schedule)
+    slow_clock = alone.scaled(2 * (run.mean_iteration_s - run.exposed_comm_s))  # twice what the model gives
+    by_compute = uncontended(slow_clock, cluster, shared, schedule)
+    assert by_compute.compute_s > 1.5 * alone.compute_s  # the compute anchor takes the excess for work
+    anchored = uncontended(slow_clock, cluster, shared, schedule, run.mean_iteration_s)
+    assert anchored.compute_s == pytest.approx(alone.compute_s, rel=0.1)
+    unreachable = uncontended(slow_clock, cluster, shared, schedule, run.mean_iteration_s / 10)
+    assert unreachable.compute_s == by_compute.compute_s
+
+
 # -- a real job --------------------------------------------------------------------------------------
 def _run(c, data, keywords: bool = False, **options) -> list[dict[str, torch.Tensor]]:
     """The job on cluster ``c``: each worker's config built in code, or (``keywords``) from imerge.distribute's
@@ -234,7 +274,8 @@ def test_the_launcher_and_the_benchmark_say_what_was_chosen_and_what_it_predicte
     rounds = [RunResult("auto", [1.0, 1.2], 1.1, 1.2, 2, compute_s=0.8, **decision_fields(
                   {**event, "knobs": {"fusion": f}, "predicted_s": p, "runner_up_s": p + 0.1, "profile_compute_s": c}))
               for f, p, c in (("size", 1.0, 0.9), ("none", 1.2, 1.3))]
-    report = summarize(SCENARIOS["B1"], {"auto": rounds, "wfbp": [RunResult("wfbp", [1.5], 1.5, 1.5, 1)]})
+    given = RunResult("wfbp", [1.5], 1.5, 1.5, 1, **decision_fields({}))  # no schedule event: nothing was tuned
+    report = summarize(SCENARIOS["B1"], {"auto": rounds, "wfbp": [given]})
     auto = report.strategies["auto"]
     assert auto.schedule == "fusion size; fusion none"
     assert auto.runner_up == "fusion none, priority on; fusion none, priority on"
@@ -243,4 +284,6 @@ def test_the_launcher_and_the_benchmark_say_what_was_chosen_and_what_it_predicte
     assert ("auto: --tune chose fusion size; fusion none, predicted 1.100 s/it; runner-up fusion none, priority "
             "on; fusion none, priority on, 1.200 s/it (measured mean 1.100 s/it; compute profiled 1.100 s/it, "
             "measured 0.800).") in markdown(report)
-    assert "wfbp: --tune" not in markdown(report)
+    assert "wfbp: --tune" not in markdown(report) and report.strategies["wfbp"].schedule == ""
+    alone = decision_fields({"knobs": {"fusion": "size"}, "predicted_s": 1.0})  # a decision without a runner-up
+    assert (alone["runner_up"], alone["runner_up_s"], alone["profile_compute_s"]) == ("", None, None)

@@ -3,6 +3,7 @@ measures, the switch every worker takes at the same iteration, and a job that co
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -69,10 +70,17 @@ def test_a_window_travels_whole_and_remeasures_the_profile():
     with pytest.raises(StoreError, match="Window"):
         Window.decode('{"generation": 0, "plan": 2, "iteration": 1, "iteration_s": -1, "forward_wait_s": 0}')
     profile = Profile(ready_s=[0.05, 0.1], unit_bytes=[400, 800], alpha_s=1e-4, beta_s_per_byte=1e-8,
-                      forward_s=[0.05, 0.05])
+                      forward_s=[0.05, 0.05], iteration_s=0.3)
+    assert Profile.decode(profile.encode()) == profile
+    older = json.loads(profile.encode())
+    del older["iteration_s"]  # a profile of a worker before the iteration time was measured
+    assert Profile.decode(json.dumps(older)).iteration_s == 0.0
+    with pytest.raises(StoreError, match="iteration_s must be finite"):
+        Profile.decode(json.dumps({**older, "iteration_s": float("nan")}))
     remeasured = profile.remeasured(window)  # compute 0.2 s profiled, 0.4 measured: twice as slow
     assert remeasured.ready_s == pytest.approx([0.1, 0.2]) and remeasured.forward_s == pytest.approx([0.1, 0.1])
     assert (remeasured.alpha_s, remeasured.beta_s_per_byte) == (1e-3, 2e-9)
+    assert remeasured.iteration_s == 0.0  # measured on plan v1, not on the schedule of the window
     unfitted = profile.remeasured(dataclasses.replace(window, alpha_s=0.0, beta_s_per_byte=0.0))
     assert (unfitted.alpha_s, unfitted.beta_s_per_byte) == (1e-4, 1e-8)  # too few pushes: the profile's
 

@@ -13,6 +13,7 @@ import logging
 import math
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ class Profiler:
         self.plans = plans  # fusion cost: the profiled iterations sync every group, whatever T
         self.iterations: list[list[float]] = []
         self.forwards: list[tuple[list[float], float]] = []  # per iteration: each unit's start, the forward's end
+        self.starts: list[float] = []  # each profiled iteration's start (its forward's), monotonic seconds
+        self.ended = 0.0  # when the last backward ended
         self._current: list[float] | None = None
         self._forward: list[float] | None = None
         self._started = 0.0
@@ -40,6 +43,7 @@ class Profiler:
 
     def forward_started(self) -> None:
         self._forward = [math.nan] * self.num_units
+        self.starts.append(time.monotonic())
 
     def unit_forward(self, units: list[int], compute_clock_s: float) -> None:
         """These units' module starts its forward ``compute_clock_s`` into the forward (waits not counted)."""
@@ -62,6 +66,7 @@ class Profiler:
             self._current[unit] = max(self._current[unit], now - self._started)
 
     def backward_ended(self) -> None:
+        self.ended = time.monotonic()
         if self._current is not None:
             self.iterations.append(self._current)
             self._current = None
@@ -79,7 +84,13 @@ class Profiler:
             ready.append(latest)
         alpha, beta = fit_cost(self.pushes)
         return Profile(ready_s=ready, unit_bytes=unit_bytes, alpha_s=alpha, beta_s_per_byte=beta,
-                       forward_s=self.forward_times())
+                       forward_s=self.forward_times(), iteration_s=self.iteration_time())
+
+    def iteration_time(self) -> float:
+        """The profiled iterations' mean wall time but the first's (warm-up), waits included: from each forward's
+        start to the next (the last one's to the end of its backward); 0 with one iteration."""
+        spans = [end - start for start, end in zip(self.starts, self.starts[1:] + [self.ended])][1:]
+        return statistics.fmean(spans) if spans and all(span > 0 for span in spans) else 0.0
 
 
     def forward_times(self) -> list[float]:

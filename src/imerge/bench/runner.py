@@ -206,10 +206,13 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
 
 
 def decision_fields(event: dict[str, Any]) -> dict[str, Any]:
-    """What a run's last schedule event (worker 0's, at a tuned plan switch) says of the decision."""
+    """What a run's last schedule event (worker 0's, at a tuned plan switch) says of the decision; nothing for a
+    run without one (a strategy whose knobs were all given)."""
+    if not event:
+        return {}
     return {"schedule": describe(event.get("knobs") or {}), "predicted_s": event.get("predicted_s"),
-            "runner_up": describe(event.get("runner_up") or {}), "runner_up_s": event.get("runner_up_s") or None,
-            "profile_compute_s": event.get("profile_compute_s") or None}
+            "runner_up": describe(event["runner_up"]) if event.get("runner_up") else "",
+            "runner_up_s": event.get("runner_up_s") or None, "profile_compute_s": event.get("profile_compute_s") or None}
 
 
 def _rounds_mean(values: list[float | None]) -> float | None:

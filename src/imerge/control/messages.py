@@ -249,17 +249,21 @@ class LayoutSubmission(Message):
 @dataclasses.dataclass(frozen=True)
 class Profile(Message):
     """Worker 0's profile for ``--fusion cost`` and ``--tune``: when each unit's gradient is ready, its bytes, the
-    push cost, and (for the tuner's simulation) each unit's forward time."""
+    push cost, and (for the tuner's simulation) each unit's forward time and the profiled iterations' mean time."""
 
     ready_s: list[float]
     unit_bytes: list[int]
     alpha_s: float
     beta_s_per_byte: float
     forward_s: list[float] = dataclasses.field(default_factory=list)  # empty: not measured
+    iteration_s: float = 0.0  # a profiled iteration's mean wall time, waits included (0: not measured)
 
     def __post_init__(self) -> None:
         if self.forward_s and len(self.forward_s) != len(self.ready_s):
             raise ValueError(f"{len(self.forward_s)} forward times for {len(self.ready_s)} units")
+        if not (isinstance(self.iteration_s, (int, float)) and math.isfinite(self.iteration_s)
+                and self.iteration_s >= 0):
+            raise ValueError(f"iteration_s must be finite and >= 0, not {self.iteration_s!r}")
 
     def backward_s(self) -> list[float]:
         """Each unit's backward time (the ready times' increments)."""
@@ -267,14 +271,16 @@ class Profile(Message):
 
     def remeasured(self, window: "Window") -> "Profile":
         """This profile under a window's measurement (online re-tuning): every unit's compute scaled to the window's
-        compute time, and the push cost the window fitted where it timed enough pushes."""
+        compute time, and the push cost the window fitted where it timed enough pushes. Its iteration time is
+        dropped: the window's was measured on another schedule than the profile's (plan v1's)."""
         profiled = sum(self.forward_s) + (self.ready_s[-1] if self.ready_s else 0.0)
         scale = window.compute_s / profiled if profiled > 0 and window.compute_s > 0 else 1.0
         fitted = window.beta_s_per_byte > 0
         return dataclasses.replace(self, ready_s=[t * scale for t in self.ready_s],
                                    forward_s=[t * scale for t in self.forward_s],
                                    alpha_s=window.alpha_s if fitted else self.alpha_s,
-                                   beta_s_per_byte=window.beta_s_per_byte if fitted else self.beta_s_per_byte)
+                                   beta_s_per_byte=window.beta_s_per_byte if fitted else self.beta_s_per_byte,
+                                   iteration_s=0.0)
 
 
 @dataclasses.dataclass(frozen=True)

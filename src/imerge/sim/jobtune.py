@@ -22,11 +22,12 @@ from imerge.core.schedule_config import ScheduleConfig
 
 from .cluster import GBIT, Cluster, Constants
 from .profiles import ModelProfile, from_measurement
-from .results import TuningReport
+from .results import Trial, TuningReport
 from .tuning import simulate_schedule, tune
 
 DEFAULT_GBIT = 10.0  # the link rate assumed where neither --link-gbit nor a push measured it
 CONTENTION_STEPS = 4  # simulations (after the first) that take the contention of shared cores out of a profile (uncontended)
+ANCHORED = 0.05  # the profiled iteration's simulated time must come this close to the measured one to anchor on it
 
 
 class Profile(Protocol):
@@ -43,6 +44,8 @@ class Profile(Protocol):
     def beta_s_per_byte(self) -> float: ...
     @property
     def forward_s(self) -> Sequence[float]: ...
+    @property
+    def iteration_s(self) -> float: ...
     def backward_s(self) -> list[float]: ...
 
 
@@ -102,34 +105,54 @@ def profiled_schedule(base: ScheduleConfig) -> ScheduleConfig:
     return dataclasses.replace(base, fusion="none") if base.fusion == "cost" else base
 
 
-def uncontended(model: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig) -> ModelProfile:
+def uncontended(model: ModelProfile, cluster: Cluster, constants: Constants, base: ScheduleConfig,
+                iteration_s: float = 0.0) -> ModelProfile:
     """The job's profile as the simulator's compute times mean them (each worker alone on its cores).
 
     Where the constants share their cores among every process (``cores``: the testbed, every host on one
     machine), worker 0 measured its compute while the other workers and the shards ran beside it, so its times
-    already hold the contention the simulator adds again. The profile is scaled until the simulated compute of
-    the profiled schedule (plan v1's, :func:`profiled_schedule`; iteration time less the forward waits) equals
-    the measured one: a few simulations."""
+    already hold the contention the simulator adds again. The profile is scaled until the simulated iteration of
+    the profiled schedule (plan v1's, :func:`profiled_schedule`) takes the measured ``iteration_s``: the
+    prediction is then anchored where it was measured, whatever of the contention the model lacks (a worker's
+    comm thread holding the interpreter its hooks need: VGG's compute reads 7x its alone-time there, 4x
+    simulated). Where no scale reaches it within :data:`ANCHORED` (the links, not the compute, set that
+    iteration's pace; or no iteration time measured), the simulated compute (iteration time less the forward
+    waits) is matched to the measured one instead. A few simulations each."""
     if not constants.cores or model.compute_s <= 0:
         return model
-    measured = model.compute_s
     profiled = profiled_schedule(base)
 
-    def simulated(compute_s: float) -> float:
-        run = simulate_schedule(model.scaled(compute_s), cluster, constants, profiled)
+    def simulated(compute_s: float) -> Trial:
+        return simulate_schedule(model.scaled(compute_s), cluster, constants, profiled)
+
+    def iteration(compute_s: float) -> float:
+        return simulated(compute_s).mean_iteration_s
+
+    def compute(compute_s: float) -> float:
+        run = simulated(compute_s)
         return run.mean_iteration_s - (run.exposed_comm_s or 0.0)
 
-    # secant steps on compute -> simulated compute (increasing, not through 0), from the measurement itself
+    if iteration_s > 0:
+        compute_s, reached = _solve(iteration, iteration_s, model.compute_s)
+        if abs(reached / iteration_s - 1) <= ANCHORED:
+            return model.scaled(compute_s)
+    compute_s, _ = _solve(compute, model.compute_s, model.compute_s)
+    return model.scaled(compute_s)
+
+
+def _solve(simulated: Callable[[float], float], target: float, measured: float) -> tuple[float, float]:
+    """The compute (between 5% of ``measured`` and ``measured``) whose ``simulated`` value is nearest ``target``,
+    by secant steps (``simulated`` increasing, not through 0) from ``measured``; and that value."""
     points = [(measured, simulated(measured))]
-    guess = measured * measured / points[0][1] if points[0][1] > 0 else measured
+    guess = measured * target / points[0][1] if points[0][1] > 0 else measured
     for _ in range(CONTENTION_STEPS):
         guess = min(measured, max(0.05 * measured, guess))
         points.append((guess, simulated(guess)))
-        if abs(points[-1][1] / measured - 1) < 0.02:
+        if abs(points[-1][1] / target - 1) < 0.02:
             break
         (x0, y0), (x1, y1) = points[-2:]
-        guess = x1 - (y1 - measured) * (x1 - x0) / (y1 - y0) if y1 != y0 else x1 * measured / y1
-    return model.scaled(min(points, key=lambda point: abs(point[1] - measured))[0])
+        guess = x1 - (y1 - target) * (x1 - x0) / (y1 - y0) if y1 != y0 else x1 * target / y1
+    return min(points, key=lambda point: abs(point[1] - target))
 
 
 def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleConfig, *, link_gbit: float = 0.0,
@@ -138,7 +161,7 @@ def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleCon
     """The knobs of ``options.tune`` chosen for the job (the others as ``base`` has them)."""
     base = dataclasses.replace(base, fusion=options.fusion, tune="none")
     cluster, constants = job_cluster(profile, plan, link_gbit, queue_kb), job_constants(profile, calibration)
-    model = uncontended(job_profile(profile, plan), cluster, constants, base)
+    model = uncontended(job_profile(profile, plan), cluster, constants, base, profile.iteration_s)
     report = tune(model, cluster, constants, base, only=options.tuned_knobs, progress=progress)
     return JobDecision(dict(report.chosen.knobs), report)
 
