@@ -212,7 +212,8 @@ def decision_fields(event: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {"schedule": describe(event.get("knobs") or {}), "predicted_s": event.get("predicted_s"),
             "runner_up": describe(event["runner_up"]) if event.get("runner_up") else "",
-            "runner_up_s": event.get("runner_up_s") or None, "profile_compute_s": event.get("profile_compute_s") or None}
+            "runner_up_s": event.get("runner_up_s") or None,
+            "profile_compute_s": event.get("profile_compute_s") or None}
 
 
 def _rounds_mean(values: list[float | None]) -> float | None:

@@ -26,7 +26,7 @@ from .results import Trial, TuningReport
 from .tuning import simulate_schedule, tune
 
 DEFAULT_GBIT = 10.0  # the link rate assumed where neither --link-gbit nor a push measured it
-CONTENTION_STEPS = 4  # simulations (after the first) that take the contention of shared cores out of a profile (uncontended)
+CONTENTION_STEPS = 4  # simulations (after the first) that take the shared cores' contention out of a profile
 ANCHORED = 0.05  # the profiled iteration's simulated time must come this close to the measured one to anchor on it
 
 
