@@ -106,8 +106,7 @@ class Profiler:
 
     def compute_s(self) -> float:
         """The profiled compute per iteration (forward and backward, waits not counted): what --tune decides on."""
-        summary = self.summary([0] * self.num_units)
-        return sum(summary.forward_s) + (summary.ready_s[-1] if summary.ready_s else 0.0)
+        return self.summary([0] * self.num_units).compute_s
 
     def backward_times(self) -> list[float]:
         return self.summary([0] * self.num_units).backward_s()

@@ -265,6 +265,11 @@ class Profile(Message):
                 and self.iteration_s >= 0):
             raise ValueError(f"iteration_s must be finite and >= 0, not {self.iteration_s!r}")
 
+    @property
+    def compute_s(self) -> float:
+        """The profiled compute per iteration: every unit's forward and the backward (waits not counted)."""
+        return sum(self.forward_s) + (self.ready_s[-1] if self.ready_s else 0.0)
+
     def backward_s(self) -> list[float]:
         """Each unit's backward time (the ready times' increments)."""
         return [b - a for a, b in zip([0.0] + self.ready_s[:-1], self.ready_s)]
@@ -273,7 +278,7 @@ class Profile(Message):
         """This profile under a window's measurement (online re-tuning): every unit's compute scaled to the window's
         compute time, and the push cost the window fitted where it timed enough pushes. Its iteration time is
         dropped: the window's was measured on another schedule than the profile's (plan v1's)."""
-        profiled = sum(self.forward_s) + (self.ready_s[-1] if self.ready_s else 0.0)
+        profiled = self.compute_s
         scale = window.compute_s / profiled if profiled > 0 and window.compute_s > 0 else 1.0
         fitted = window.beta_s_per_byte > 0
         return dataclasses.replace(self, ready_s=[t * scale for t in self.ready_s],
