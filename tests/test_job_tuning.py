@@ -224,9 +224,11 @@ def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_t
     assert plan is not None and plan.version == COST_PLAN and plan.predicted_s > 0
     knobs = dict(plan.knobs)
     assert knobs["slots"] != "off" and set(knobs) == {"fusion", "priority", "slots"}, knobs
-    scraped = generate_latest(coordinator_registry(tuned.coordinator.store, WORKERS, 1000.0,
+    scraped = generate_latest(coordinator_registry(tuned.coordinator.store, (WORKERS, 1), 1000.0,
                                                    lambda: tuned.coordinator.plan, lambda: 0)).decode()
     assert f"imerge_schedule_predicted_seconds {plan.predicted_s}" in scraped
+    for role, count in (("worker", WORKERS), ("shard", 1)):  # the plan's members, the alerts' reference
+        assert f'imerge_coordinator_expected_members{{role="{role}"}} {count:.1f}' in scraped
     assert (f'imerge_schedule_info{{fusion="{knobs["fusion"]}",priority="{knobs["priority"]}",'
             f'slots="{knobs["slots"]}"}} 1.0') in scraped
     assert plan.runner_up and plan.runner_up_s >= plan.predicted_s * (1 - MARGIN)  # a tie keeps the one in use
@@ -241,7 +243,7 @@ def test_a_job_switches_to_the_schedule_it_chose_and_computes_bit_for_bit_what_t
     expected = _run(given, data, profile_iters=3, tune="none")
     assert given.coordinator.plan.version == FIRST_PLAN and len(given.coordinator.plan.groups) == 4
     assert "imerge_schedule_info" not in generate_latest(coordinator_registry(
-        given.coordinator.store, WORKERS, 1000.0, lambda: given.coordinator.plan, lambda: 0)).decode()
+        given.coordinator.store, (WORKERS, 1), 1000.0, lambda: given.coordinator.plan, lambda: 0)).decode()
     for worker, params in enumerate(results):
         for name, value in expected[0].items():
             assert torch.equal(params[name], value), f"worker {worker}, {name} differs after the switch"

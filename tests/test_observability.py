@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,7 +130,8 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert len(ids) == len(set(ids)), f"{name}: duplicate panel ids"
         variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-        assert set(variables) == {"datasource", "job", "shard", "worker"}, name
+        assert set(variables) == {"datasource", "namespace", "job", "shard", "worker"}, name
+        assert variables["namespace"]["allValue"] == ".*"  # outside Kubernetes there is no namespace label
         assert variables["datasource"]["current"]["value"] == DEFAULT_DATASOURCE_UID and DEFAULT_DATASOURCE_UID in uids
         for panel in dashboard["panels"]:
             sources = [panel["datasource"]] + [t["datasource"] for t in panel["targets"]]
@@ -137,7 +139,12 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
             assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
             assert panel["description"] and panel["fieldConfig"]["defaults"]["unit"], panel["title"]
             assert panel["fieldConfig"]["defaults"]["thresholds"]["steps"], panel["title"]
-            assert all('imerge_job=~"$job"' in t["expr"] for t in panel["targets"]), panel["title"]
+            assert all('namespace=~"$namespace", imerge_job=~"$job"' in t["expr"] for t in panel["targets"]), \
+                panel["title"]
+            for target in panel["targets"]:  # every rate's window follows the scrape interval
+                windows = re.findall(r"\[([^\]]+)\]", target["expr"])
+                assert windows and set(windows) == {"$__rate_interval"} if "rate(" in target["expr"] else \
+                    not windows, (panel["title"], target["expr"])
         # a Grafana whose Prometheus has another uid: every reference follows the variable, none is hard-coded
         loaded = json.loads(committed.replace("${datasource}", "cluster-prometheus"))
         references = [p["datasource"]["uid"] for p in loaded["panels"]] + [
@@ -150,14 +157,21 @@ def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
 
 
 # -- a real Prometheus scraping a real job ----------------------------------------------------------
-def expressions(job: str) -> list[str]:
-    """Every dashboard query with the variables set to ``job`` (and all shards and workers), every rule."""
-    found = dashboard_expressions({"job": job, "shard": ".*", "worker": ".*"})
-    rules = yaml.safe_load(RULES.read_text())
-    for group in rules["groups"]:
-        for rule in group["rules"]:
-            found += [rule["record"], rule["expr"]]
-    return found
+def dashboard_queries(namespace: str, job: str) -> list[str]:
+    """Every dashboard query with the variables set to one job (all its shards and workers) and Grafana's rate
+    window at this Prometheus's 1 s scrape interval."""
+    return dashboard_expressions({"namespace": namespace, "job": job, "shard": ".*", "worker": ".*",
+                                  "__rate_interval": "4s"})
+
+
+def recording_rules() -> list[dict]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "record" in rule]
+
+
+def expressions(namespace: str, job: str) -> list[str]:
+    """Every dashboard query for one job, every recording rule."""
+    return dashboard_queries(namespace, job) + [e for rule in recording_rules() for e in (rule["record"], rule["expr"])]
 
 
 def query(port: int, expr: str) -> list:
@@ -187,17 +201,22 @@ def launch_job(log_dir) -> subprocess.Popen:
 
 
 def merged_config(configs: list, path) -> tuple[list[str], list[str]]:
-    """One Prometheus configuration scraping every job's targets (their imerge_job labels kept); the targets and
-    the job names."""
+    """One Prometheus configuration scraping every job's targets as two releases of one name in two Kubernetes
+    namespaces would be: the same job id (imerge_job), namespace team-0 and team-1; the targets and namespaces."""
     merged = yaml.safe_load(configs[0].read_text())
-    static = [c for config in configs for c in yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"]]
+    static = []
+    for index, config in enumerate(configs):
+        for scraped in yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"]:
+            labels = {**scraped["labels"], "imerge_job": "train", "namespace": f"team-{index}"}
+            static.append({**scraped, "labels": labels})
     merged["scrape_configs"][0]["static_configs"] = static
     path.write_text(yaml.safe_dump(merged))
-    return [t for c in static for t in c["targets"]], sorted({c["labels"]["imerge_job"] for c in static})
+    return [t for c in static for t in c["targets"]], sorted({c["labels"]["namespace"] for c in static})
 
 
 @pytest.mark.timeout(400)
-def test_prometheus_scrapes_two_jobs_keeps_them_apart_and_every_expression_has_data(promtool, tmp_path):
+def test_prometheus_scrapes_two_jobs_of_one_name_in_two_namespaces_keeps_them_apart_and_every_expression_has_data(
+        promtool, tmp_path):
     launches = [launch_job(tmp_path / f"job{i}") for i in range(2)]
     prometheus = None
     try:
@@ -205,8 +224,8 @@ def test_prometheus_scrapes_two_jobs_keeps_them_apart_and_every_expression_has_d
         for config in configs:
             wait_for("the launcher's prometheus.yml", config.exists, 60)
         config = configs[0]
-        targets, jobs = merged_config(configs, tmp_path / "prometheus.yml")
-        assert len(targets) == 10 and len(jobs) == 2  # per job: coordinator, 2 shards, 2 workers
+        targets, namespaces = merged_config(configs, tmp_path / "prometheus.yml")
+        assert len(targets) == 10 and len(namespaces) == 2  # per job: coordinator, 2 shards, 2 workers
 
         def all_up() -> bool:
             try:
@@ -244,16 +263,21 @@ def test_prometheus_scrapes_two_jobs_keeps_them_apart_and_every_expression_has_d
         assert len(rows) >= 4, top.stdout  # 2 shard rows and 2 worker rows
 
         deadline = time.monotonic() + 120
-        for job in jobs:  # every dashboard query, the variables set to one job, has data of that job only
-            while missing := [e for e in expressions(job) if not query(port, e)]:
-                assert time.monotonic() < deadline, f"no data after 120s for job {job}: {missing}"
+        for namespace in namespaces:  # every dashboard query, the variables set to one namespace, has its data only
+            while missing := [e for e in expressions(namespace, "train") if not query(port, e)]:
+                assert time.monotonic() < deadline, f"no data after 120s in namespace {namespace}: {missing}"
                 time.sleep(2)
-            for expr in dashboard_expressions({"job": job, "shard": ".*", "worker": ".*"}):
-                seen = {series["metric"].get("imerge_job", job) for series in query(port, expr)}
-                assert seen == {job}, (expr, seen)
-        for rule in [r["record"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]:
-            per_job = {series["metric"]["imerge_job"] for series in query(port, f"count by (imerge_job) ({rule})")}
-            assert per_job == set(jobs), (rule, per_job)  # never the two jobs added together
+            for expr in dashboard_queries(namespace, "train"):
+                seen = {series["metric"].get("namespace", namespace) for series in query(port, expr)}
+                assert seen == {namespace}, (expr, seen)
+        for expr in dashboard_queries(".*", "train"):  # the variable at All: the namespaces side by side, never summed
+            series = query(port, expr)
+            assert {s["metric"].get("namespace") for s in series} == set(namespaces), (expr, series)
+        for rule in [r["record"] for r in recording_rules()]:
+            pairs = {(s["metric"]["imerge_job"], s["metric"]["namespace"])
+                     for s in query(port, f"count by (imerge_job, namespace) ({rule})")}
+            assert pairs == {("train", n) for n in namespaces}, (rule, pairs)  # never the two jobs added together
+        assert not query(port, 'ALERTS{alertstate="firing"}')  # two healthy jobs page no one
         assert all(launch.poll() is None for launch in launches), "a job ended before the check"
     finally:
         for launch in launches:

@@ -20,9 +20,9 @@ FLAG_HELP = {"granted": "Slot flags granted", "contended": "Slot flags granted a
 
 
 class _CoordinatorCollector(Collector):
-    def __init__(self, store: StoreBase, num_workers: int, plan: Callable[[], Plan | None],
+    def __init__(self, store: StoreBase, members: tuple[int, int], plan: Callable[[], Plan | None],
                  generation: Callable[[], int], retuning: Callable[[], tuple[int, int] | None]):
-        self.store, self.num_workers, self.plan = store, num_workers, plan
+        self.store, (self.num_workers, self.num_shards), self.plan = store, members, plan
         self.generation, self.retuning = generation, retuning
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | InfoMetricFamily]:
@@ -41,6 +41,7 @@ class _CoordinatorCollector(Collector):
                                       "the job drifted from its schedule's expected time", value=counts[0])
             yield CounterMetricFamily("imerge_schedule_switches", "Times online re-tuning switched the schedule",
                                       value=counts[1])
+        yield self._expected(plan)
         yield GaugeMetricFamily("imerge_coordinator_generation", "The job generation (recoveries so far)",
                                 value=self.generation())
         try:
@@ -58,10 +59,18 @@ class _CoordinatorCollector(Collector):
         members.add_metric(["shard"], shards)
         yield members
 
+    def _expected(self, plan: Plan | None) -> GaugeMetricFamily:
+        """The members the job needs, the alerts' reference for imerge_coordinator_live_members and ``up``."""
+        expected = GaugeMetricFamily("imerge_coordinator_expected_members", "Workers and shards the job's plan "
+                                     "has (before the first plan: --num-workers and --num-shards)", labels=["role"])
+        expected.add_metric(["worker"], plan.num_workers if plan else self.num_workers)
+        expected.add_metric(["shard"], len(plan.shard_addresses) if plan else self.num_shards)
+        return expected
 
-def coordinator_registry(store: StoreBase, num_workers: int, link_mbps: float, plan: Callable[[], Plan | None],
+
+def coordinator_registry(store: StoreBase, members: tuple[int, int], link_mbps: float, plan: Callable[[], Plan | None],
                          generation: Callable[[], int],
                          retuning: Callable[[], tuple[int, int] | None] = lambda: None) -> CollectorRegistry:
     registry = role_registry(link_mbps)
-    registry.register(_CoordinatorCollector(store, num_workers, plan, generation, retuning))
+    registry.register(_CoordinatorCollector(store, members, plan, generation, retuning))
     return registry

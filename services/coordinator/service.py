@@ -301,7 +301,8 @@ class Coordinator:
         self.store.start_generation(GenerationEvent(generation, round=round_, reason=str(failure)))
 
     def serve_metrics(self) -> MetricsServer:
-        registry = coordinator_registry(self.store, self.config.num_workers, self.config.link_mbps,
+        registry = coordinator_registry(self.store, (self.config.num_workers, self.config.num_shards),
+                                        self.config.link_mbps,
                                         lambda: self.plan, lambda: self.recovery.generation,
                                         lambda: self.retuner.counts() if self.retuner else None)
         return MetricsServer(registry, self.config.metrics_port, "coordinator", self.config.metrics_address(),

@@ -152,8 +152,11 @@ def _run_bench(args: argparse.Namespace) -> int:
 
         print(datapath_markdown(run_datapath(config, Console(stderr=True))))
         return 0
-    report = run_bench(args.scenario, config, Console(stderr=True))
     from imerge.bench.report import markdown
+    from imerge.sim.plots import pyplot
+
+    pyplot(f"imerge bench {args.scenario}")  # the report's figures: a missing matplotlib is said before the runs
+    report = run_bench(args.scenario, config, Console(stderr=True))
 
     print(markdown(report))
     return 0

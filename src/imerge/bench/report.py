@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from imerge.core.bench_results import BenchReport, RunResult, ScalingReport
+from imerge.sim.plots import pyplot
 
 if TYPE_CHECKING:
     from imerge.bench.datapath import DatapathReport
@@ -141,10 +142,7 @@ def _plot_utilization(report: BenchReport, path: Path, plt: Any) -> None:
 
 
 def write_report(report: BenchReport, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("imerge bench")
 
     (out / "results.md").write_text(markdown(report))
     _plot_iteration_times(report, out / "iteration_time.png", plt)
@@ -174,10 +172,7 @@ def scaling_markdown(report: ScalingReport) -> str:
 
 
 def write_scaling_report(report: ScalingReport, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("imerge bench --scaling")
 
     (out / "results.md").write_text(scaling_markdown(report))
     sizes = report.sizes

@@ -4,9 +4,12 @@ Each dashboard is a list of panels, each panel a few PromQL expressions over the
 metrics and recording rules (deploy/prometheus/rules.yml), with a unit, a
 description and thresholds. Every dashboard has the variables ``datasource``
 (any Prometheus: a cluster Grafana loading them through its sidecar picks its
-own), ``job`` (the ``imerge_job`` label), ``shard`` and ``worker``; every
-query is filtered by them. The tests run every expression, the variables set,
-against a real Prometheus scraping real jobs.
+own), ``namespace`` (Kubernetes'; All where there is none), ``job`` (the
+``imerge_job`` label), ``shard`` and ``worker``; every query is filtered by
+them and keeps namespaces apart. Every rate's window is Grafana's
+``$__rate_interval`` (at least four scrape intervals), never a fixed one. The
+tests run every expression, the variables set, against a real Prometheus
+scraping real jobs.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 DEFAULT_DATASOURCE_UID = "imerge-prometheus"  # the provisioned one (deploy/grafana/provisioning)
-JOB = 'imerge_job=~"$job"'
+JOB = 'namespace=~"$namespace", imerge_job=~"$job"'
 SHARD = JOB + ', shard=~"$shard"'
 WORKER = JOB + ', worker=~"$worker"'
 GREEN = {"color": "green", "value": None}
@@ -33,11 +36,12 @@ class Panel:
 
 
 def p90(metric: str, by: str, selector: str) -> str:
-    return f"histogram_quantile(0.9, sum by ({by}, le) (rate({metric}_bucket{{{selector}}}[1m])))"
+    return (f"histogram_quantile(0.9, sum by (namespace, {by}, le) "
+            f"(rate({metric}_bucket{{{selector}}}[$__rate_interval])))")
 
 
 def rate(metric: str, by: str, selector: str) -> str:
-    return f"sum by ({by}) (rate({metric}{{{selector}}}[1m]))"
+    return f"sum by (namespace, {by}) (rate({metric}{{{selector}}}[$__rate_interval]))"
 
 
 BUSY = (GREEN, {"color": "yellow", "value": 0.7}, {"color": "red", "value": 0.95})  # a link near saturation
@@ -57,8 +61,8 @@ OVERVIEW = [
           "Mean time from one forward's start to the next, per worker (1 minute window)."),
     Panel("Samples per second", "timeseries", "short", [(f"job:imerge_samples:rate1m{{{JOB}}}", "samples/s")],
           "Samples in the workers' input batches per second, all workers together."),
-    Panel("Plan version", "stat", "none", [(f"max by (imerge_job) (imerge_coordinator_plan_version{{{JOB}}})",
-                                            "plan")],
+    Panel("Plan version", "stat", "none",
+          [(f"max by (namespace, imerge_job) (imerge_coordinator_plan_version{{{JOB}}})", "plan")],
           "The plan the coordinator published last (a cost plan replaces the first one after profiling)."),
     Panel("Live members", "stat", "none", [(f"imerge_coordinator_live_members{{{JOB}}}", "{{role}}")],
           "Shards and workers whose heartbeat the coordinator sees.", ({"color": "red", "value": None},
@@ -80,10 +84,10 @@ SHARDS = [
            (f"shard:imerge_shard_sent_bytes:rate1m{{{SHARD}}}", "shard {{shard}} sent")],
           "Gradient bytes received in counted pushes and parameter bytes sent in pulls, per shard."),
     Panel("Planned load (mapping table)", "bargauge", "bytes",
-          [(f"sum by (shard) (imerge_shard_planned_bytes{{{SHARD}}})", "shard {{shard}}")],
+          [(f"sum by (namespace, shard) (imerge_shard_planned_bytes{{{SHARD}}})", "shard {{shard}}")],
           "The bytes of the blocks the plan maps to each shard."),
     Panel("Pushes in flight", "timeseries", "short",
-          [(f"sum by (shard) (imerge_shard_pushes_in_flight{{{SHARD}}})", "shard {{shard}}")],
+          [(f"sum by (namespace, shard) (imerge_shard_pushes_in_flight{{{SHARD}}})", "shard {{shard}}")],
           "Push streams a shard is receiving now: many at once is an incast."),
     Panel("Rounds per second", "timeseries", "short", [(rate("imerge_shard_rounds_total", "shard", SHARD),
                                                           "shard {{shard}}")],
@@ -122,13 +126,14 @@ SCHEDULER = [
           "Slot flags granted, granted after a wait, and taken back because a holder's lease ran out.",
           (GREEN, {"color": "red", "value": 0.1})),
     Panel("Seconds per iteration: predicted by --tune, and measured", "timeseries", "s",
-          [(f"max by (imerge_job) (imerge_schedule_predicted_seconds{{{JOB}}})", "{{imerge_job}} predicted"),
+          [(f"max by (namespace, imerge_job) (imerge_schedule_predicted_seconds{{{JOB}}})",
+            "{{imerge_job}} predicted"),
            (f"job:imerge_iteration_seconds:mean1m{{{JOB}}}", "{{imerge_job}} measured (slowest worker)")],
           "The seconds per iteration the coordinator's simulation predicted for the schedule --tune chose, beside "
           "the slowest worker's measured mean. A measured time well above the prediction: the cluster is not the "
           "one the decision assumed (give the coordinator --link-gbit, --queue-kb or a --calibration)."),
     Panel("Schedule chosen by --tune", "table", "none",
-          [(f"max by (imerge_job, fusion, priority, slots) (imerge_schedule_info{{{JOB}}})", "")],
+          [(f"max by (namespace, imerge_job, fusion, priority, slots) (imerge_schedule_info{{{JOB}}})", "")],
           "The knob values --tune chose for the job (a knob an option gave reads 'given')."),
 ]
 WORKERS = [
@@ -149,11 +154,12 @@ WORKERS = [
     Panel("Loss", "timeseries", "short", [(f"imerge_worker_loss{{{WORKER}}}", "worker {{worker}}")],
           "The latest loss each worker reported (the built-in job every iteration; a script with model.log_loss)."),
     Panel("Learning rate per parameter group", "timeseries", "short",
-          [(f"max by (param_group) (imerge_worker_learning_rate{{{WORKER}}})", "group {{param_group}}")],
+          [(f"max by (namespace, param_group) (imerge_worker_learning_rate{{{WORKER}}})",
+            "group {{param_group}}")],
           "The learning rate each round's pushes carried to the shards (a scheduler's, as it steps)."),
     Panel("CPU and memory per process", "timeseries", "short",
-          [(f"sum by (role) (rate(process_cpu_seconds_total{{{JOB}}}[1m]))", "{{role}} CPU cores"),
-           (f"sum by (role) (process_resident_memory_bytes{{{JOB}}}) / 2^30", "{{role}} GiB resident")],
+          [(rate("process_cpu_seconds_total", "role", JOB), "{{role}} CPU cores"),
+           (f"sum by (namespace, role) (process_resident_memory_bytes{{{JOB}}}) / 2^30", "{{role}} GiB resident")],
           "CPU cores busy and resident memory of every IMerge process (prometheus_client's process collector)."),
 ]
 DASHBOARDS: dict[str, tuple[str, list[Panel]]] = {
@@ -179,19 +185,21 @@ def panel(panel_id: int, spec: Panel) -> dict[str, Any]:
     }
 
 
-def variable(name: str, label: str, metric: str, selector: str, multi: bool) -> dict[str, Any]:
+def variable(name: str, label: str, metric: str, selector: str, multi: bool, include_all: bool = False
+             ) -> dict[str, Any]:
     query = f"label_values({metric}{{{selector}}}, {label})" if selector else f"label_values({metric}, {label})"
     return {"name": name, "label": name, "type": "query", "datasource": DATASOURCE, "refresh": 2, "sort": 3,
             "query": {"query": query, "refId": f"{name}-values"}, "definition": query,
-            "multi": multi, "includeAll": multi, "allValue": ".*",
-            "current": {"text": "All", "value": "$__all"} if multi else {}}
+            "multi": multi, "includeAll": multi or include_all, "allValue": ".*",
+            "current": {"text": "All", "value": "$__all"} if multi or include_all else {}}
 
 
 def templating() -> dict[str, Any]:
     return {"list": [
         {"name": "datasource", "label": "data source", "type": "datasource", "query": "prometheus",
          "current": {"text": "Prometheus", "value": DEFAULT_DATASOURCE_UID}, "refresh": 1},
-        variable("job", "imerge_job", "imerge_worker_iterations_total", "", multi=False),
+        variable("namespace", "namespace", "imerge_worker_iterations_total", "", multi=False, include_all=True),
+        variable("job", "imerge_job", "imerge_worker_iterations_total", 'namespace=~"$namespace"', multi=False),
         variable("shard", "shard", "imerge_shard_rounds_total", JOB, multi=True),
         variable("worker", "worker", "imerge_worker_iterations_total", JOB, multi=True),
     ]}

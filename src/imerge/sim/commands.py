@@ -23,6 +23,10 @@ def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callab
     ``pinned``: the scheduling options the user's flags gave (``--explain`` varies none of them)."""
     if target not in TARGETS:
         raise ConfigError("target", f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    if target not in ("job", "calibrate"):  # the targets that draw figures: say so before simulating
+        from .plots import pyplot
+
+        pyplot(f"imerge simulate {target}")
     out = Path(config.out or f"runs/simulate-{target}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     report: JsonReport

@@ -5,12 +5,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from imerge.core.errors import IMergeError
+
 from .profiles import SYNTHETIC
 from .results import ComparisonReport, ProjectionReport, ProjectionRow
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def pyplot(command: str) -> Any:
+    """matplotlib's pyplot, headless; a one-line error naming the extra that brings it where it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise IMergeError(f"{command} draws its figures with matplotlib, which is not installed: "
+                          "pip install 'imerge[plots]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -51,7 +58,7 @@ def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[ProjectionRo
 def plot_projections(report: ProjectionReport, out: Path) -> list[str]:
     from .projections import BOUND_STRATEGIES, INCAST_QUEUE_KB, LINKS_GBIT, PERIODS
 
-    plt, rows, written = _pyplot(), report.rows, []
+    plt, rows, written = pyplot("imerge simulate projections"), report.rows, []
     swept = {row.sweep for row in rows}
     for model in SYNTHETIC if "bound" in swept else ():
         figure, axes = plt.subplots(1, len(LINKS_GBIT), figsize=(13, 3.8), sharey=True)
@@ -100,7 +107,7 @@ def plot_comparison(report: ComparisonReport, path: Path) -> str | None:
               if r.measured_mean_s is not None]
     if not points:
         return None
-    plt = _pyplot()
+    plt = pyplot("imerge simulate compare")
     figure, axis = plt.subplots(figsize=(5.5, 5))
     low, high = min(min(p[:2]) for p in points) * 0.8, max(max(p[:2]) for p in points) * 1.2
     axis.plot([low, high], [low, high], color="grey", linewidth=0.8)

@@ -7,6 +7,7 @@ labels (``shard``, ``worker``, ``group``, ``interface``).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client import CollectorRegistry, Gauge, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Info, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -57,6 +58,17 @@ class InterfaceCollector(Collector):
         yield sent
 
 
+def build_versions() -> dict[str, str]:
+    """The versions of IMerge and torch installed (``imerge_build_info``'s labels), read without importing torch."""
+    found = {}
+    for label, package in (("version", "imerge"), ("torch_version", "torch")):
+        try:
+            found[label] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[label] = "unknown"
+    return found
+
+
 def role_registry(link_mbps: float) -> CollectorRegistry:
     """A fresh registry holding what every role exports: link capacity, interface counters, and the process's
     (CPU seconds, memory, open files: ``process_*``) and Python's (``python_info``) own figures."""
@@ -65,6 +77,8 @@ def role_registry(link_mbps: float) -> CollectorRegistry:
     PlatformCollector(registry=registry)
     Gauge("imerge_link_capacity_bytes_per_second", "Configured capacity of this host's network link",
           registry=registry).set(link_mbps * 1e6 / 8)
+    Info("imerge_build", "The IMerge release and the torch it runs on (value 1)",
+         registry=registry).info(build_versions())
     registry.register(InterfaceCollector())
     return registry
 
