@@ -1,6 +1,8 @@
 """Deployment: the image, compose and the Helm chart, validated offline and run for real in namespaces."""
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 import os
 import re
@@ -37,7 +39,16 @@ VALUE_SETS = {
     "mutual-tls": {"tls": {"enabled": True, "secretName": "imerge-tls"}},
     "script-per-gpu": {"workers": {"command": ["python", "train.py"], "gpu": {"enabled": True, "count": 2},
                                    "replicas": 2}},
+    "jobset": {"jobset": {"enabled": True, "maxRestarts": 2}, "kueue": {"queueName": "team-a"},
+               "workers": {"command": ["python", "train.py"], "gpu": {"enabled": True, "count": 2}},
+               "tls": {"enabled": True, "secretName": "imerge-tls"}, "job": {"activeDeadlineSeconds": 3600}},
+    "jobset-external-redis": {"jobset": {"enabled": True},
+                              "shards": {"checkpoints": {"persistence": {"existingClaim": "shared-checkpoints"}}},
+                              "redis": {"enabled": False, "external": {"host": "redis.example.com"}}},
 }
+# The chart's floor (Chart.yaml's kubeVersion) and the newest Kubernetes kubernetes-validate knows.
+KUBE_VERSIONS = ("1.28.0", "1.37.0")
+JOBSET_CRD = ROOT / "tests" / "data" / "jobset-v0.9.1-crd.yaml.gz"
 needs_testbed = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
                                    reason="the testbed needs root and iproute2")
 
@@ -60,9 +71,64 @@ def documents(rendered: dict[str, str]) -> list[dict]:
             for doc in yaml.safe_load_all(text) if doc]
 
 
+def workloads(docs: list[dict]) -> list[dict]:
+    """The StatefulSets and Jobs, a JobSet's replicated Jobs among them (as the Jobs the JobSet creates)."""
+    found = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+    for jobset in (d for d in docs if d["kind"] == "JobSet"):
+        found += [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{jobset['metadata']['name']}-"
+                   f"{replicated['name']}-0"}, "spec": replicated["template"]["spec"]}
+                  for replicated in jobset["spec"]["replicatedJobs"]]
+    return found
+
+
 def pod_specs(docs: list[dict]) -> dict[str, dict]:
-    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"] for d in docs
-            if d["kind"] in ("Deployment", "StatefulSet", "Job")}
+    return {f"{d['kind']}/{d['metadata']['name']}": d["spec"]["template"]["spec"] for d in workloads(docs)}
+
+
+@functools.cache
+def jobset_schema() -> dict:
+    """JobSet's CRD schema (v1alpha2), strict as the API server's field validation is: an unknown field fails."""
+    crd = yaml.safe_load(gzip.decompress(JOBSET_CRD.read_bytes()))
+    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha2"]
+
+    def closed(node):
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for child in node.values():
+                closed(child)
+        elif isinstance(node, list):
+            for child in node:
+                closed(child)
+        return node
+
+    return closed(version["schema"]["openAPIV3Schema"])
+
+
+def validate_strictly(docs: list[dict]) -> None:
+    """Every object against the floor's and the newest Kubernetes schema, unknown fields refused; a JobSet against
+    JobSet's CRD, and each of its Jobs as a Job."""
+    import jsonschema
+    import kubernetes_validate
+
+    for doc in docs:
+        if doc["apiVersion"].startswith(("monitoring.coreos.com", "scheduling.")):  # the Operator's, the gangs'
+            continue
+        if doc["kind"] == "JobSet":
+            errors = [f"{list(e.absolute_path)}: {e.message}" for e in
+                      jsonschema.Draft7Validator(jobset_schema()).iter_errors(doc)]
+            assert not errors, errors
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']} on Kubernetes {version}: "
+                                     f"{str(exc)[:600]}") from None
+    for job in workloads(docs):
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
 
 
 # -- offline validation ------------------------------------------------------------------------
@@ -73,15 +139,27 @@ def test_compose_config_accepts_the_compose_file():
         assert services[name]["depends_on"]["ps0"]["condition"] == "service_healthy"
     assert all("healthcheck" in services[name] for name in ("redis", "coordinator", "ps0", "ps1"))
     assert services["worker0"]["image"] == "imerge:cpu" and "deploy" not in services["worker0"]
+    assert all(services[name].get("restart") for name in services), {n: s.get("restart") for n, s in services.items()}
+    for name in ("worker0", "worker1"):  # DataLoader workers share batches in /dev/shm, 64 MB by default
+        assert services[name]["shm_size"] == "1073741824"
+    assert compose_services({"IMERGE_SHM_SIZE": "8gb"})["worker1"]["shm_size"] == "8589934592"
 
 
-def test_compose_cuda_variant_reserves_a_gpu_for_each_worker():
+def test_compose_cuda_variant_reserves_a_gpu_of_its_own_for_each_worker():
     result = docker_compose("-f", "compose.yaml", "-f", "compose.cuda.yaml", "config", "--format", "json")
     assert result.returncode == 0, result.stderr
     services = json.loads(result.stdout)["services"]
-    for name in ("worker0", "worker1"):
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+    gpus = {}
+    for name in ("worker0", "worker1"):  # a GPU of its own each: count 1 would give every worker GPU 0
+        [device] = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and "count" not in device
+        gpus[name] = device["device_ids"]
+    assert gpus == {"worker0": ["0"], "worker1": ["1"]}
+    moved = docker_compose("-f", "compose.yaml", "-f", "compose.cuda.yaml", "config", "--format", "json",
+                           env={"IMERGE_WORKER0_GPU": "2", "IMERGE_WORKER1_GPU": "3"})
+    moved_services = json.loads(moved.stdout)["services"]
+    assert [moved_services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for n in ("worker0", "worker1")] == [["2"], ["3"]]
     for name in ("coordinator", "ps0", "ps1", "worker0", "worker1"):
         assert services[name]["image"] == "imerge:cuda" and services[name]["build"]["args"]["VARIANT"] == "cuda"
     assert "deploy" not in services["ps0"]  # the shards stay on the CPU
@@ -95,15 +173,12 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
     report = helm_python.lint(str(CHART), values, strict=True)
     assert not report["errors"] and all(m["severity"] < 2 for m in report["messages"]), report
     docs = documents(render_manifests(values, name="ci", namespace="train"))
-    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com")]
-    manifest = tmp_path / "rendered.yaml"
-    manifest.write_text(yaml.safe_dump_all(core))
-    result = subprocess.run([str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", str(manifest)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "passed" in result.stdout, result.stdout + result.stderr
-    assert result.stdout.count("passed") == len(core), result.stdout
+    validate_strictly(docs)
     kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     specs = pod_specs(docs)
+    if value_set.startswith("jobset"):
+        check_jobset(value_set, kinds, specs)
+        return
     worker = specs["Job/ci-imerge-worker"]["containers"][0]
     if value_set == "gpu":
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and worker["image"].endswith("-cuda")
@@ -134,7 +209,7 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
         monitor = kinds[("ServiceMonitor", "ci-imerge")]
         assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
         relabel = monitor["spec"]["endpoints"][0]["relabelings"]  # the job label the rules keep jobs apart by
-        assert {"targetLabel": "imerge_job", "replacement": "imerge"} in relabel
+        assert {"targetLabel": "imerge_job", "replacement": "ci"} in relabel  # the release name
     if value_set == "mutual-tls":
         shard = specs["StatefulSet/ci-imerge-ps"]["containers"][0]
         for container in (shard, worker):
@@ -154,12 +229,158 @@ def test_helm_lint_template_and_strict_validation(value_set, tmp_path):
         assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in spec["containers"])
 
 
+def env_of(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value", "$(from-cluster)") for e in container["env"]}
+
+
+def check_jobset(value_set: str, kinds: dict, specs: dict) -> None:
+    """One JobSet: Redis, shards, coordinator and workers its replicated Jobs; it succeeds with the workers, and
+    every name a pod is given resolves in the JobSet's subdomain."""
+    jobset = kinds[("JobSet", "ci-imerge")]
+    spec = jobset["spec"]
+    assert not [key for key in kinds if key[0] in ("StatefulSet", "Job", "Role")]  # nothing outlives the JobSet
+    names = [r["name"] for r in spec["replicatedJobs"]]
+    assert names == (["ps", "coordinator", "worker"] if value_set == "jobset-external-redis" else
+                     ["redis", "ps", "coordinator", "worker"])
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["worker"]}
+    assert spec["network"] == {"enableDNSHostnames": True, "subdomain": "ci-imerge", "publishNotReadyAddresses": True}
+    assert spec["failurePolicy"]["rules"][0]["action"] == "FailJobSet"  # a fatal error is not retried
+    assert spec["ttlSecondsAfterFinished"] == 86400
+    shard = specs["Job/ci-imerge-ps-0"]["containers"][0]
+    advertised = "ci-imerge-ps-0-$(IMERGE_SHARD_INDEX).ci-imerge.$(POD_NAMESPACE).svc:50051"
+    assert env_of(shard)["IMERGE_ADVERTISE"] == advertised
+    index = next(e for e in shard["env"] if e["name"] == "IMERGE_SHARD_INDEX")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert specs["Job/ci-imerge-ps-0"]["restartPolicy"] == "OnFailure"
+    jobs = {r["name"]: r["template"]["spec"] for r in spec["replicatedJobs"]}
+    assert jobs["ps"]["completions"] == 2 and jobs["ps"]["completionMode"] == "Indexed"
+    if value_set == "jobset":
+        assert jobset["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert spec["failurePolicy"]["maxRestarts"] == 2
+        worker = specs["Job/ci-imerge-worker-0"]["containers"][0]
+        assert env_of(worker)["MASTER_ADDR"] == "ci-imerge-worker-0-0.ci-imerge"
+        assert "subdomain" not in specs["Job/ci-imerge-worker-0"]  # the JobSet sets its own
+        assert [r["action"] for r in jobs["worker"]["podFailurePolicy"]["rules"]] == ["Ignore", "FailJob"]
+        assert jobs["worker"]["activeDeadlineSeconds"] == jobs["coordinator"]["activeDeadlineSeconds"] == 3600
+        assert "activeDeadlineSeconds" not in jobs["ps"]  # the shards end with the JobSet
+        assert "IMERGE_ADVERTISE" in shard["readinessProbe"]["exec"]["command"][-1]  # TLS: by its certified name
+    else:  # the checkpoints on one shared claim, a folder per shard
+        volume = next(v for v in specs["Job/ci-imerge-ps-0"]["volumes"] if v["name"] == "checkpoints")
+        assert volume == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "shared-checkpoints"}}
+        mount = next(m for m in shard["volumeMounts"] if m["name"] == "checkpoints")
+        assert mount["subPathExpr"] == "shard-$(IMERGE_SHARD_INDEX)"
+    test_pod = kinds[("Pod", "ci-imerge-test-shard-health")]
+    assert "ci-imerge-ps-0-${index}.ci-imerge.train.svc:50051" in test_pod["spec"]["containers"][0]["args"][0]
+
+
+def test_without_jobset_the_shards_and_redis_are_wound_down_when_the_job_ends_and_kueue_admits_the_jobs():
+    docs = documents(render_manifests({"kueue": {"queueName": "team-a", "priorityClass": "low"}}, name="ci",
+                                      namespace="train"))
+    kinds = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    job = kinds[("Job", "ci-imerge-wind-down")]["spec"]["template"]["spec"]
+    env = env_of(job["containers"][0])
+    assert job["containers"][0]["args"] == ["wind-down"] and job["serviceAccountName"] == "ci-imerge-wind-down"
+    assert env["IMERGE_JOBS"] == "ci-imerge-worker,ci-imerge-coordinator"
+    assert env["IMERGE_STATEFULSETS"] == "ci-imerge-ps,ci-imerge-redis"
+    check_container("wind-down", ["wind-down"], env, set())
+    rules = kinds[("Role", "ci-imerge-wind-down")]["rules"]  # only what it needs, only on this release's objects
+    assert rules == [{"apiGroups": ["batch"], "resources": ["jobs"], "resourceNames": env["IMERGE_JOBS"].split(","),
+                      "verbs": ["get"]},
+                     {"apiGroups": ["apps"], "resources": ["statefulsets/scale"],
+                      "resourceNames": env["IMERGE_STATEFULSETS"].split(","), "verbs": ["get", "patch"]}]
+    binding = kinds[("RoleBinding", "ci-imerge-wind-down")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ci-imerge-wind-down", "namespace": "train"}]
+    for name in ("ci-imerge-worker", "ci-imerge-coordinator"):  # Kueue admits the Jobs; never the wind-down
+        labels = kinds[("Job", name)]["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a" and labels["kueue.x-k8s.io/priority-class"] == "low"
+    assert "kueue.x-k8s.io/queue-name" not in kinds[("Job", "ci-imerge-wind-down")]["metadata"]["labels"]
+    off = documents(render_manifests({"windDown": {"enabled": False}}))
+    assert not [d for d in off if d["metadata"]["name"].endswith("-wind-down")]
+
+
+@pytest.mark.parametrize("layout", [{}, {"jobset": {"enabled": True}}], ids=["jobs", "jobset"])
+def test_helm_upgrade_is_refused_saying_what_to_do_unless_allowed(layout):
+    import helm_python
+
+    chart = helm_python.Chart.load(CHART)
+    with pytest.raises(Exception) as refused:
+        chart.render(layout, name="train", namespace="ml", is_upgrade=True, is_install=False)
+    message = str(refused.value)
+    assert 'helm upgrade of the training job "train" is refused' in message
+    assert "helm uninstall train -n ml, then helm install it" in message and "job.allowUpgrade=true" in message
+    assert chart.render({**layout, "job": {"allowUpgrade": True}}, name="train", namespace="ml", is_upgrade=True,
+                        is_install=False)
+    assert chart.render(layout, name="train", namespace="ml", is_install=True)  # an install is never refused
+
+
+def test_the_job_id_defaults_to_the_release_name_so_two_releases_never_share_one():
+    ids = {}
+    for release, namespace in (("train", "team-a"), ("train", "team-b"), ("tune", "team-a")):
+        docs = documents(render_manifests({"metrics": {"serviceMonitor": {"enabled": True}}}, name=release,
+                                          namespace=namespace))
+        env = env_of(pod_specs(docs)[f"Job/{release}-imerge-worker"]["containers"][0])
+        [monitor] = [d for d in docs if d["kind"] == "ServiceMonitor"]
+        relabel = monitor["spec"]["endpoints"][0]["relabelings"]
+        assert {"targetLabel": "imerge_job", "replacement": release} in relabel
+        assert {"sourceLabels": ["__meta_kubernetes_namespace"], "targetLabel": "namespace"} in relabel
+        ids[(release, namespace)] = (env["IMERGE_JOB"], env["IMERGE_JOB_TOKEN"])
+    assert ids == {("train", "team-a"): ("train", "team-a/train"), ("train", "team-b"): ("train", "team-b/train"),
+                   ("tune", "team-a"): ("tune", "team-a/tune")}  # the dashboards tell the first two apart by namespace
+    docs = documents(render_manifests({"job": {"id": "resnet-sweep.3"}}))
+    assert env_of(pod_specs(docs)["Job/imerge-worker"]["containers"][0])["IMERGE_JOB"] == "resnet-sweep.3"
+
+
+CONVENTIONS = {  # what helm create gives every chart, for every component
+    "podAnnotations": {"team": "ml"}, "podLabels": {"cost-center": "42"}, "priorityClassName": "training",
+    "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/imerge"}},
+    **{component: {"podAnnotations": {f"{component}/note": "x"}, "podLabels": {"tier": component},
+                   "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}}],
+                   "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+                   "nodeSelector": {"pool": component}, "tolerations": [{"key": "dedicated", "operator": "Exists"}],
+                   "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                       "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In",
+                                                                    "values": ["a"]}]}]}}}}
+       for component in ("shards", "workers", "coordinator", "redis")},
+}
+
+
+@pytest.mark.parametrize("layout", [{}, {"jobset": {"enabled": True}}], ids=["jobs", "jobset"])
+def test_every_component_takes_helm_creates_values(layout):
+    docs = documents(render_manifests({**CONVENTIONS, **layout}, name="ci", namespace="train"))
+    validate_strictly(docs)
+    [account] = [d for d in docs if d["kind"] == "ServiceAccount" and d["metadata"]["name"] == "ci-imerge"]
+    assert account["metadata"]["annotations"] == CONVENTIONS["serviceAccount"]["annotations"]
+    pods = {d["metadata"]["name"]: d["spec"]["template"] for d in workloads(docs)
+            if not d["metadata"]["name"].endswith("-wind-down")}
+    assert len(pods) == 4
+    for name, pod in pods.items():
+        component = {"ps": "shards", "worker": "workers", "coordinator": "coordinator", "redis": "redis"}[
+            pod["metadata"]["labels"]["app.kubernetes.io/component"]]
+        spec = pod["spec"]
+        assert pod["metadata"]["labels"]["cost-center"] == "42" and pod["metadata"]["labels"]["tier"] == component
+        assert pod["metadata"]["annotations"]["team"] == "ml" and f"{component}/note" in pod["metadata"]["annotations"]
+        assert spec["priorityClassName"] == "training" and spec["nodeSelector"] == {"pool": component}, name
+        assert {"key": "dedicated", "operator": "Exists"} in spec["tolerations"] and "nodeAffinity" in spec["affinity"]
+        assert {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}} in spec["volumes"], name
+        assert {"name": "data", "mountPath": "/data", "readOnly": True} in spec["containers"][0]["volumeMounts"]
+    worker = next(pod["spec"] for pod in pods.values() if pod["metadata"]["labels"]["app.kubernetes.io/component"]
+                  == "worker")
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in worker["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["containers"][0]["volumeMounts"]
+
+
 @pytest.mark.parametrize("values, error", [
     ({"workers": {"replicas": "four"}}, "at '/workers/replicas': got string, want integer"),
     ({"workers": {"replicaz": 3}}, "additional properties 'replicaz' not allowed"),
     ({"metrics": {"serviceMonitor": {"enabled": "yes"}}}, "got string, want boolean"),
-], ids=["wrong-type", "unknown-key", "wrong-boolean"])
-def test_helm_lint_rejects_a_wrong_type_or_an_unknown_key(values, error):
+    ({"workers": {"replicas": -2}}, "at '/workers/replicas': minimum: got -2, want 1"),
+    ({"workers": {"fusion": "bogus"}}, "at '/workers/fusion': value must be one of 'none', 'size', 'cost'"),
+    ({"job": {"id": "my job:1"}}, "at '/job/id': 'my job:1' does not match pattern"),
+    ({"shards": {"port": 70000}}, "at '/shards/port': maximum: got 70,000, want 65,535"),
+    ({"workers": {"shmSize": "lots"}}, "at '/workers/shmSize': 'lots' does not match pattern"),
+], ids=["wrong-type", "unknown-key", "wrong-boolean", "negative-replicas", "bogus-fusion", "bad-job-id", "bad-port",
+        "bad-quantity"])
+def test_helm_lint_rejects_a_wrong_type_an_unknown_key_or_a_value_out_of_range(values, error):
     import helm_python
 
     report = helm_python.lint(str(CHART), values, strict=True)
@@ -321,21 +542,28 @@ def test_the_compose_topology_runs_the_demo_job_in_namespaces(tmp_path):
     assert "published plan" in logs["coordinator"]
 
 
-def chart_hosts(tmp_path: Path, workers: dict | None = None) -> list[Host]:
-    """Every pod of the chart (default values, ``workers`` merged in), its environment resolved as the kubelet
-    would."""
+def chart_hosts(tmp_path: Path, workers: dict | None = None, layout: dict | None = None) -> list[Host]:
+    """Every pod of the chart (default values, ``workers`` and ``layout`` merged in), its environment resolved as
+    the kubelet would, each under the DNS name Kubernetes gives it."""
     values = {"workers": {"model": "digits-cnn", "data": "digits", "iters": 40, "batchSize": 32, **(workers or {})},
-              "redis": {"auth": {"existingSecret": "imerge-redis"}}}
+              "redis": {"auth": {"existingSecret": "imerge-redis"}}, **(layout or {})}
     docs = documents(render_manifests(values, name="imerge", namespace="default"))
     services = {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    subdomains = {r["name"]: d["spec"]["network"]["subdomain"] for d in docs if d["kind"] == "JobSet"
+                  for r in d["spec"]["replicatedJobs"]}
     hosts = []
-    for doc in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")):
+    for doc in workloads(docs):
         name, spec = doc["metadata"]["name"], doc["spec"]
+        component = spec["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        if component == "wind-down":  # it talks to Kubernetes' API alone
+            continue
         for index in range(spec.get("replicas", spec.get("completions", 1))):
             pod = f"{name}-{index}"
             host = f"{pod}.{name}.default.svc" if doc["kind"] == "StatefulSet" and name in services else pod
-            if name.endswith("-redis"):
-                host = name  # reached through its Service
+            if name.rsplit("-", 2)[-2] in subdomains and name.endswith("-0"):  # a JobSet's Job: <jobset>-<job>-0
+                host = f"{pod}.{subdomains[name.rsplit('-', 2)[-2]]}.default.svc"
+            if component == "redis":
+                host = "imerge-redis"  # reached through its Service
             container = spec["template"]["spec"]["containers"][0]
             fields = {"metadata.name": pod, "metadata.namespace": "default",
                       "metadata.labels['apps.kubernetes.io/pod-index']": str(index),
@@ -349,8 +577,7 @@ def chart_hosts(tmp_path: Path, workers: dict | None = None) -> list[Host]:
             args = [expand(a, env) for a in container.get("args", [])]
             argv = container_argv(args if args[0] == "redis-server" else ["imerge", *args], str(tmp_path))
             hosts.append(Host(host, argv, container_env({**os.environ, **env}, str(tmp_path)),
-                              probe_argv(container, tmp_path),
-                              job=doc["kind"] == "Job"))
+                              probe_argv(container, tmp_path), job=component in ("worker", "coordinator")))
     redis = next(h.name for h in hosts if h.name.endswith("-redis"))
     shards = [h.name for h in hosts if "-ps-" in h.name]
     coordinator = next(h.name for h in hosts if "coordinator" in h.name)
@@ -386,3 +613,15 @@ def test_the_chart_topology_runs_the_job_in_namespaces_one_worker_process_per_gp
             assert f"worker {rank} (local rank {local}) trains digits-cnn on cpu" in logs[pod]
         assert "done:" in logs[pod]
     assert "imerge-ps-1.imerge-ps.default.svc:50051" in logs["imerge-coordinator-0"]
+
+
+@needs_testbed
+@pytest.mark.timeout(400)
+def test_the_jobset_layout_runs_the_job_in_namespaces_under_the_names_the_jobset_gives(tmp_path):
+    """The JobSet's pods, each in its own namespace under its JobSet name (<jobset>-<job>-0-<index>.<subdomain>):
+    the shards advertise those names, and the coordinator and workers reach them."""
+    logs = run_topology(chart_hosts(tmp_path, {"iters": 10}, {"jobset": {"enabled": True}}))
+    for rank in range(2):
+        pod = f"imerge-worker-0-{rank}.imerge.default.svc"
+        assert "done:" in logs[pod], logs[pod][-2000:]
+    assert "imerge-ps-0-1.imerge.default.svc:50051" in logs["imerge-coordinator-0-0.imerge.default.svc"]

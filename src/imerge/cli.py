@@ -188,6 +188,14 @@ def _run_health(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_wind_down(args: argparse.Namespace) -> int:
+    from imerge.ops.wind_down import WindDownConfig, run_wind_down
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s imerge wind-down: %(message)s")
+    logging.getLogger("imerge").info("%s", run_wind_down(from_namespace(WindDownConfig, args)))
+    return 0
+
+
 def _run_redis_acl(args: argparse.Namespace) -> int:
     from imerge.ops.redis_acl import RedisAclConfig, run_redis_acl
 
@@ -207,6 +215,7 @@ ROLE_CONFIGS = {  # role -> the config classes its flags and IMERGE_* variables 
     "top": ("imerge.ops.top:TopConfig",),
     "health": ("imerge.ops.health:HealthConfig",),
     "redis-acl": ("imerge.ops.redis_acl:RedisAclConfig",),
+    "wind-down": ("imerge.ops.wind_down:WindDownConfig",),
 }
 
 
@@ -230,6 +239,8 @@ ROLES = {  # role (subcommand) -> (its help, its runner)
     "health": ("exit 0 if a shard's gRPC health service says SERVING (or a role's /metrics answers)", _run_health),
     "redis-acl": ("create one Redis ACL user per role (passwords from IMERGE_REDIS_PASSWORD_<ROLE>)",
                   _run_redis_acl),
+    "wind-down": ("in a chart release without JobSet: once the job's Jobs finished, scale its shards' and Redis' "
+                  "StatefulSets to zero", _run_wind_down),
 }
 
 
@@ -259,6 +270,8 @@ EXAMPLES = {
     "top": ["imerge top --prometheus-config runs/JOB/prometheus.yml", "imerge top --targets 127.0.0.1:9400 --once"],
     "health": ["imerge health --address 127.0.0.1:50051", "imerge health --http-address 127.0.0.1:9400"],
     "redis-acl": ["IMERGE_REDIS_PASSWORD_PS=... imerge redis-acl --admin-url redis://default:admin@host:6379/0"],
+    "wind-down": ["imerge wind-down --jobs train-imerge-worker,train-imerge-coordinator "
+                  "--statefulsets train-imerge-ps,train-imerge-redis"],
 }
 
 

@@ -91,7 +91,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Environment every IMerge role shares: job, Redis (password from a Secret), logging, metrics. */}}
 {{- define "imerge.commonEnv" -}}
 - name: IMERGE_JOB
-  value: {{ .Values.job.id | quote }}
+  value: {{ include "imerge.jobId" . | quote }}
 - name: IMERGE_JOB_TOKEN  # this release's run: roles of another run refuse a job of the same name
   value: {{ printf "%s/%s" .Release.Namespace .Release.Name | quote }}
 - name: IMERGE_LOG_LEVEL
@@ -122,15 +122,6 @@ app.kubernetes.io/component: {{ .component }}
 {{- range $name, $value := .Values.job.extraEnv }}
 - name: {{ $name }}
   value: {{ $value | quote }}
-{{- end }}
-{{- end }}
-
-{{/* Prometheus scrape annotations of a pod. */}}
-{{- define "imerge.podAnnotations" -}}
-{{- if .Values.metrics.podAnnotations }}
-prometheus.io/scrape: "true"
-prometheus.io/port: {{ .Values.metrics.port | quote }}
-prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
@@ -183,5 +174,94 @@ activeDeadlineSeconds: {{ . }}
 {{- end }}
 {{- if ge (int .Values.job.ttlSecondsAfterFinished) 0 }}
 ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished }}
+{{- end }}
+{{- end }}
+
+
+{{/* The job id: job.id, else the release's name (two releases never share a job's Redis keys or dashboards). */}}
+{{- define "imerge.jobId" -}}
+{{- default .Release.Name .Values.job.id }}
+{{- end }}
+
+{{/* The job as one JobSet (jobset.enabled): its name, and the subdomain every pod's hostname lives in. */}}
+{{- define "imerge.jobsetSubdomain" -}}
+{{- include "imerge.fullname" . }}
+{{- end }}
+
+{{/* The stable DNS name of shard $index (a string: a number or a shell or env expression). */}}
+{{- define "imerge.shardHost" -}}
+{{- $fullname := include "imerge.fullname" .root }}
+{{- if .root.Values.jobset.enabled }}
+{{- printf "%s-ps-0-%s.%s.%s.svc" $fullname .index $fullname .namespace }}
+{{- else }}
+{{- printf "%s-ps-%s.%s-ps.%s.svc" $fullname .index $fullname .namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Worker 0's stable name (MASTER_ADDR of a script's own process group). */}}
+{{- define "imerge.workerZeroHost" -}}
+{{- $fullname := include "imerge.fullname" . }}
+{{- if .Values.jobset.enabled }}
+{{- printf "%s-worker-0-0.%s" $fullname $fullname }}
+{{- else }}
+{{- printf "%s-worker-0.%s-metrics" $fullname $fullname }}
+{{- end }}
+{{- end }}
+
+{{/* A pod template's metadata: pass (dict "root" . "component" "ps" "pod" .Values.shards "extra" (dict ...)):
+the component's labels, podLabels (the chart's, then the component's), the Kueue labels on a Job's pods, and
+annotations: Prometheus' (metrics.podAnnotations), podAnnotations (the chart's, then the component's), extra. */}}
+{{- define "imerge.podMetadata" -}}
+{{- $root := .root }}
+{{- $labels := merge (dict) (default (dict) .labels) (default (dict) .pod.podLabels) (default (dict) $root.Values.podLabels) }}
+{{- $annotations := merge (dict) (default (dict) .annotations) (default (dict) .pod.podAnnotations) (default (dict) $root.Values.podAnnotations) }}
+{{- if and $root.Values.metrics.podAnnotations (ne .component "redis") }}
+{{- $_ := merge $annotations (dict "prometheus.io/scrape" "true" "prometheus.io/port" (toString $root.Values.metrics.port) "prometheus.io/path" "/metrics") }}
+{{- end }}
+labels:
+  {{- include "imerge.componentLabels" (dict "root" $root "component" .component) | nindent 2 }}
+  {{- with $labels }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Where a component's pods run and how they rank: priorityClassName, nodeSelector, tolerations, affinity
+(pass (dict "root" . "pod" .Values.shards "affinity" <the default affinity, or nil>)). */}}
+{{- define "imerge.podPlacement" -}}
+{{- with default .root.Values.priorityClassName .pod.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .pod.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations | default .pod.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.affinity | default .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The Kueue labels of the object Kueue admits (kueue.queueName, kueue.priorityClass). */}}
+{{- define "imerge.kueueLabels" -}}
+{{- with .Values.kueue.queueName }}
+kueue.x-k8s.io/queue-name: {{ . | quote }}
+{{- end }}
+{{- with .Values.kueue.priorityClass }}
+kueue.x-k8s.io/priority-class: {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/* helm upgrade: refused (a Job's pod template cannot change), unless job.allowUpgrade. */}}
+{{- define "imerge.upgradeGuard" -}}
+{{- if and .Release.IsUpgrade (not .Values.job.allowUpgrade) }}
+{{- fail (printf "helm upgrade of the training job %q is refused: Kubernetes lets no Job's pod template change, so the upgrade would stop half-applied. To run the job again with new values: helm uninstall %s -n %s, then helm install it (the shards' checkpoint volumes are kept); to change only what lies outside the Jobs (alerts, dashboards, metrics, Kueue labels), pass --set job.allowUpgrade=true" .Release.Name .Release.Name .Release.Namespace) }}
 {{- end }}
 {{- end }}
