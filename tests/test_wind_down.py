@@ -15,7 +15,8 @@ IMERGE = [sys.executable, "-m", "imerge"]
 
 
 class KubeApiStandIn(http.server.ThreadingHTTPServer):
-    """Jobs whose status turns Complete (or Failed) after ``polls`` looks; every call is recorded."""
+    """Jobs that do not exist for the first 2 looks (Kueue has not admitted them, say), then run, and turn Complete
+    (or Failed) after ``polls`` looks; every call is recorded."""
 
     def __init__(self, finished: str, polls: int):
         self.finished, self.polls, self.calls = finished, polls, []
@@ -38,6 +39,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not self.path.startswith("/apis/batch/v1/namespaces/train/jobs/"):
             return self._reply(404, {"kind": "Status", "reason": "NotFound"})
         looks = sum(1 for call in self.server.calls if call[0] == "GET")
+        if looks <= 2:
+            return self._reply(404, {"kind": "Status", "reason": "NotFound"})
         conditions = [{"type": self.server.finished, "status": "True"}] if looks > self.server.polls else [
             {"type": "Suspended", "status": "False"}]
         self._reply(200, {"kind": "Job", "status": {"conditions": conditions}})
@@ -73,7 +76,7 @@ def wind_down(server: KubeApiStandIn, tmp_path, *extra: str) -> subprocess.Compl
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("kube_api", [("Complete", 4), ("Failed", 2)], indirect=True, ids=["complete", "failed"])
+@pytest.mark.parametrize("kube_api", [("Complete", 5), ("Failed", 3)], indirect=True, ids=["complete", "failed"])
 def test_the_shards_and_redis_are_scaled_to_zero_once_a_job_finished(kube_api, tmp_path):
     result = wind_down(kube_api, tmp_path)
     assert result.returncode == 0, result.stderr

@@ -75,7 +75,8 @@ class KubeApi:
             raise IMergeError(f"cannot read the service account's {what} ({path}): {exc.strerror}") from None
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
-             content_type: str = "application/json") -> dict[str, Any]:
+             content_type: str = "application/json", missing: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The reply's JSON; ``missing``, where given, when the object does not exist (404)."""
         request = urllib.request.Request(f"{self.url}{path}", method=method,
                                          data=json.dumps(body).encode() if body is not None else None,
                                          headers={"Accept": "application/json", "Content-Type": content_type,
@@ -84,6 +85,8 @@ class KubeApi:
             with urllib.request.urlopen(request, timeout=30, context=self.context) as reply:
                 return dict(json.loads(reply.read() or b"{}"))
         except urllib.error.HTTPError as exc:
+            if exc.code == 404 and missing is not None:
+                return missing
             detail = exc.read().decode(errors="replace")[:300]
             raise IMergeError(f"Kubernetes API: {method} {path}: {exc.code} {exc.reason}: {detail}") from None
         except (OSError, ValueError) as exc:
@@ -91,12 +94,7 @@ class KubeApi:
 
     def job_state(self, name: str) -> str:
         """Complete, Failed, or "" while the Job runs (or does not exist yet)."""
-        try:
-            job = self.call("GET", f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{name}")
-        except IMergeError as exc:
-            if ": 404 " in str(exc):
-                return ""
-            raise
+        job = self.call("GET", f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{name}", missing={})
         true = {c.get("type") for c in job.get("status", {}).get("conditions", []) if c.get("status") == "True"}
         return next((state for state in FINISHED if state in true), "")
 
