@@ -12,6 +12,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from .api import DistributedModel
 
 log = logging.getLogger(__name__)
+NO_THREADS_AT_EXIT = (" (Python 3.12.0 to 3.12.2 start no thread once the interpreter exits: call model.close() at the "
+                      "end of the script, or use Python 3.12.3 or later)")
 
 live: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()  # every model not closed yet, for the exit hook
 uncaught: list[BaseException] = []  # the exception ending the script, if one does
@@ -46,7 +49,8 @@ def leave_at_exit() -> None:
         try:
             model.close()
         except BaseException as exc:  # noqa: BLE001 - the process must say it failed, not exit 0
-            log.error("worker %d could not leave the job at exit: %s: %s", model.config.rank, type(exc).__name__, exc)
+            log.error("worker %d could not leave the job at exit: %s: %s%s", model.config.rank, type(exc).__name__,
+                      exc, NO_THREADS_AT_EXIT if "new thread at interpreter shutdown" in str(exc) else "")
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -72,10 +76,13 @@ def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Install the excepthook and the exit hook (once per process)."""
+    """Install the excepthook and the exit hook (once per process). The exit hook is one of threading's (as
+    concurrent.futures' is): it runs when the main thread ends, before the interpreter joins its threads, where
+    Python 3.12.3 and later (CPython gh-113964) still start the threads that leaving the job takes; from an
+    atexit hook, Python 3.12 and later refuse them."""
     if not getattr(sys.excepthook, "imerge", False):
         sys.excepthook = _exit_codes(sys.excepthook)
-        atexit.register(leave_at_exit)
+        getattr(threading, "_register_atexit", atexit.register)(leave_at_exit)
 
 
 def track(model: DistributedModel) -> None:

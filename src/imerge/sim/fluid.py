@@ -237,8 +237,8 @@ def progressive_filling(rows: np.ndarray, cols: np.ndarray, weights: np.ndarray,
         on = active[rows]
         demand = np.bincount(cols[on], weights=weights[on], minlength=len(links))
         with np.errstate(divide="ignore", invalid="ignore"):
-            step = np.where(demand > 0, room / demand, np.inf).min()
-        step = min(step, (caps - rate)[active].min())
+            step = np.min(np.where(demand > 0, room / demand, np.inf))
+        step = min(step, np.min((caps - rate)[active]))
         if not math.isfinite(step):
             break
         rate[active] += step
