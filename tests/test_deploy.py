@@ -365,6 +365,12 @@ def test_every_component_takes_helm_creates_values(layout):
         assert {"name": "data", "mountPath": "/data", "readOnly": True} in spec["containers"][0]["volumeMounts"]
     worker = next(pod["spec"] for pod in pods.values() if pod["metadata"]["labels"]["app.kubernetes.io/component"]
                   == "worker")
+    import helm_python
+
+    for values in ({"podLabels": {"app.kubernetes.io/instance": "other"}},  # would take the pods from the selectors
+                   {"redis": {"podLabels": {"app.kubernetes.io/component": "ps"}}}):
+        with pytest.raises(helm_python.HelmRenderError, match="is one of the chart's own labels"):
+            render_manifests({**values, **layout})
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in worker["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["containers"][0]["volumeMounts"]
 

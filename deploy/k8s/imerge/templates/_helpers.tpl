@@ -192,7 +192,7 @@ ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished }}
 {{- define "imerge.shardHost" -}}
 {{- $fullname := include "imerge.fullname" .root }}
 {{- if .root.Values.jobset.enabled }}
-{{- printf "%s-ps-0-%s.%s.%s.svc" $fullname .index $fullname .namespace }}
+{{- printf "%s-ps-0-%s.%s.%s.svc" $fullname .index (include "imerge.jobsetSubdomain" .root) .namespace }}
 {{- else }}
 {{- printf "%s-ps-%s.%s-ps.%s.svc" $fullname .index $fullname .namespace }}
 {{- end }}
@@ -202,17 +202,25 @@ ttlSecondsAfterFinished: {{ .Values.job.ttlSecondsAfterFinished }}
 {{- define "imerge.workerZeroHost" -}}
 {{- $fullname := include "imerge.fullname" . }}
 {{- if .Values.jobset.enabled }}
-{{- printf "%s-worker-0-0.%s" $fullname $fullname }}
+{{- printf "%s-worker-0-0.%s" $fullname (include "imerge.jobsetSubdomain" .) }}
 {{- else }}
 {{- printf "%s-worker-0.%s-metrics" $fullname $fullname }}
 {{- end }}
 {{- end }}
 
-{{/* A pod template's metadata: pass (dict "root" . "component" "ps" "pod" .Values.shards "extra" (dict ...)):
-the component's labels, podLabels (the chart's, then the component's), the Kueue labels on a Job's pods, and
-annotations: Prometheus' (metrics.podAnnotations), podAnnotations (the chart's, then the component's), extra. */}}
+{{/* A pod template's metadata: pass (dict "root" . "component" "ps" "pod" .Values.shards), and optionally "labels"
+and "annotations" (dicts) of the chart's own (the gangs'). Labels: the component's, then the given ones, the
+component's podLabels, the chart's podLabels (the first of them wins); a podLabel may not replace one of the
+chart's own labels, which its selectors match. Annotations: the given ones, the component's podAnnotations, the
+chart's podAnnotations, then Prometheus' (metrics.podAnnotations). */}}
 {{- define "imerge.podMetadata" -}}
 {{- $root := .root }}
+{{- $own := include "imerge.componentLabels" (dict "root" $root "component" .component) | fromYaml }}
+{{- range $key, $_ := merge (dict) (default (dict) .pod.podLabels) (default (dict) $root.Values.podLabels) }}
+{{- if hasKey $own $key }}
+{{- fail (printf "podLabels: %s is one of the chart's own labels (its Services and StatefulSets select pods by them); choose another key" $key) }}
+{{- end }}
+{{- end }}
 {{- $labels := merge (dict) (default (dict) .labels) (default (dict) .pod.podLabels) (default (dict) $root.Values.podLabels) }}
 {{- $annotations := merge (dict) (default (dict) .annotations) (default (dict) .pod.podAnnotations) (default (dict) $root.Values.podAnnotations) }}
 {{- if and $root.Values.metrics.podAnnotations (ne .component "redis") }}
