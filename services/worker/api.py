@@ -28,7 +28,7 @@ import torch
 
 from imerge.control.messages import FailureReport, Member, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import WorkerStore
-from imerge.core.errors import IMergeError, StoreError
+from imerge.core.errors import IMergeError, StoreError, UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
 from imerge.telemetry.metrics import MetricsServer
@@ -81,6 +81,7 @@ class DistributedModel(DDPIdioms):
         self._joining: Any = module.register_forward_pre_hook(self._join_at_forward, prepend=True)
         self._settings = LoopSettings()  # the loop's settings, before and after the job is joined
         self._closed = False
+        self._disowned = False  # this process was forked from the model's: it is not the model's process
         self._done = False  # this worker marked itself done (close): it leaves the job for good
         self._logged: tuple[float, int] | None = None  # (when, iteration) of the last loss reported to a launcher
         self.generation = 0
@@ -155,8 +156,25 @@ class DistributedModel(DDPIdioms):
                  config.world_size, "rejoined" if self.rejoined else "joined", config.job, self.generation,
                  self.start_iteration, len(plan.groups), len(plan.shard_addresses))
 
+    def _disown(self) -> None:
+        """In a process forked from the model's (a DataLoader worker, multiprocessing, os.fork): the module
+        becomes a plain local module again (its hooks and guards removed, in this process's memory only), and
+        the model refuses any use; nothing here touches the job (no connection, no lease, no done mark)."""
+        self._disowned = self._closed = True
+        self._joining.remove()
+        if self._engine is not None:
+            self._engine.disown()
+            guards.release(self._engine.params)
+
+    def _refuse_in_child(self, what: str) -> None:
+        if self._disowned:
+            raise UnsupportedUse(f"{what} in a process forked from the training script's (a DataLoader worker, "
+                                 f"multiprocessing, os.fork): the model belongs to worker {self.config.rank}'s "
+                                 "own process; a child may use model.module as a plain local module")
+
     @property
     def engine(self) -> SyncEngine:
+        self._refuse_in_child("using an IMerge model")
         if self._engine is None:
             if self._closed:
                 raise IMergeError("this DistributedModel is closed")
@@ -217,7 +235,10 @@ class DistributedModel(DDPIdioms):
             log.warning("could not report the failure to the coordinator: %s", exc)
 
     def abort(self) -> None:
-        """Leave at once: no final sync, no done mark (the others will time out naming this worker)."""
+        """Leave at once: no final sync, no done mark (the others will time out naming this worker). In a
+        forked child, nothing: the job is the parent's."""
+        if self._disowned:
+            return
         self._closed = True
         self._joining.remove()
         self._watch.stop()
@@ -240,6 +261,7 @@ class DistributedModel(DDPIdioms):
     def close(self) -> None:
         """Finish the last sync, tell the coordinator this worker is done, release resources (a worker that has not
         joined the job yet joins it first: the others wait for it)."""
+        self._refuse_in_child("model.close()")
         if self._closed:
             return
         try:

@@ -305,6 +305,11 @@ class SyncEngine:
         """Wait until every group's latest sync completed (re-raising its error)."""
         self.state.waits.all(self.state.table)
 
+    def disown(self) -> None:
+        """In a forked child: the hooks and parameter guards removed from this process's copy of the module,
+        nothing else (the comm thread and the connections are the parent's; they did not survive the fork)."""
+        self._remove_hooks()
+
     def close(self) -> None:
         self._remove_hooks()
         if self.config.trace_dir:

@@ -5,6 +5,11 @@
   at once (abort) after an uncaught exception.
 * An uncaught IMerge error ends the process with the code its supervisor reads:
   EXIT_REJOIN (restart it and it rejoins) or EXIT_FATAL.
+* A process forked from the model's (a DataLoader worker, ``multiprocessing``,
+  ``os.fork``) is never the model's process: the fork disowns every model in
+  the child, so neither hook touches the job there (a forked child runs
+  threading's exit hooks when it ends: ``multiprocessing`` calls
+  ``threading._shutdown``), and a disowned model refuses any use.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ NO_THREADS_AT_EXIT = (" (Python 3.12.0 to 3.12.2 start no thread once the interp
 
 live: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()  # every model not closed yet, for the exit hook
 uncaught: list[BaseException] = []  # the exception ending the script, if one does
+_installed_in: list[int] = []  # the pid of the process whose models the hooks serve (empty: not installed)
 
 
 def _exit_code(error: BaseException) -> int:
@@ -39,7 +45,10 @@ def _exit_code(error: BaseException) -> int:
 def leave_at_exit() -> None:
     """At interpreter exit, every model the script did not close leaves the job: with the last sync and a done mark
     where the script ended normally (a DDP script has no close() to call), at once where an exception ended it.
-    The comm thread is stopped here, before the interpreter tears down under it."""
+    The comm thread is stopped here, before the interpreter tears down under it. In a forked child it does
+    nothing: the models are the parent's."""
+    if not _installed_in or _installed_in[0] != os.getpid():
+        return
     for model in list(live):
         if model._closed:
             continue
@@ -65,7 +74,7 @@ def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         uncaught.append(value)
         previous(kind, value, traceback)
-        if isinstance(value, IMergeError):
+        if isinstance(value, IMergeError) and _installed_in == [os.getpid()]:
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -83,6 +92,18 @@ def install() -> None:
     if not getattr(sys.excepthook, "imerge", False):
         sys.excepthook = _exit_codes(sys.excepthook)
         getattr(threading, "_register_atexit", atexit.register)(leave_at_exit)
+    if not _installed_in:
+        os.register_at_fork(after_in_child=_disown_in_child)
+    _installed_in[:] = [os.getpid()]
+
+
+def _disown_in_child() -> None:
+    """In a forked child: the parent's models are not this process's (no exit hook, no done mark, no lease
+    release, no connection use); each refuses any use, naming why."""
+    for model in list(live):
+        model._disown()
+    live.clear()
+    uncaught.clear()
 
 
 def track(model: DistributedModel) -> None:

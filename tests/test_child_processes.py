@@ -1,0 +1,117 @@
+"""Processes forked or spawned from a training script (DataLoader workers, multiprocessing, os.fork) never act as
+the model's process: no exit hook, no done mark, no lease release, no connection use in the child."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import imerge
+from imerge.core.errors import UnsupportedUse
+from imerge.core.optim import OptimizerSpec
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "loader_epochs.py"
+LOADERS = {  # name -> the script's DataLoader options
+    "no loader workers": [],
+    "2 forked": ["--loader-workers", "2"],
+    "4 forked, persistent": ["--loader-workers", "4", "--persistent"],
+    "2 spawned": ["--loader-workers", "2", "--context", "spawn"],
+    "4 spawned, persistent": ["--loader-workers", "4", "--context", "spawn", "--persistent"],
+}
+
+
+def launch_script(folder: Path, *script_args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
+    return subprocess.Popen([sys.executable, "-m", "imerge", "launch", "--shards", "1", "--workers", "2",
+                             "--log-dir", str(folder / "logs"), "--", sys.executable, str(SCRIPT),
+                             "--out", str(folder / "out.json"), *script_args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(run: subprocess.Popen, folder: Path) -> dict:
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode == 0, output
+    assert "fork_posix" not in output, output  # gRPC's fork handlers are off: no line per fork
+    return json.loads((folder / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def loader_runs(tmp_path_factory) -> dict[str, dict]:
+    """name -> what rank 0 wrote, for each of LOADERS, launched together (each job has its own Redis and ports)."""
+    started = {}
+    for name, options in LOADERS.items():
+        folder = tmp_path_factory.mktemp(name.replace(" ", "-").replace(",", ""))
+        started[name] = (launch_script(folder, *options), folder)
+    return {name: finished(run, folder) for name, (run, folder) in started.items()}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", [name for name in LOADERS if name != "no loader workers"])
+def test_dataloader_workers_leave_the_job_alone(loader_runs, name):
+    """Same parameters, bit for bit, as without loader workers; no done mark before the last epoch; no epoch
+    waits for its forked loader workers (one that ran the exit hook made the loader's shutdown wait 5 s for it
+    before killing it, every epoch; a spawned one's epochs take its start, importing torch)."""
+    reference, run = loader_runs["no loader workers"], loader_runs[name]
+    assert run["iterations"] == reference["iterations"] == 18
+    assert run["state"] == reference["state"]
+    for epoch in run["epochs"][:-1]:
+        assert epoch["done"] == [], run["epochs"]
+    if "forked" in name:
+        assert max(epoch["seconds"] for epoch in run["epochs"][1:]) < 5.0, run["epochs"]
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_killed_mid_run_with_loader_workers_recovers_to_the_same_parameters(tmp_path, loader_runs):
+    """kill -9 of worker 1 in the second epoch (its loader workers then exit): the job recovers from the shards'
+    checkpoint, both workers rejoin, and the result is the uninterrupted run's, bit for bit."""
+    run = launch_script(tmp_path, "--loader-workers", "2", "--crash-at", "10")
+    result = finished(run, tmp_path)
+    assert (tmp_path / "out.json.crashed1").exists()
+    assert result["state"] == loader_runs["no loader workers"]["state"]
+    coordinator = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "generation 1" in coordinator, coordinator[-3000:]
+
+
+def test_a_forked_child_disowns_the_model_and_the_parent_keeps_it(lone):
+    """In a forked child the exit hook does nothing and the model refuses use, naming why; the module itself is a
+    plain local module there. The parent's job is untouched: it trains on and closes normally."""
+    from imerge.control.store import Store
+    from imerge.worker import exiting
+
+    model = lone(torch.nn.Linear(4, 2), OptimizerSpec("sgd", lr=0.1))
+    x = torch.ones(3, 4)
+    F.mse_loss(model(x), torch.zeros(3, 2)).backward()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it saw, then leave through the exit hooks (as multiprocessing does)
+        os.close(read)
+        try:
+            try:
+                model(x)
+                seen = "model usable"
+            except UnsupportedUse as exc:
+                seen = str(exc)
+            local = model.module(x).shape == (3, 2)  # a plain module: no hook waits on the parent's comm thread
+            exiting.leave_at_exit()
+            os.write(write, json.dumps([seen, local, model._closed]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        seen, local, closed = json.loads(pipe.read())
+    assert os.waitpid(pid, 0)[1] == 0
+    assert "a process forked from the training script's" in seen and local and closed
+    store = Store(model.config.redis_url, model.config.job)
+    try:
+        assert store.done_ranks() == set()
+        F.mse_loss(model(x), torch.zeros(3, 2)).backward()  # the parent's lease and connections are intact
+        model.close()
+        assert store.done_ranks() == {0}
+    finally:
+        store.close()
