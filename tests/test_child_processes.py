@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,31 @@ def test_a_forked_child_disowns_the_model_and_the_parent_keeps_it(lone):
         assert store.done_ranks() == {0}
     finally:
         store.close()
+
+
+REFUSAL_SCRIPT = Path(__file__).resolve().parent / "scripts" / "caught_refusal.py"
+REFUSALS = {"backward-twice": "a second backward after iteration 3 without a forward",
+            "lr": "the workers' learning-rate (or other) schedules disagree"}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("refusal,handling", [("backward-twice", "exit1"), ("lr", "exit1"), ("lr", "swallow")])
+def test_a_fatal_refusal_the_script_catches_still_fails_the_job_at_once_naming_it(tmp_path, refusal, handling):
+    """Caught and turned into sys.exit(1), or swallowed and the script ends normally: the worker ends with 76 (not
+    restarted), never marks itself done, and the launcher fails the job naming the refusal well inside the
+    120 s a restarted worker would wait for a generation."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")}
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "imerge", "launch", "--shards", "1", "--workers", "2",
+                          "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(REFUSAL_SCRIPT),
+                          "--refusal", refusal, "--handling", handling],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    took_s, output = time.monotonic() - started, " ".join(run.stdout.split())
+    assert run.returncode == 1, output
+    assert took_s < 60, output
+    assert REFUSALS[refusal] in output.split("failed:", 1)[-1], output  # the job's failure names it
+    assert "restarting it" not in output and "waiting for" not in output.split("failed:", 1)[-1], output
+    workers = "".join((tmp_path / "logs" / f"worker{rank}.log").read_text() for rank in (0, 1))
+    assert "Traceback" in workers  # the script's own handler printed it
+    coordinator = (tmp_path / "logs" / "coordinator.log").read_text()
+    assert "finished" not in coordinator, coordinator

@@ -131,17 +131,20 @@ def test_require_backward_grad_sync_accumulates_as_in_ddp(cluster):
     assert_params([params for params, _ in results], expected)
 
 
-def test_accumulating_over_several_backwards_without_no_sync_raises(lone):
+@pytest.mark.parametrize("caught_at", ["step", "backward"])
+def test_accumulating_over_several_backwards_without_no_sync_raises(lone, caught_at):
     """DDP syncs every backward and sums the averaged gradients in .grad until step(); IMerge would take a step per
     backward. Caught at step() in the first accumulation, and at the second backward from then on."""
     module = Branchy()
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     model = lone(module, optimizer)
     (x0, y0), (x1, y1) = make_data(2, 1, 8, FEATURES, CLASSES)[0][0], make_data(2, 1, 8, FEATURES, CLASSES)[1][0]
-    F.cross_entropy(model(x0), y0).backward()
-    F.cross_entropy(model(x1), y1).backward()
-    with pytest.raises(UnsupportedUse, match=r"optimizer.step\(\) after several backward passes"):
-        optimizer.step()
+    if caught_at == "step":
+        F.cross_entropy(model(x0), y0).backward()
+        F.cross_entropy(model(x1), y1).backward()
+        with pytest.raises(UnsupportedUse, match=r"optimizer.step\(\) after several backward passes"):
+            optimizer.step()
+        return
     F.cross_entropy(model(x0), y0).backward()
     optimizer.step()  # one backward, one step: fine
     F.cross_entropy(model(x0), y0).backward()

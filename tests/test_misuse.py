@@ -17,7 +17,10 @@ from imerge.workloads.models import build_model
 
 def test_a_second_backward_without_a_forward_raises_at_once_on_that_rank(cluster):
     """Two backward passes of one forward would be two optimizer steps on the shards (and, on one rank only, a
-    job out of step): the second raises on that rank before anything is pushed, while the other rank trains on."""
+    job out of step): the second raises on that rank before anything is pushed. The refusal is the job's end
+    whatever the script does with it: the job fails naming it, and the model raises it again if used."""
+    from imerge.control.store import Store
+
     c = cluster(2, 1)
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
 
@@ -33,15 +36,26 @@ def test_a_second_backward_without_a_forward_raises_at_once_on_that_rank(cluster
                 with pytest.raises(UnsupportedUse, match="second backward after iteration 3 without a forward"):
                     loss.backward()
                 refused_after_s = time.monotonic() - started
-                model.synchronize()  # the third iteration's sync still completes
-                return refused_after_s, model.engine.iteration
-            model.synchronize()
-            return 0.0, model.engine.iteration
+                with pytest.raises(UnsupportedUse, match="second backward after iteration 3"):
+                    model.synchronize()  # the script caught it and went on: the job failed with it
+                with pytest.raises(UnsupportedUse, match="second backward after iteration 3"):
+                    model.close()  # no last sync, no done mark
+                return refused_after_s, model._engine.iteration
+            return 0.0, model._engine.iteration
         finally:
             model.abort()
 
     (_, iterations0), (refused_after_s, iterations1) = c.run_workers(body)
     assert refused_after_s < 1.0 and iterations0 == iterations1 == 3  # refused, not counted as an iteration
+    store = Store(c.redis_url, c.job)
+    try:
+        deadline = time.monotonic() + 10
+        while (event := store.generation_event(1)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert event is not None and "worker 1: UnsupportedUse: worker 1: a second backward" in event.error
+        assert 1 not in store.done_ranks()
+    finally:
+        store.close()
 
 
 def test_a_second_process_claiming_a_live_rank_is_refused_and_the_job_is_untouched(cluster):

@@ -24,6 +24,8 @@ from torch.amp.grad_scaler import OptState
 
 from imerge.core.errors import UnsupportedUse
 
+from . import exiting
+
 if TYPE_CHECKING:
     from .engine import SyncEngine
 
@@ -34,6 +36,7 @@ class ShardGradScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self._engine = engine  # the model's engine (joining the job if it was not yet)
 
+    @exiting.reaching_the_script
     def scale(self, outputs: Any) -> Any:
         scaled = super().scale(outputs)
         if self._enabled:
@@ -45,6 +48,7 @@ class ShardGradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._per_optimizer_states[id(optimizer)]["stage"] = OptState.UNSCALED
 
+    @exiting.reaching_the_script
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Whether the shards stepped this round; ``optimizer.step()`` (which has nothing left to do) runs only
         if they did, as with torch's scaler."""

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,6 +87,8 @@ class DistributedModel(DDPIdioms):
         self._logged: tuple[float, int] | None = None  # (when, iteration) of the last loss reported to a launcher
         self.generation = 0
         self.failure_reported = False  # this worker reported a failure to the coordinator
+        self.fatal: IMergeError | None = None  # the fatal error that reached the script: the job failed with it
+        self.training_thread = threading.get_ident()  # the thread that trains the model (made it)
         self.start_iteration = 0  # iterations already done when this worker (re)joined: its data position
         self.rejoined = False  # this worker joined a job that was running (after a restart)
         self._plan: Plan | None = None
@@ -175,6 +178,8 @@ class DistributedModel(DDPIdioms):
     @property
     def engine(self) -> SyncEngine:
         self._refuse_in_child("using an IMerge model")
+        if self.fatal is not None:  # the job failed with it (the script caught it): nothing more to do here
+            raise self.fatal
         if self._engine is None:
             if self._closed:
                 raise IMergeError("this DistributedModel is closed")
@@ -216,14 +221,23 @@ class DistributedModel(DDPIdioms):
 
     @contextlib.contextmanager
     def _reporting(self) -> Iterator[None]:
-        """A sync that failed is reported to the coordinator once, before the error reaches the caller: a
-        recoverable one starts a recovery, a fatal one (``recoverable`` False) ends the job with its message."""
+        """An error of a sync is reported to the coordinator before it reaches the caller (:meth:`refused`)."""
         try:
             yield
         except IMergeError as exc:
-            if not self.failure_reported:
-                self.report_failure(f"{type(exc).__name__}: {exc}", fatal=not exc.recoverable)
+            self.refused(exc)
             raise
+
+    def refused(self, error: IMergeError) -> None:
+        """``error`` reaches the script: reported to the coordinator once (a recoverable one starts a recovery, a
+        fatal one ends the job with its message); a fatal one is kept, so that whatever the script does with it,
+        this worker never marks itself done (close() raises it again, the exit hook ends with EXIT_FATAL)."""
+        if self._disowned:
+            return
+        if not error.recoverable and self.fatal is None:
+            self.fatal = error
+        if not self.failure_reported:
+            self.report_failure(f"{type(error).__name__}: {error}", fatal=not error.recoverable)
 
     def report_failure(self, reason: str, fatal: bool = False) -> None:
         """Tell the coordinator this worker saw the job fail in its generation: it starts a recovery, or, for a
@@ -264,6 +278,9 @@ class DistributedModel(DDPIdioms):
         self._refuse_in_child("model.close()")
         if self._closed:
             return
+        if self.fatal is not None:  # the job failed with it: leave at once, never with a done mark
+            self.abort()
+            raise self.fatal
         try:
             self.engine
             with self._reporting():

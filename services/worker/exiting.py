@@ -5,6 +5,13 @@
   at once (abort) after an uncaught exception.
 * An uncaught IMerge error ends the process with the code its supervisor reads:
   EXIT_REJOIN (restart it and it rejoins) or EXIT_FATAL.
+* Every IMerge error that reaches the script passes one choke point
+  (:func:`reaching_the_script`, on each entry point of the training thread):
+  the model reports it to the coordinator before the script sees it (a
+  recoverable one starts a recovery, a fatal one ends the job naming it) and
+  keeps a fatal one, so whatever the script does with the exception (catch it
+  and ``sys.exit(1)``, swallow it, end normally) the worker never marks itself
+  done, and the process ends with EXIT_FATAL, which no supervisor restarts.
 * A process forked from the model's (a DataLoader worker, ``multiprocessing``,
   ``os.fork``) is never the model's process: the fork disowns every model in
   the child, so neither hook touches the job there (a forked child runs
@@ -14,13 +21,14 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, IMergeError
 
@@ -28,6 +36,7 @@ if TYPE_CHECKING:
     from .api import DistributedModel
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
 NO_THREADS_AT_EXIT = (" (Python 3.12.0 to 3.12.2 start no thread once the interpreter exits: call model.close() at the "
                       "end of the script, or use Python 3.12.3 or later)")
 
@@ -52,6 +61,12 @@ def leave_at_exit() -> None:
     for model in list(live):
         if model._closed:
             continue
+        if model.fatal is not None:
+            model.abort()
+            log.error("worker %d ends with exit code %d: the job failed with %s: %s (the script went on after it; "
+                      "the job is not restarted)", model.config.rank, EXIT_FATAL, type(model.fatal).__name__,
+                      model.fatal)
+            _exit_now(EXIT_FATAL)
         if uncaught:
             model.abort()
             continue
@@ -60,10 +75,39 @@ def leave_at_exit() -> None:
         except BaseException as exc:  # noqa: BLE001 - the process must say it failed, not exit 0
             log.error("worker %d could not leave the job at exit: %s: %s%s", model.config.rank, type(exc).__name__,
                       exc, NO_THREADS_AT_EXIT if "new thread at interpreter shutdown" in str(exc) else "")
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(_exit_code(exc))
+            _exit_now(_exit_code(exc))
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def reaching_the_script(function: F) -> F:
+    """An entry point of IMerge on the training thread (a call of the script, or a hook torch runs for it): an IMerge
+    error that leaves it is reported by the models this thread trains before the script sees it."""
+
+    @functools.wraps(function)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except IMergeError as exc:
+            refused(exc)
+            raise
+
+    return entry  # type: ignore[return-value]
+
+
+def refused(error: IMergeError) -> None:
+    """``error`` reaches the script: each model trained from this thread reports it (once) and keeps a fatal one."""
+    if _installed_in != [os.getpid()]:
+        return
+    thread = threading.get_ident()
+    for model in list(live):
+        if model.training_thread == thread:
+            model.refused(error)
 
 
 def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,10 +119,7 @@ def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
         uncaught.append(value)
         previous(kind, value, traceback)
         if isinstance(value, IMergeError) and _installed_in == [os.getpid()]:
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(_exit_code(value))
+            _exit_now(_exit_code(value))
 
     hook.imerge = True  # type: ignore[attr-defined]
     return hook

@@ -21,6 +21,8 @@ import torch.nn.utils.clip_grad
 
 from imerge.core.errors import UnsupportedUse
 
+from . import exiting
+
 INSTEAD = {"clip_grad_norm_": "model.clip_grad_norm_(max_norm), called before the first backward",
            "clip_grad_norm": "model.clip_grad_norm_(max_norm), called before the first backward",
            "clip_grad_value_": "nothing: clipping by value is not supported on the shards"}
@@ -34,6 +36,7 @@ def _is_distributed(param: Any) -> bool:
 
 def _guarded(original: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(original)
+    @exiting.reaching_the_script
     def guarded(parameters: torch.Tensor | Iterable[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if any(_is_distributed(p) for p in params):

@@ -30,7 +30,7 @@ import torch
 from imerge.core.errors import UnsupportedUse
 from imerge.telemetry.timeline import Timeline
 
-from . import rounds
+from . import exiting, rounds
 from .buffers import FlatParams
 from .comm import Communicator
 from .config import WorkerConfig
@@ -100,6 +100,7 @@ def install(state: HookState, model: torch.nn.Module, params: list[torch.nn.Para
 
 
 # -- forward ----------------------------------------------------------------------------------
+@exiting.reaching_the_script
 def first_forward(state: HookState, args: tuple[Any, ...]) -> None:
     """The forward during which the job was joined: the root's hooks were installed too late to run for it."""
     forward_started(state, args)
@@ -107,6 +108,7 @@ def first_forward(state: HookState, args: tuple[Any, ...]) -> None:
         module_forward(state, state.root_owned)
 
 
+@exiting.reaching_the_script
 def module_forward(state: HookState, owned: list[int]) -> None:
     state.waits.params(state.table, owned)
     if state.profiler is not None:
@@ -114,6 +116,7 @@ def module_forward(state: HookState, owned: list[int]) -> None:
                                     time.time() - state.loop.forward_started - state.waits.waited_s)
 
 
+@exiting.reaching_the_script
 def forward_started(state: HookState, args: tuple[Any, ...]) -> None:
     state.buffer_sync.apply()
     loop = state.loop
@@ -150,6 +153,7 @@ def forward_ended(state: HookState) -> None:
         state.profiler.backward_started(time.monotonic())
 
 
+@exiting.reaching_the_script
 def grad_ready(state: HookState, param_id: int) -> None:
     """``.grad`` is read: with bucket views it is the slice a push may still be reading; let that finish."""
     group = state.table.group_of.get(param_id)
@@ -158,6 +162,7 @@ def grad_ready(state: HookState, param_id: int) -> None:
 
 
 # -- backward ---------------------------------------------------------------------------------
+@exiting.reaching_the_script
 def on_grad(state: HookState, param: torch.nn.Parameter) -> None:
     with internal():
         _take_grad(state, param)
@@ -197,6 +202,7 @@ def _group_complete(state: HookState, group: GroupRuntime) -> None:
         rounds.enqueue(state, group, state.loop.round)
 
 
+@exiting.reaching_the_script
 def end_of_backward(state: HookState) -> None:
     """Groups some of whose parameters got no gradient count them as zero."""
     with internal():
@@ -241,12 +247,14 @@ def _record_iteration(state: HookState) -> None:
 
 
 # -- load_state_dict ----------------------------------------------------------------------------
+@exiting.reaching_the_script
 def before_load(state: HookState) -> None:
     if not state.loading:
         state.waits.all(state.table)
     state.guard.assigning = True
 
 
+@exiting.reaching_the_script
 def after_load(state: HookState, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
     state.guard.assigning = False
     current = {id(param) for param in model.parameters()}

@@ -16,6 +16,7 @@ import torch
 from imerge.core.errors import InvalidArgument, UnsupportedUse
 from imerge.telemetry import progress
 
+from . import exiting
 from .amp import ShardGradScaler
 from .config import WorkerConfig
 from .engine import SyncEngine
@@ -35,6 +36,7 @@ class DDPIdioms(torch.nn.Module):
     def engine(self) -> SyncEngine:
         raise NotImplementedError
 
+    @exiting.reaching_the_script
     def grad_scaler(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                     growth_interval: int = 2000, enabled: bool = True) -> ShardGradScaler:
         """A torch.amp.GradScaler (same arguments and API) whose loss scale travels with the pushes: the shards
@@ -48,6 +50,7 @@ class DDPIdioms(torch.nn.Module):
         return ShardGradScaler(lambda: self.engine, device, init_scale, growth_factor, backoff_factor,
                                growth_interval, enabled)
 
+    @exiting.reaching_the_script
     def log_loss(self, loss: torch.Tensor | float, total: int | None = None) -> None:
         """Show ``loss`` on this worker's metrics (``imerge_worker_loss``, the workers dashboard) and, under
         ``imerge launch``, worker 0's on the launcher's progress bar and in its summary, at the iterations done
@@ -65,6 +68,7 @@ class DDPIdioms(torch.nn.Module):
             progress.report("iteration", **figures)
             self._logged = (now, iteration)
 
+    @exiting.reaching_the_script
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip every round's averaged gradient, on the shards, to ``max_norm`` (global L2 norm over all the
         parameters), exactly as torch.nn.utils.clip_grad_norm_ would before optimizer.step().
@@ -111,6 +115,7 @@ class DDPIdioms(torch.nn.Module):
         return not self._settings.accumulating
 
     @require_backward_grad_sync.setter
+    @exiting.reaching_the_script
     def require_backward_grad_sync(self, value: bool) -> None:
         if not value and self.config.interleave_period > 1:
             raise UnsupportedUse("no_sync() (or require_backward_grad_sync = False) with --interleave-period > 1: "

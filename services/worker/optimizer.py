@@ -30,6 +30,7 @@ from imerge.core.errors import ConfigError, InvalidArgument, UnsupportedUse
 from imerge.core.optim import OptimizerSpec, hyper_delta, optimizer_classes, scalar_hypers
 from imerge.core.planning import Layout, layout_of
 
+from . import exiting
 from .config import WorkerConfig
 
 
@@ -68,6 +69,7 @@ class _NothingToStep:
         optimizer.register_step_pre_hook(self.before)
         optimizer.register_step_post_hook(self.after)
 
+    @exiting.reaching_the_script
     def before(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         _refuse_torch_scaler(optimizer)
         self.proxy.stepped()
@@ -138,6 +140,7 @@ class ShardOptimizer(torch.optim.Optimizer):
         return float(self.param_groups[group]["lr"])
 
     @torch.no_grad()
+    @exiting.reaching_the_script
     def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:
         """Nothing to do: the shards stepped during backward. A closure (LBFGS-style) cannot be re-evaluated;
         torch.amp.GradScaler cannot unscale gradients that already left (use ``model.grad_scaler()``)."""
