@@ -38,9 +38,10 @@ def test_a_second_backward_without_a_forward_raises_at_once_on_that_rank(cluster
                 refused_after_s = time.monotonic() - started
                 with pytest.raises(UnsupportedUse, match="second backward after iteration 3"):
                     model.synchronize()  # the script caught it and went on: the job failed with it
+                iterations = model._engine.iteration
                 with pytest.raises(UnsupportedUse, match="second backward after iteration 3"):
                     model.close()  # no last sync, no done mark
-                return refused_after_s, model._engine.iteration
+                return refused_after_s, iterations
             return 0.0, model._engine.iteration
         finally:
             model.abort()
