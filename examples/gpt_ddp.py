@@ -1,6 +1,6 @@
 """A small GPT trained with PyTorch DDP (`examples/gpt_ddp.py`), the way DDP scripts are written, and the same
 script ported to IMerge (`examples/gpt_imerge.py`); `diff examples/gpt_ddp.py examples/gpt_imerge.py` shows every
-line that changed: the import, the wrap line, and clipping (the README's table says why).
+line that changed: the import and the wrap line.
 
     torchrun --nproc-per-node 2 examples/gpt_ddp.py --out ddp.pt
     imerge launch --shards 1 --workers 2 -- python examples/gpt_imerge.py --out imerge.pt

@@ -1,6 +1,6 @@
 """A small GPT trained with PyTorch DDP (`examples/gpt_ddp.py`), the way DDP scripts are written, and the same
 script ported to IMerge (`examples/gpt_imerge.py`); `diff examples/gpt_ddp.py examples/gpt_imerge.py` shows every
-line that changed: the import, the wrap line, and clipping (the README's table says why).
+line that changed: the import and the wrap line.
 
     torchrun --nproc-per-node 2 examples/gpt_ddp.py --out ddp.pt
     imerge launch --shards 1 --workers 2 -- python examples/gpt_imerge.py --out imerge.pt
@@ -75,7 +75,6 @@ def main() -> None:
                                   lr=3e-3, betas=(0.9, 0.95))
     sampler = DistributedSampler(TensorDataset(tokens), shuffle=True, seed=0)
     loader = DataLoader(TensorDataset(tokens), batch_size=8, sampler=sampler, drop_last=True)
-    model.clip_grad_norm_(0.5)
     losses = []
     for iteration, (batch,) in enumerate(loader):
         for group in optimizer.param_groups:
@@ -87,7 +86,7 @@ def main() -> None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1)) / args.accumulate
             loss.backward()
             total += loss.item()
-        model.clip_grad_norm_(0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)

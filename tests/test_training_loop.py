@@ -480,21 +480,153 @@ def test_a_file_with_optimizer_state_of_a_parameter_the_model_lacks_is_refused_n
             imerge.load(model, edited)
 
 
-def test_the_optimizer_state_cannot_be_saved_from_this_process(lone):
-    module = Branchy()
-    own = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+def test_the_scripts_optimizer_state_dict_is_the_shards_state_in_torchs_format(lone):
+    """A DDP script checkpoints optimizer.state_dict() (rank 0 alone): it reads the shards' state, numbered and
+    shaped as torch numbers and shapes it, equal to torch's own optimizer trained alike; loading one after
+    imerge.distribute is refused, naming what to do instead."""
+    module, reference = Branchy(), Branchy()
+    own = torch.optim.AdamW([{"params": list(module.parameters())[:2], "weight_decay": 0.0},
+                             {"params": list(module.parameters())[2:]}], lr=0.01)
+    expected_optimizer = torch.optim.AdamW([{"params": list(reference.parameters())[:2], "weight_decay": 0.0},
+                                            {"params": list(reference.parameters())[2:]}], lr=0.01)
     model = lone(module, own)
+    for _ in range(3):
+        x, y = one_batch()
+        own.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        own.step()
+        expected_optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        expected_optimizer.step()
+    expected = expected_optimizer.state_dict()
     for optimizer in (own, model.optimizer):
-        with pytest.raises(UnsupportedUse, match=r"imerge.save\(model, path\)"):
-            optimizer.state_dict()
+        state = optimizer.state_dict()
+        assert state["param_groups"] == expected["param_groups"]
+        assert sorted(state["state"]) == sorted(expected["state"])
+        for index, by_key in expected["state"].items():
+            assert sorted(state["state"][index]) == sorted(by_key)
+            for key, value in by_key.items():
+                torch.testing.assert_close(state["state"][index][key], value, atol=1e-6, rtol=1e-5)
+    with pytest.raises(UnsupportedUse, match=r"load it into the optimizer before imerge.distribute"):
+        own.load_state_dict(expected)
 
 
-def test_torch_clip_grad_norm_on_the_model_raises_instead_of_clipping_nothing(lone):
+CLIP_STYLES = {  # what a DDP loop calls after backward -> (max_norm, clip_value) the reference applies
+    "clip_grad_norm_": (0.05, 0.0),
+    "clip_grad_value_": (0.0, 0.004),
+    "value then norm": (0.05, 0.004),
+    "model.clip_grad_norm_": (0.05, 0.0),
+}
+
+
+@pytest.mark.parametrize("style", CLIP_STYLES)
+def test_torch_clipping_after_backward_gives_ddps_result_from_the_first_iteration(cluster, style):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), m) / clip_grad_value_ after each backward, as DDP loops
+    call them: the shards clip that same round, from the first one (held until the call), the global norm returned
+    is the averaged gradient's, and the parameters are the reference's that clips the averaged gradient."""
+    c = cluster(3, SHARDS)
+    data = make_data(6, 3, 16, FEATURES, CLASSES, seed=13)
+    spec = OptimizerSpec("sgd", lr=0.5, momentum=0.9)
+    max_norm, clip_value = CLIP_STYLES[style]
+
+    def body(rank: int):
+        module = Branchy()
+        optimizer = spec.build(list(module.parameters()))
+        model = imerge.distribute(module, optimizer, c.worker_config(rank))
+        norms = []
+        for step in data:
+            optimizer.zero_grad()
+            cross_entropy(model, step[rank]).backward()
+            if clip_value:
+                assert torch.nn.utils.clip_grad_value_(model.parameters(), clip_value) is None
+            if style == "model.clip_grad_norm_":
+                norms.append(float(model.clip_grad_norm_(max_norm)))
+            elif max_norm:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            optimizer.step()
+        model.close()
+        return params_of(model.module), norms
+
+    results = c.run_workers(body)
+    reference, norms = Branchy(), []
+    optimizer = spec.build(list(reference.parameters()))
+    for step in data:
+        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
+            param.grad = grad
+        if clip_value:
+            torch.nn.utils.clip_grad_value_(reference.parameters(), clip_value)
+        if max_norm:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
+        optimizer.step()
+    unclipped = Branchy()
+    train_reference(unclipped, spec.build(list(unclipped.parameters())), data, cross_entropy)
+    assert not torch.allclose(params_of(unclipped)["head.weight"], params_of(reference)["head.weight"], atol=1e-3)
+    assert_same_params([params for params, _ in results], params_of(reference))
+    for _, worker_norms in results:
+        assert worker_norms == pytest.approx(norms, rel=1e-5)
+
+
+def test_a_grad_scaler_unscaled_then_clipped_after_backward_as_with_torchs(cluster):
+    """scaler.scale(loss).backward(); scaler.unscale_(optimizer); clip_grad_norm_(model.parameters()); step;
+    update: DDP's order with torch's GradScaler API, unchanged; equal to the reference with a fixed scale."""
+    c = cluster(2, SHARDS)
+    data = make_data(4, 2, 16, FEATURES, CLASSES, seed=5)
+    spec, max_norm = OptimizerSpec("sgd", lr=0.5), 0.05
+
+    def body(rank: int):
+        module = Branchy()
+        optimizer = spec.build(list(module.parameters()))
+        model = imerge.distribute(module, optimizer, c.worker_config(rank))
+        scaler = model.grad_scaler(init_scale=1024.0, growth_interval=1000)
+        norms = []
+        for step in data:
+            optimizer.zero_grad()
+            scaler.scale(cross_entropy(model, step[rank])).backward()
+            scaler.unscale_(optimizer)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+            scaler.step(optimizer)
+            scaler.update()
+        model.close()
+        return params_of(model.module), norms
+
+    results = c.run_workers(body)
+    reference, norms = Branchy(), []
+    optimizer = spec.build(list(reference.parameters()))
+    for step in data:
+        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
+            param.grad = grad
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
+        optimizer.step()
+    assert_same_params([params for params, _ in results], params_of(reference))
+    for _, worker_norms in results:
+        assert worker_norms == pytest.approx(norms, rel=1e-4)
+
+
+@pytest.mark.parametrize("change", ["another max_norm", "clipping stops", "clipping starts late", "part of the model"])
+def test_clipping_that_changes_after_the_first_round_is_refused_naming_the_round(lone, change):
+    """Rounds after the first leave during backward with the first round's clipping: a call that asks otherwise
+    raises, naming the round, rather than differ silently from DDP."""
     model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
     x, y = one_batch()
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(UnsupportedUse, match=r"use model.clip_grad_norm_\(max_norm\)"):
+    if change != "clipping starts late":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnsupportedUse) as refused:
+        if change == "another max_norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        elif change == "clipping stops":
+            F.cross_entropy(model(x), y).backward()
+        elif change == "clipping starts late":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters())[:2], 1.0)
+    expected = {"another max_norm": r"clip_grad_norm_\(2\) after the backward of iteration 1, .* clipped to the "
+                                    r"norm at 1",
+                "clipping stops": r"not after the backward of iteration 1",
+                "clipping starts late": r"iteration 1, whose gradients left during that backward not clipped",
+                "part of the model": r"over 2 of the model's \d+ trained parameters"}[change]
+    assert refused.match(expected)
     other = torch.nn.Linear(2, 2)
     other(torch.ones(1, 2)).sum().backward()
     assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # torch's own elsewhere
@@ -522,6 +654,7 @@ def test_grad_is_this_workers_gradient_until_the_next_forward_and_a_local_step_c
             assert param.grad is None, name
         else:
             torch.testing.assert_close(param.grad, expected[name], atol=1e-6, rtol=0, msg=name)
+    model.synchronize()  # the shards' step (the first round waited for the script's clipping until here)
     before = params_of(model.module)
     own.step()
     assert all(torch.equal(value, params_of(model.module)[name]) for name, value in before.items())
@@ -563,17 +696,20 @@ def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(lo
             return self.gates[-1]
 
     model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
-    staging = model.engine.comm.staging = GatedStaging(model.engine.flat)
     x, y = one_batch()
+    F.cross_entropy(model(x), y).backward()  # the first round (held for the script's clipping until the next forward)
+    model.synchronize()
+    staging = model.engine.comm.staging = GatedStaging(model.engine.flat)
+    pushed_before = len(model.engine.timeline.of("push"))
     F.cross_entropy(model(x), y).backward()
     assert len(staging.gates) == len(model.engine.groups)  # every group completed in backward...
     assert not any(gate.query() for gate in staging.gates)  # ...and backward returned, its copies pending
     time.sleep(0.3)
-    assert model.engine.timeline.of("push") == []  # nothing left for the shards before its copy is done
+    assert len(model.engine.timeline.of("push")) == pushed_before  # nothing left before its copy is done
     for gate in staging.gates:
         gate.done.set()
     model.synchronize()
-    assert len({i.args["group"] for i in model.engine.timeline.of("push")}) == len(model.engine.groups)
+    assert len({i.args["group"] for i in model.engine.timeline.of("push")[pushed_before:]}) == len(model.engine.groups)
 
 
 def test_backward_with_create_graph_under_no_sync_counts_each_gradient_once(cluster):

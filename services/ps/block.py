@@ -201,9 +201,11 @@ class BlockState:
             mean.div_(self.meta.num_workers)
             if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
                 mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
+            finite = all_finite(mean) if options.needs_agreement else True  # an inf clamped is still an overflow
+            if options.clip_value:  # as torch.nn.utils.clip_grad_value_, before clipping by the norm
+                mean.clamp_(-options.clip_value, options.clip_value)
             if not options.needs_agreement:
                 return mean, RoundScalars()
-            finite = all_finite(mean)
             return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],

@@ -26,9 +26,10 @@ class RoundOptions:
     assign: bool = False     # the data are parameters to assign (load_state_dict): no step
     loss_scale: float = 0.0  # the gradients are scaled by this (dynamic loss scaling): unscale, skip on inf
     max_norm: float = 0.0    # clip the averaged gradient to this global L2 norm (0: no clipping)
+    clip_value: float = 0.0  # clamp the averaged gradient's elements to [-clip_value, clip_value] first (0: not)
 
     def check(self, what: str) -> "RoundOptions":
-        for name in ("loss_scale", "max_norm"):
+        for name in ("loss_scale", "max_norm", "clip_value"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgument(f"{what}: {name} {value} is not a finite number >= 0")
@@ -46,9 +47,10 @@ class RoundOptions:
         if self.hypers != other.hypers:
             return (f"hyperparameters {self.hypers or '(the initial ones)'} and {other.hypers or '(the initial ones)'}"
                     ": the workers' learning-rate (or other) schedules disagree")
-        if (self.loss_scale, self.max_norm) != (other.loss_scale, other.max_norm):
-            return (f"loss scale {self.loss_scale:g} / max norm {self.max_norm:g} and {other.loss_scale:g} / "
-                    f"{other.max_norm:g}: the workers' grad scalers or clipping disagree")
+        if (self.loss_scale, self.max_norm, self.clip_value) != (other.loss_scale, other.max_norm, other.clip_value):
+            return (f"loss scale {self.loss_scale:g} / max norm {self.max_norm:g} / clip value {self.clip_value:g} "
+                    f"and {other.loss_scale:g} / {other.max_norm:g} / {other.clip_value:g}: the workers' grad "
+                    "scalers or clipping disagree")
         return ""
 
 

@@ -316,7 +316,8 @@ class Shard:
         what = f"push of block {header.block_id} by worker {header.worker}"
         return await self.push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what),
                                header.numel, data, header.generation, header.fence, header.lane,
-                               RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm),
+                               RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm,
+                                            header.clip_value),
                                list(header.no_grad), nnz_of(header), stream, source)
 
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:

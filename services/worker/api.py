@@ -140,7 +140,7 @@ class DistributedModel(DDPIdioms):
             self.generation = self._store.generation() or 0
         self._engine = SyncEngine(self.module, [p.name for p in layout.params], plan, config, self._optimizer,
                                   self._store, self.generation, self._settings)
-        guards.guard(self._engine.params)
+        guards.guard(self._engine)
         self._metrics = MetricsServer(self._engine.metrics.registry, config.metrics_port, f"worker {config.rank}",
                                       config.metrics_address(), ports_file=config.ports_file)
         if self.rejoined:

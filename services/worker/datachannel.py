@@ -106,6 +106,7 @@ def push_header(block_id: str, payload: Payload, round_: int, options: Any, work
                              numel=payload.numel, generation=generation, fence=fence, lane=lane,
                              hypers=options.hypers, no_grad=options.no_grad, assign=options.assign,
                              loss_scale=options.loss_scale, max_norm=options.max_norm,
+                             clip_value=options.clip_value,
                              **encoding_fields(payload.nnz if payload.sparse else -1))
 
 

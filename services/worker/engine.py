@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ from imerge.core.planning import COST_PLAN, Plan
 from imerge.telemetry import progress
 from imerge.telemetry.timeline import Timeline
 
-from . import hooks, rounds
+from . import clipping, hooks, rounds
 from .buffers import FlatParams
 from .comm import CommLoop, open_comm, slot_policy
 from .config import WorkerConfig
@@ -46,6 +47,7 @@ from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
 from .profiler import Profiler, cost_plan
 from .retuning import Retuning
+from . import saving
 from .saving import block_states, check_optimizer_state
 from .shard_blocks import ShardBlocks
 from .waits import Waits
@@ -74,7 +76,8 @@ class SyncEngine:
         self.blocks = ShardBlocks(self.comm.clients, self.flat, self.comm.compression, config.rpc_timeout_s,
                                   config.wait_timeout_s, generation)
         self.state = self._hook_state(model, plan, store, settings or LoopSettings())
-        optimizer.on_step = self.state.loop.stepped
+        optimizer.on_step = self.stepped
+        optimizer.state_source = lambda: saving.optimizer_state(self)
         self.retuning: Retuning | None = None  # online re-tuning, from --tune's plan switch on
         switches = config.plan_options().switches
         if switches or (config.profile_out and config.rank == 0):
@@ -277,12 +280,29 @@ class SyncEngine:
         hooks.first_forward(self.state, args)
 
     def stepped(self) -> None:
-        """The loop's optimizer.step() (or a grad scaler's step of a skipped round)."""
+        """The loop's optimizer.step() (or a grad scaler's step of a skipped round): a held round is decided."""
+        clipping.release(self.state)
         self.state.loop.stepped()
 
     def last_round_result(self) -> RoundResult | None:
         """What the shards said of the latest round pushed (waiting for its first block to come back)."""
+        clipping.release(self.state)
         return self.state.waits.last_round(self.state.table)
+
+    def clip_norm(self, max_norm: float, after_backward: bool) -> float:
+        """The script clips the latest round to ``max_norm`` (:mod:`.clipping`): its global norm once the shards
+        agree on it (0 before the first backward)."""
+        clipping.clip_norm(self.state, max_norm, after_backward)
+        if not self.state.loop.started:
+            return 0.0
+        result = self.last_round_result()
+        if result is None:
+            return 0.0
+        return math.inf if result.skipped else result.grad_norm  # skipped: an inf or NaN in the gradient
+
+    def clip_value(self, value: float) -> None:
+        """The script clamps the latest round's gradient to [-value, value] (:mod:`.clipping`)."""
+        clipping.clip_value(self.state, value)
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
@@ -296,6 +316,7 @@ class SyncEngine:
     def finish(self) -> None:
         """The last syncs of a worker leaving the job: with T > 1 every group that did not sync last, then every
         group's latest; every worker ends with the same parameters and buffers."""
+        clipping.release(self.state)
         rounds.flush(self.state)
         self.synchronize()
         self.state.buffer_sync.apply()
@@ -303,6 +324,7 @@ class SyncEngine:
     # -- waits and closing -------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every group's latest sync completed (re-raising its error)."""
+        clipping.release(self.state)
         self.state.waits.all(self.state.table)
 
     def disown(self) -> None:

@@ -30,7 +30,7 @@ import torch
 from imerge.core.errors import UnsupportedUse
 from imerge.telemetry.timeline import Timeline
 
-from . import exiting, rounds
+from . import clipping, exiting, rounds
 from .buffers import FlatParams
 from .comm import Communicator
 from .config import WorkerConfig
@@ -69,6 +69,7 @@ class HookState:
     after_backward: Callable[[], None] | None = None
     loading: bool = False  # imerge.load is loading the module: the state goes to the shards its own way
     root_owned: list[int] = dataclasses.field(default_factory=list)  # the root module's own parameters
+    held: list[GroupRuntime] = dataclasses.field(default_factory=list)  # the first round's, until it is decided
 
 
 def install(state: HookState, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> Callable[[], None]:
@@ -118,9 +119,11 @@ def module_forward(state: HookState, owned: list[int]) -> None:
 
 @exiting.reaching_the_script
 def forward_started(state: HookState, args: tuple[Any, ...]) -> None:
+    clipping.release(state)  # the held round: the forward needs its result
     state.buffer_sync.apply()
     loop = state.loop
     if torch.is_grad_enabled():  # an evaluation forward is not followed by a backward
+        clipping.after_held(state)
         _refuse_unfrozen(state)
         state.comm.staging.before_accumulate()  # the device accumulator's copies to the host are done first
         state.grads.before_forward(state.table.groups, state.comm.staging)
@@ -191,7 +194,9 @@ def _backward_started(state: HookState) -> None:
     state.loop.backward_starts()
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
     settings = state.settings
-    state.loop.round = RoundContext(tuple(state.optimizer.hypers()), settings.loss_scale, settings.max_norm)
+    state.loop.round = RoundContext(tuple(state.optimizer.hypers()), settings.loss_scale, settings.max_norm,
+                                    settings.clip_value)
+    state.loop.holding = clipping.holds(state)
     state.metrics.learning_rates([float(group.get("lr", 0.0)) for group in state.optimizer.param_groups])
 
 
@@ -199,6 +204,14 @@ def _group_complete(state: HookState, group: GroupRuntime) -> None:
     group.seen.clear()
     group.done_this_backward = True
     if state.config.overlap and state.schedule.syncs(group.index, state.loop.iteration):
+        _send(state, group)
+
+
+def _send(state: HookState, group: GroupRuntime) -> None:
+    """The group's sync goes on the comm queue, or waits for the script's clipping (the first round)."""
+    if state.loop.holding:
+        state.held.append(group)
+    else:
         rounds.enqueue(state, group, state.loop.round)
 
 
@@ -223,8 +236,8 @@ def _finish_backward(state: HookState) -> None:
             _group_complete(state, group)
         group.done_this_backward = False
         if not state.config.overlap and state.schedule.syncs(group.index, loop.iteration):
-            rounds.enqueue(state, group, loop.round)
-    if not state.config.overlap:  # the naive PS: all communication after backward, nothing overlapped
+            _send(state, group)
+    if not state.config.overlap and not loop.holding:  # the naive PS: all communication after backward
         state.waits.all(state.table)
     _record_iteration(state)
     state.settings.loss_scale = 0.0  # a backward is scaled only if grad_scaler.scale() ran since the last one
@@ -249,6 +262,7 @@ def _record_iteration(state: HookState) -> None:
 # -- load_state_dict ----------------------------------------------------------------------------
 @exiting.reaching_the_script
 def before_load(state: HookState) -> None:
+    clipping.release(state)
     if not state.loading:
         state.waits.all(state.table)
     state.guard.assigning = True

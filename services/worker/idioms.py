@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import torch
 
-from imerge.core.errors import InvalidArgument, UnsupportedUse
+from imerge.core.errors import UnsupportedUse
 from imerge.telemetry import progress
 
-from . import exiting
+from . import clipping, exiting
 from .amp import ShardGradScaler
 from .config import WorkerConfig
 from .engine import SyncEngine
@@ -73,23 +73,17 @@ class DDPIdioms(torch.nn.Module):
         """Clip every round's averaged gradient, on the shards, to ``max_norm`` (global L2 norm over all the
         parameters), exactly as torch.nn.utils.clip_grad_norm_ would before optimizer.step().
 
-        The gradients leave during backward, so the value must be set before the first backward (calling it
-        again after each backward, where DDP loops do, keeps it). Returns the total norm of the latest round
-        pushed (waiting for the shards to agree on it), or 0 before the first one.
+        Called before the first backward, every round is clipped from the first one; called after a backward (as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` is, which does the same), that round and
+        every later one (:mod:`.clipping`). Returns the total norm of the latest round pushed (waiting for the
+        shards to agree on it), or 0 before the first one.
         """
         self._refuse_with_interleave("clip_grad_norm_()")
-        if float(norm_type) != 2.0:
-            raise UnsupportedUse(f"clip_grad_norm_ with norm_type {norm_type}: the shards clip by the L2 norm only")
-        if not max_norm > 0:
-            raise InvalidArgument(f"clip_grad_norm_: max_norm must be positive, got {max_norm}")
-        if self._settings.max_norm == 0 and self._engine is not None and self._engine.started:
-            raise UnsupportedUse("clip_grad_norm_() after the first backward: that round was pushed, and applied, "
-                                 "without clipping; call it once before the first backward (the value stays)")
-        self._settings.max_norm = float(max_norm)
+        max_norm = clipping.check_norm_arguments(max_norm, norm_type)
         if self._engine is None:  # before the job is joined: the engine made then takes the setting
+            clipping.in_advance(self._settings, max_norm)
             return torch.tensor(0.0)
-        result = self._engine.last_round_result()
-        return torch.tensor(result.grad_norm if result is not None else 0.0)
+        return torch.tensor(self._engine.clip_norm(max_norm, after_backward=False))
 
     def _refuse_with_interleave(self, what: str) -> None:
         if self.config.interleave_period > 1:

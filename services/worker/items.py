@@ -17,6 +17,7 @@ class PushOptions:
     assign: bool = False            # the data are parameters to assign (load_state_dict), not a gradient
     loss_scale: float = 0.0         # the gradient is scaled by this (grad scaler); 0: not
     max_norm: float = 0.0           # clip the round's averaged gradient to this global norm; 0: no clipping
+    clip_value: float = 0.0         # clamp the round's averaged gradient's elements to +-this first; 0: not
 
 
 NO_OPTIONS = PushOptions()

@@ -28,6 +28,9 @@ class LoopSettings:
     """What the loop set for its coming backward passes (the training thread's)."""
 
     max_norm: float = 0.0       # clip every round's averaged gradient to this norm (0: no clipping)
+    clip_value: float = 0.0     # clamp every round's averaged gradient's elements to +-this first (0: not)
+    clipping_known: bool = False  # the rounds' clipping is known: set before the first backward, or learned in it
+    clips_after_backward: bool = False  # the script clips each round after its backward (torch's functions)
     accumulating: bool = False  # inside no_sync(): the backward of a forward run now only accumulates
     loss_scale: float = 0.0     # the grad scaler's scale of the coming backward (0: none; reset by each backward)
 
@@ -39,13 +42,15 @@ class RoundContext:
     hypers: tuple[str, ...] = ()  # each optimizer param group's hyperparameters (JSON of what changed)
     loss_scale: float = 0.0
     max_norm: float = 0.0
+    clip_value: float = 0.0
 
     def options(self, param_group: int, no_grad: tuple[int, ...], assign: bool = False) -> PushOptions:
         """A block's push options: its param group's hyperparameters, the pieces without a gradient; an
         assignment (load_state_dict) carries parameters, so no scaling."""
         if assign:
             return PushOptions(self.hypers[param_group], no_grad, True)
-        return PushOptions(self.hypers[param_group], no_grad, False, self.loss_scale, self.max_norm)
+        return PushOptions(self.hypers[param_group], no_grad, False, self.loss_scale, self.max_norm,
+                           self.clip_value)
 
 
 class SyncSchedule:
@@ -86,6 +91,9 @@ class LoopState:
     accumulate: bool = False       # that forward ran inside no_sync(): its backward only accumulates
     forward_started: float = 0.0   # wall clock of the latest forward's start
     groups_enqueued: int = 0       # this iteration's groups sent
+    holding: bool = False          # this round's complete groups wait for the script's clipping (.clipping)
+    clipped: bool = False          # the script clipped the latest round after its backward
+    clip_checked: int = 0          # the iteration whose first forward checked the clipping of the round before
     script_steps: bool = False     # the loop calls optimizer.step(): then each synced backward needs one
     backwards_since_step: int = 0
     round: RoundContext = RoundContext()  # the current (or latest) backward's

@@ -55,8 +55,26 @@ def spec_of(optimizer: torch.optim.Optimizer,
 
 
 def _state_lives_on_the_shards(*_: Any) -> None:
-    raise UnsupportedUse("the optimizer's state lives on the shards, not in this process: save and load it with "
-                         "imerge.save(model, path) and imerge.load(model, path)")
+    raise UnsupportedUse("optimizer.load_state_dict() after imerge.distribute: the optimizer's state lives on the "
+                         "shards; load it into the optimizer before imerge.distribute (as a DDP script resumes), or "
+                         "use imerge.save(model, path) and imerge.load(model, path)")
+
+
+StateSource = Callable[[], dict[int, dict[str, torch.Tensor]]]  # id(param) -> its optimizer state, from the shards
+
+
+def _with_shard_state(optimizer: torch.optim.Optimizer, source: "Callable[[], StateSource | None]",
+                      state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch's state_dict() of ``optimizer`` with the state the shards keep (read from them by this worker alone:
+    rank 0 may call it on its own, as DDP scripts checkpoint), in torch's format and parameter numbering."""
+    read = source()
+    if read is None:  # not joined yet: no state anywhere but the (empty) local one
+        return state_dict
+    by_param = read()
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    state_dict["state"] = {index: by_param[id(param)] for index, param in enumerate(params)
+                           if by_param.get(id(param))}
+    return state_dict
 
 
 class _NothingToStep:
@@ -101,9 +119,11 @@ class ShardOptimizer(torch.optim.Optimizer):
         defaults = spec.defaults()
         super().__init__([{"params": list(params), **spec.group(index).kwargs} for index, params in enumerate(groups)],
                          defaults)
+        self.state_source: StateSource | None = None  # the engine's reader of the shards' state
         if shared is not None:  # the script's own optimizer: a scheduler attached to it drives the shards too
             self.param_groups = shared.param_groups
-            shared.register_state_dict_pre_hook(_state_lives_on_the_shards)
+            shared.register_state_dict_post_hook(
+                lambda optimizer, state_dict: _with_shard_state(optimizer, lambda: self.state_source, state_dict))
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
             shared._step_supports_amp_scaling = True  # type: ignore[attr-defined]  # torch.amp.GradScaler then marks the optimizer before step()
             _NothingToStep(shared, self)
@@ -113,8 +133,8 @@ class ShardOptimizer(torch.optim.Optimizer):
                                       self.hyper_keys) for index in range(len(groups))]
 
     def state_dict(self) -> dict[str, Any]:
-        _state_lives_on_the_shards()
-        return {}
+        """torch's format, with the shards' state (see :func:`_with_shard_state`)."""
+        return _with_shard_state(self, lambda: self.state_source, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _state_lives_on_the_shards()

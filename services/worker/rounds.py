@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from .hooks import HookState
 
 
-def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign: bool = False) -> None:
+def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign: bool = False,
+            iteration: int | None = None) -> None:
     """Queue the group's sync; each block's push carries the round's hyperparameters of its parameter group
     and the pieces of it that got no gradient since the last sync (counted as zeros; one that no worker gave
-    a gradient is not stepped, as in torch.optim). ``assign``: the data are parameters to assign."""
+    a gradient is not stepped, as in torch.optim). ``assign``: the data are parameters to assign;
+    ``iteration``: the one whose backward completed the group (default: the current one)."""
     table = state.table
     units = table.plan.units
     options = {b.block_id: context.options(units[b.unit].group,
@@ -32,13 +34,14 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     group.given.clear()
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
-    sync = Sync(group, group.round, state.schedule.relative(state.loop.iteration), options, ready)
+    completed_in = state.loop.iteration if iteration is None else iteration
+    sync = Sync(group, group.round, state.schedule.relative(completed_in), options, ready)
     group.latest, group.round = sync, group.round + 1  # the round this sync completes
     comm.enqueue(sync)
     group.unsettled = {b.block_id for b in group.blocks}
     group.dirty = True
     state.waits.in_flight.add(group.index)
-    state.loop.groups_enqueued += 1
+    state.loop.groups_enqueued += iteration is None  # a held round's groups were its own iteration's
 
 
 def flush(state: HookState) -> None:

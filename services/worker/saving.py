@@ -43,11 +43,10 @@ def _block_pieces(engine: SyncEngine, block: Block) -> list[tuple[str, int, int]
     return [(names[pid], max(block.offset - ranges[pid][0], 0), numel) for pid, numel in engine.flat.pieces(block)]
 
 
-def save_model(model: DistributedModel, path: str | os.PathLike[str], iteration: int) -> None:
-    engine = model.engine
+def shard_state(engine: SyncEngine) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
+    """The shards' fp32 parameters (flat, as the engine lays them out) and each parameter's optimizer state by
+    name (a per-element state flat, a scalar as one value), once this worker's in-flight syncs are done."""
     engine.synchronize()
-    if model.config.rank != 0:
-        return
     states = engine.export_states()
     by_param: dict[str, dict[str, list[torch.Tensor]]] = {}
     masters = torch.empty(engine.flat.values.numel())  # the shards' fp32 parameters (compressed pulls round them)
@@ -60,14 +59,32 @@ def save_model(model: DistributedModel, path: str | os.PathLike[str], iteration:
                 value = state[key]
                 if value.dim() > 0 or not parts:  # per-element pieces concatenate; a scalar is the same on each
                     parts.append(value.reshape(-1) if value.dim() > 0 else value)
+    return masters, {name: {key: torch.cat(parts) if parts[0].dim() > 0 else parts[0] for key, parts in by_key.items()}
+                     for name, by_key in by_param.items()}
+
+
+def optimizer_state(engine: SyncEngine) -> dict[int, dict[str, torch.Tensor]]:
+    """Each trained parameter's optimizer state on the shards (by ``id(param)``), shaped as torch.optim keeps it:
+    what the script's ``optimizer.state_dict()`` returns under IMerge."""
+    by_name = shard_state(engine)[1]
+    return {id(param): {key: value.reshape(param.shape) if value.dim() > 0 else value
+                        for key, value in by_name.get(engine.names[id(param)], {}).items()}
+            for param in engine.params}
+
+
+def save_model(model: DistributedModel, path: str | os.PathLike[str], iteration: int) -> None:
+    engine = model.engine
+    if model.config.rank != 0:
+        engine.synchronize()
+        return
+    masters, by_param = shard_state(engine)
     tensors = {f"model/{key}": value.detach().cpu().clone().contiguous()
                for key, value in model.module.state_dict().items()}
     for name, param in model.module.named_parameters(remove_duplicate=False):
         if id(param) in engine.flat.range and f"model/{name}" in tensors:
             offset, numel = engine.flat.range[id(param)]
             tensors[f"model/{name}"] = masters[offset:offset + numel].reshape(param.shape).clone()
-    tensors.update({f"optim/{name}/{key}": torch.cat(parts) if parts[0].dim() > 0 else parts[0]
-                    for name, by_key in by_param.items() for key, parts in by_key.items()})
+    tensors.update({f"optim/{name}/{key}": value for name, by_key in by_param.items() for key, value in by_key.items()})
     metadata = {"format": FORMAT, "iteration": str(iteration), "optimizer": engine.optimizer.spec.to_json(),
                 "world_size": str(model.config.world_size)}
     target = Path(path)

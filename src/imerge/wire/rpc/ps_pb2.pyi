@@ -70,7 +70,7 @@ class InitBlockReply(_message.Message):
     def __init__(self, block_id: _Optional[str] = ..., created: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad", "assign", "loss_scale", "max_norm", "encoding", "nnz")
+    __slots__ = ("block_id", "worker", "round", "dtype", "numel", "generation", "fence", "lane", "hypers", "no_grad", "assign", "loss_scale", "max_norm", "encoding", "nnz", "clip_value")
     BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class PushHeader(_message.Message):
     MAX_NORM_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     NNZ_FIELD_NUMBER: _ClassVar[int]
+    CLIP_VALUE_FIELD_NUMBER: _ClassVar[int]
     block_id: str
     worker: int
     round: int
@@ -101,7 +102,8 @@ class PushHeader(_message.Message):
     max_norm: float
     encoding: Encoding
     nnz: int
-    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ..., assign: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., max_norm: _Optional[float] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., nnz: _Optional[int] = ...) -> None: ...
+    clip_value: float
+    def __init__(self, block_id: _Optional[str] = ..., worker: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., numel: _Optional[int] = ..., generation: _Optional[int] = ..., fence: _Optional[int] = ..., lane: _Optional[int] = ..., hypers: _Optional[str] = ..., no_grad: _Optional[_Iterable[int]] = ..., assign: _Optional[bool] = ..., loss_scale: _Optional[float] = ..., max_norm: _Optional[float] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., nnz: _Optional[int] = ..., clip_value: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
