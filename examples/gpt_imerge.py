@@ -6,9 +6,9 @@ line that changed: the import and the wrap line.
     imerge launch --shards 1 --workers 2 -- python examples/gpt_imerge.py --out imerge.pt
 
 AdamW in two parameter groups (no weight decay on biases and norms), a per-iteration learning rate set on
-optimizer.param_groups, gradient accumulation (DDP's require_backward_grad_sync), clipping, the token embedding
-tied to the output layer, a DistributedSampler and the script's own process group, and the model saved right
-after the loop.
+optimizer.param_groups, gradient accumulation (DDP's require_backward_grad_sync), torch's GradScaler (enabled by
+--dtype float16, as in nanoGPT) unscaled before clipping after backward, the token embedding tied to the output
+layer, a DistributedSampler and the script's own process group, and the model saved right after the loop.
 """
 import argparse
 import json
@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--out", default="model.pt")
     parser.add_argument("--losses", default="")
     parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--grad-clip", type=float, default=0.5)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -75,6 +77,8 @@ def main() -> None:
                                   lr=3e-3, betas=(0.9, 0.95))
     sampler = DistributedSampler(TensorDataset(tokens), shuffle=True, seed=0)
     loader = DataLoader(TensorDataset(tokens), batch_size=8, sampler=sampler, drop_last=True)
+    scaler = torch.amp.GradScaler("cpu", enabled=(args.dtype == "float16"))
+    autocast = torch.autocast("cpu", dtype=getattr(torch, args.dtype), enabled=args.dtype != "float32")
     losses = []
     for iteration, (batch,) in enumerate(loader):
         for group in optimizer.param_groups:
@@ -82,12 +86,16 @@ def main() -> None:
         total = 0.0
         for micro, chunk in enumerate(batch.chunk(args.accumulate)):
             model.require_backward_grad_sync = micro == args.accumulate - 1
-            logits = model(chunk[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1)) / args.accumulate
-            loss.backward()
+            with autocast:
+                logits = model(chunk[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1)) / args.accumulate
+            scaler.scale(loss).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
+        if args.grad_clip != 0.0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(total)
         print(f"iteration {iteration} loss {total:.6f}", flush=True)

@@ -131,11 +131,13 @@ def test_the_imagenet_examples_loop_with_loader_workers_and_a_checkpoint_each_ep
 
 
 @pytest.mark.timeout(600)
-def test_nanogpts_loop_with_accumulation_clipping_after_backward_and_a_per_iteration_lr(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_nanogpts_loop_with_accumulation_clipping_after_backward_and_a_per_iteration_lr(tmp_path, dtype):
     """require_backward_grad_sync over two micro-batches, torch.nn.utils.clip_grad_norm_ after backward (held in the
     first round until the call, then every round pushed clipped), AdamW in two parameter groups with the learning
-    rate set each iteration, weight tying, and the model saved right after the loop (IMerge leaves at exit)."""
-    both(tmp_path, "nanogpt", "--out", "{run}/model.pt", "--losses", "{run}/losses.json")
+    rate set each iteration, weight tying, the model saved right after the loop (IMerge leaves at exit); with
+    float16 autocast, torch's GradScaler as nanoGPT uses it (scale, unscale_, clip, step, update)."""
+    both(tmp_path, "nanogpt", "--out", "{run}/model.pt", "--losses", "{run}/losses.json", "--dtype", dtype)
     reference_losses, _ = losses(tmp_path, "losses.json")
     assert len(reference_losses) == 6
     reference, trained = (torch.load(tmp_path / run / "model.pt", weights_only=True) for run in ("ddp", "imerge"))

@@ -380,18 +380,29 @@ def amp_loss(model: torch.nn.Module, batch) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
 
-def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_shard(cluster):
+def make_scaler(kind: str, model, **options) -> torch.amp.GradScaler:
+    """The model's grad_scaler(), or torch's own GradScaler made by the script, unchanged."""
+    return model.grad_scaler(**options) if kind == "model.grad_scaler()" else torch.amp.GradScaler("cpu", **options)
+
+
+SCALERS = ["model.grad_scaler()", "torch.amp.GradScaler"]
+
+
+@pytest.mark.parametrize("kind", SCALERS)
+def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_shard(cluster, kind):
     c = cluster(WORKERS, SHARDS)
     data = make_data(10, WORKERS, 16, FEATURES, CLASSES, seed=17)
     spec, options = OptimizerSpec("adam", lr=0.01), dict(init_scale=2.0 ** 22, growth_interval=3)
 
     def body(rank: int):
-        model = imerge.distribute(Branchy(), spec, c.worker_config(rank))
-        scaler, scales = model.grad_scaler(**options), []
+        module = Branchy()
+        optimizer = spec.build(list(module.parameters()))
+        model = imerge.distribute(module, optimizer, c.worker_config(rank))
+        scaler, scales = make_scaler(kind, model, **options), []
         for step in data:
             scaler.scale(amp_loss(model, step[rank])).backward()
             scales.append(scaler.get_scale())
-            scaler.step(model.optimizer)
+            scaler.step(optimizer)
             scaler.update()
         model.close()
         return params_of(model.module), scales
@@ -412,16 +423,24 @@ def test_grad_scaler_with_fp16_autocast_skips_the_steps_that_overflow_on_every_s
     assert_same_params([params for params, _ in results], params_of(reference))
 
 
-@pytest.mark.parametrize("own", [False, True], ids=["model-optimizer", "scripts-own-optimizer"])
-def test_torch_grad_scaler_is_refused_naming_the_fix(lone, own):
-    module = Branchy()
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1) if own else OptimizerSpec("sgd", lr=0.1)
-    model = lone(module, optimizer)
-    scaler = torch.amp.GradScaler("cpu")
+def test_a_grad_scaler_on_the_model_optimizer_or_another_is_torchs_own_elsewhere(lone):
+    """torch's GradScaler steps model.optimizer the shards' way; over an optimizer of another model it is torch's."""
+    model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
     x, y = one_batch()
     scaler.scale(F.cross_entropy(model(x), y)).backward()
-    with pytest.raises(UnsupportedUse, match=r"use scaler = model.grad_scaler\(\)"):
-        scaler.step(optimizer if own else model.optimizer)
+    scaler.unscale_(model.optimizer)
+    scaler.step(model.optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 256.0 and not model.engine.last_round_result().skipped
+    other = torch.nn.Linear(2, 2)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=1.0)
+    before = other.weight.detach().clone()
+    scaler.scale(other(torch.ones(1, 2)).sum()).backward()
+    scaler.unscale_(other_optimizer)
+    assert torch.allclose(other.weight.grad, torch.ones(2, 2))  # unscaled locally, as torch does
+    scaler.step(other_optimizer)
+    assert torch.allclose(other.weight, before - 1.0)
 
 
 def test_save_then_load_into_another_layout_continues_like_an_uninterrupted_run(cluster, tmp_path):
@@ -566,9 +585,27 @@ def test_torch_clipping_after_backward_gives_ddps_result_from_the_first_iteratio
         assert worker_norms == pytest.approx(norms, rel=1e-5)
 
 
-def test_a_grad_scaler_unscaled_then_clipped_after_backward_as_with_torchs(cluster):
+@pytest.mark.parametrize("name", ["clip_grad_norm_", "clip_grad_value_"])
+def test_torchs_clipping_bound_before_distribute_is_refused_naming_the_fix(lone, name):
+    """`from torch.nn.utils import clip_grad_norm_` at a script's top binds torch's own function: over the model's
+    gradients it would clip this worker's .grad alone, silently; it raises instead, naming the call that works."""
+    function = getattr(torch.nn.utils, name)
+    bound = getattr(function, "__wrapped__", function)  # torch's own, as a script that bound it first holds it
+    model = lone(Branchy(), OptimizerSpec("sgd", lr=0.1))
+    x, y = one_batch()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(UnsupportedUse, match=r"bound before imerge.distribute .* call it as torch.nn.utils"):
+        bound(model.parameters(), 1.0)
+    other = torch.nn.Linear(2, 2)
+    other(torch.ones(1, 2)).sum().backward()
+    bound(other.parameters(), 0.5)  # torch's own elsewhere
+    assert float(other.weight.grad.abs().max()) <= 1.0
+
+
+@pytest.mark.parametrize("kind", SCALERS)
+def test_a_grad_scaler_unscaled_then_clipped_after_backward_as_with_torchs(cluster, kind):
     """scaler.scale(loss).backward(); scaler.unscale_(optimizer); clip_grad_norm_(model.parameters()); step;
-    update: DDP's order with torch's GradScaler API, unchanged; equal to the reference with a fixed scale."""
+    update: DDP's order with torch's GradScaler, unchanged; equal to the reference with a fixed scale."""
     c = cluster(2, SHARDS)
     data = make_data(4, 2, 16, FEATURES, CLASSES, seed=5)
     spec, max_norm = OptimizerSpec("sgd", lr=0.5), 0.05
@@ -577,7 +614,7 @@ def test_a_grad_scaler_unscaled_then_clipped_after_backward_as_with_torchs(clust
         module = Branchy()
         optimizer = spec.build(list(module.parameters()))
         model = imerge.distribute(module, optimizer, c.worker_config(rank))
-        scaler = model.grad_scaler(init_scale=1024.0, growth_interval=1000)
+        scaler = make_scaler(kind, model, init_scale=1024.0, growth_interval=1000)
         norms = []
         for step in data:
             optimizer.zero_grad()

@@ -1,18 +1,23 @@
-"""Dynamic loss scaling for a model whose optimizer runs on the shards: ``model.grad_scaler()``.
+"""Dynamic loss scaling for a model whose optimizer runs on the shards: torch's own ``torch.amp.GradScaler``,
+unchanged, or ``model.grad_scaler()`` (the same class, checked against the job's options when it is made).
 
-It is a ``torch.amp.GradScaler`` (same arguments, same ``scale`` / ``step`` /
-``update`` / ``state_dict``), with the work moved to where the gradients are:
+The work moves to where the gradients are:
 
-* ``scale(loss)`` multiplies the loss as torch does and tells this backward's
-  pushes the scale;
+* ``scale(loss)`` multiplies the loss as torch does and tells the coming
+  backward's pushes the scale (for the models this thread trains);
 * the shards average the scaled gradients, unscale them (times the float32
   reciprocal of the scale, as ``unscale_`` does), and every shard skips the
   round's step if any found an inf or NaN;
+* ``unscale_(optimizer)`` has nothing left to do (clipping after it is the
+  shards', :mod:`.clipping`);
 * ``step(optimizer)`` reads whether the shards skipped the round (waiting for
   the first of its blocks to come back) and ``update()`` changes the scale with
   torch's own rule, so every worker's scale follows the same sequence.
 
-``unscale_`` has nothing to do (clip with ``model.clip_grad_norm_``).
+For a scaler over any other optimizer, torch's methods run as they are.
+:func:`install` puts these methods on ``torch.amp.GradScaler`` once, when the
+first model is distributed (an instance made before keeps working: methods
+are looked up on the class).
 """
 from __future__ import annotations
 
@@ -27,47 +32,88 @@ from imerge.core.errors import UnsupportedUse
 from . import exiting
 
 if TYPE_CHECKING:
-    from .engine import SyncEngine
+    from .optimizer import ShardOptimizer
 
 
-class ShardGradScaler(torch.amp.GradScaler):
-    def __init__(self, engine: Callable[[], SyncEngine], device: str = "cpu", init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True):
-        super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
-        self._engine = engine  # the model's engine (joining the job if it was not yet)
+def shards_of(optimizer: Any) -> ShardOptimizer | None:
+    """The shards' optimizer behind ``optimizer`` (the proxy itself, or the script's adopted one), else None."""
+    if getattr(type(optimizer), "imerge_proxy", False):
+        return optimizer  # type: ignore[no-any-return]
+    return getattr(optimizer, "imerge_shards", None)
 
+
+def refuse_scaling(compression: str, interleave_period: int, what: str) -> None:
+    """Loss scaling cannot be done the PS way with these options: say why."""
+    if interleave_period > 1:
+        raise UnsupportedUse(f"{what} with --interleave-period > 1: groups sync in different iterations, so no "
+                             "round holds the whole gradient")
+    if compression in ("topk", "mixed"):
+        raise UnsupportedUse(f"{what} with --compression {compression}: the top-k residual would keep gradients "
+                             "of an old loss scale, and an overflow would stay in it for good; use --compression "
+                             "fp16 or bf16 (or none) with a grad scaler")
+
+
+def _scale(original: Callable[..., Any]) -> Callable[..., Any]:
     @exiting.reaching_the_script
-    def scale(self, outputs: Any) -> Any:
-        scaled = super().scale(outputs)
+    def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
+        scaled = original(self, outputs)
         if self._enabled:
-            self._engine().settings.loss_scale = self.get_scale()
+            for model in exiting.trained_here():
+                refuse_scaling(model.config.compression, model.config.interleave_period, "a GradScaler")
+                model.loop_settings.loss_scale = self.get_scale()
         return scaled
 
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing to do: the shards unscale the averaged gradient (clip with model.clip_grad_norm_)."""
-        if self._enabled:
-            self._per_optimizer_states[id(optimizer)]["stage"] = OptState.UNSCALED
+    return scale
 
+
+def _unscale(original: Callable[..., Any]) -> Callable[..., Any]:
+    def unscale_(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        if not self._enabled or shards_of(optimizer) is None:
+            return original(self, optimizer)  # type: ignore[no-any-return]
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        state["stage"] = OptState.UNSCALED  # the shards unscale the averaged gradient
+        return None
+
+    return unscale_
+
+
+def _step(original: Callable[..., Any]) -> Callable[..., Any]:
     @exiting.reaching_the_script
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Whether the shards stepped this round; ``optimizer.step()`` (which has nothing left to do) runs only
-        if they did, as with torch's scaler."""
-        if not self._enabled:
-            return optimizer.step(*args, **kwargs)
+    def step(self: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        shards = shards_of(optimizer)
+        if not self._enabled or shards is None:
+            return original(self, optimizer, *args, **kwargs)
         if "closure" in kwargs:
-            raise UnsupportedUse("grad_scaler.step(closure=...): the shards step during backward")
+            raise UnsupportedUse("GradScaler.step(closure=...): the shards step during backward")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        result = self._engine().last_round_result()
-        if result is None:
-            raise UnsupportedUse("grad_scaler.step() before any backward of the wrapped model")
         if self._scale is None:
-            raise UnsupportedUse("grad_scaler.step() before grad_scaler.scale(loss)")
+            raise UnsupportedUse("GradScaler.step() before GradScaler.scale(loss)")
+        result = shards.round_result()
+        if result is None:
+            raise UnsupportedUse("GradScaler.step() before any backward of the wrapped model")
         device = self._scale.device
         state["found_inf_per_device"] = {device: torch.full((), float(result.skipped), device=device)}
         state["stage"] = OptState.STEPPED
         if result.skipped:  # the shards skipped the round; it still counts as the loop's step
-            self._engine().stepped()
+            shards.stepped()
             return None
         return optimizer.step(*args, **kwargs)
+
+    return step
+
+
+def install() -> None:
+    """Put the shards' way on torch.amp.GradScaler (once)."""
+    cls = torch.amp.GradScaler
+    if getattr(cls, "imerge_installed", False):
+        return
+    cls.scale = _scale(cls.scale)  # type: ignore[method-assign]
+    cls.unscale_ = _unscale(cls.unscale_)  # type: ignore[method-assign]
+    cls.step = _step(cls.step)  # type: ignore[method-assign]
+    cls.imerge_installed = True  # type: ignore[attr-defined]

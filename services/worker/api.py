@@ -38,7 +38,7 @@ from .adoption import OptimizerWatch, take_loaded_state
 from .config import ScheduleConfig, WorkerConfig, torchrun_identity
 from .engine import JOIN_STATE, SyncEngine
 from .iteration import LoopSettings
-from . import exiting, guards
+from . import amp, exiting, guards
 from .idioms import DDPIdioms
 from .lease import RankLease
 from .joining import Heartbeat, latest_plan, rejoin_point, wait_plan
@@ -159,6 +159,11 @@ class DistributedModel(DDPIdioms):
                  config.world_size, "rejoined" if self.rejoined else "joined", config.job, self.generation,
                  self.start_iteration, len(plan.groups), len(plan.shard_addresses))
 
+    @property
+    def loop_settings(self) -> LoopSettings:
+        """What the script set for its coming backward passes (a grad scaler's scale, clipping, no_sync)."""
+        return self._settings
+
     def _disown(self) -> None:
         """In a process forked from the model's (a DataLoader worker, multiprocessing, os.fork): the module
         becomes a plain local module again (its hooks and guards removed, in this process's memory only), and
@@ -167,7 +172,7 @@ class DistributedModel(DDPIdioms):
         self._joining.remove()
         if self._engine is not None:
             self._engine.disown()
-            guards.release(self._engine.params)
+            guards.release(self._engine)
 
     def _refuse_in_child(self, what: str) -> None:
         if self._disowned:
@@ -257,7 +262,7 @@ class DistributedModel(DDPIdioms):
         self._joining.remove()
         self._watch.stop()
         if self._engine is not None:
-            guards.release(self._engine.params)
+            guards.release(self._engine)
             self._engine.close()
             self._engine = None
         if self._metrics is not None:
@@ -314,6 +319,7 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
     from imerge.core.config import explicit_fields, from_env
 
     exiting.install()
+    amp.install()
     if config is None:  # --tune auto: the knobs neither a keyword nor an IMERGE_* variable gives
         config = from_env(WorkerConfig, **{**torchrun_identity(os.environ), **options})
         config = config.tuned(explicit_fields(ScheduleConfig, set(options)))

@@ -78,6 +78,7 @@ class SyncEngine:
         self.state = self._hook_state(model, plan, store, settings or LoopSettings())
         optimizer.on_step = self.stepped
         optimizer.state_source = lambda: saving.optimizer_state(self)
+        optimizer.round_result = self.last_round_result
         self.retuning: Retuning | None = None  # online re-tuning, from --tune's plan switch on
         switches = config.plan_options().switches
         if switches or (config.profile_out and config.rank == 0):

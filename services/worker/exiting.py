@@ -100,6 +100,14 @@ def reaching_the_script(function: F) -> F:
     return entry  # type: ignore[return-value]
 
 
+def trained_here() -> list[DistributedModel]:
+    """The models this thread trains (the script's one, usually), in this process."""
+    if _installed_in != [os.getpid()]:
+        return []
+    thread = threading.get_ident()
+    return [model for model in list(live) if model.training_thread == thread and not model._closed]
+
+
 def refused(error: IMergeError) -> None:
     """``error`` reaches the script: each model trained from this thread reports it (once) and keeps a fatal one."""
     if _installed_in != [os.getpid()]:

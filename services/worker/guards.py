@@ -7,10 +7,11 @@ hand a call over the model's parameters to its engine, which has the shards
 clip that round (:mod:`.clipping`) and returns what torch returns: the total
 norm of the averaged gradient (``clip_grad_norm_``), nothing
 (``clip_grad_value_``). For any other tensors they are torch's own. They are
-installed when the first model is distributed: a script that bound the
-function itself before (``from torch.nn.utils import clip_grad_norm_`` ahead
-of ``imerge.distribute``) keeps torch's own, which clips only this worker's
-``.grad`` (docs: porting).
+installed when the first model is distributed. A script that bound torch's
+function itself before (``from torch.nn.utils import clip_grad_norm_`` at its
+top) keeps torch's own, which would clip only this worker's ``.grad``: the
+helpers torch's functions call (looked up in their module at each call) refuse
+the model's gradients, naming the fix.
 """
 from __future__ import annotations
 
@@ -33,7 +34,35 @@ if TYPE_CHECKING:
     from .engine import SyncEngine
 
 GUARDED = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
+HELPERS = ("_get_total_norm", "_group_tensors_by_device_and_dtype")  # what torch's own clipping functions call
 _distributed: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[SyncEngine]]] = {}  # id(param) -> it, its engine
+_accumulators: dict[int, weakref.ref[SyncEngine]] = {}  # data_ptr of an engine's gradient accumulator -> the engine
+
+
+def _has_model_grads(tensors: Any) -> bool:
+    """Whether ``tensors`` (a list of tensors, or of lists of them) holds a distributed model's ``.grad``."""
+    for item in tensors if isinstance(tensors, (list, tuple)) else ():
+        if isinstance(item, (list, tuple)) and _has_model_grads(item):
+            return True
+        if isinstance(item, torch.Tensor) and item.untyped_storage().data_ptr() in _accumulators:
+            return True
+    return False
+
+
+def _refusing_model_grads(helper: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(helper)
+    @exiting.reaching_the_script
+    def refusing(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        if _has_model_grads(tensors):
+            raise UnsupportedUse("torch's gradient clipping over an IMerge model's gradients through a function "
+                                 "bound before imerge.distribute (from torch.nn.utils import clip_grad_norm_, say): "
+                                 "it would clip only this worker's .grad, which the shards never see; call it as "
+                                 "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) (or "
+                                 "clip_grad_value_), which IMerge hands to the shards")
+        return helper(tensors, *args, **kwargs)
+
+    refusing.imerge_guarded = True  # type: ignore[attr-defined]
+    return refusing
 
 
 def _engine_of(param: Any) -> SyncEngine | None:
@@ -100,11 +129,18 @@ def guard(engine: SyncEngine) -> None:
             original = getattr(module, name, None)
             if original is not None and not getattr(original, "imerge_guarded", False):
                 setattr(module, name, _distributed_clip(original, name))
+    for name in HELPERS:
+        helper = getattr(torch.nn.utils.clip_grad, name, None)
+        if helper is not None and not getattr(helper, "imerge_guarded", False):
+            setattr(torch.nn.utils.clip_grad, name, _refusing_model_grads(helper))
     _distributed.update({id(p): (weakref.ref(p), weakref.ref(engine)) for p in engine.params})
+    _accumulators[engine.flat.grads.untyped_storage().data_ptr()] = weakref.ref(engine)
 
 
-def release(params: Iterable[torch.nn.Parameter]) -> None:
-    for param in params:
+def release(engine: SyncEngine) -> None:
+    """The engine's parameters are torch's own again (it closed, or this process is a forked child)."""
+    _accumulators.pop(engine.flat.grads.untyped_storage().data_ptr(), None)
+    for param in engine.params:
         entry = _distributed.get(id(param))
         if entry is not None and entry[0]() is param:
             del _distributed[id(param)]

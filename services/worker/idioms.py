@@ -17,7 +17,7 @@ from imerge.core.errors import UnsupportedUse
 from imerge.telemetry import progress
 
 from . import clipping, exiting
-from .amp import ShardGradScaler
+from .amp import refuse_scaling
 from .config import WorkerConfig
 from .engine import SyncEngine
 from .iteration import LoopSettings
@@ -38,17 +38,15 @@ class DDPIdioms(torch.nn.Module):
 
     @exiting.reaching_the_script
     def grad_scaler(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                    growth_interval: int = 2000, enabled: bool = True) -> ShardGradScaler:
-        """A torch.amp.GradScaler (same arguments and API) whose loss scale travels with the pushes: the shards
-        unscale, and skip the step on every shard when any found an inf or NaN."""
-        self._refuse_with_interleave("grad_scaler()")
-        if enabled and self.config.compression in ("topk", "mixed"):
-            raise UnsupportedUse(f"grad_scaler() with --compression {self.config.compression}: the top-k residual "
-                                 "would keep gradients of an old loss scale, and an overflow would stay in it for "
-                                 "good; use --compression fp16 or bf16 (or none) with a grad scaler")
+                    growth_interval: int = 2000, enabled: bool = True) -> torch.amp.GradScaler:
+        """A torch.amp.GradScaler on the model's device (same arguments and API): its loss scale travels with the
+        pushes, the shards unscale, and skip the step on every shard when any found an inf or NaN (:mod:`.amp`;
+        torch's own GradScaler, made by the script, does the same). Refuses at once what the job's options rule
+        out."""
+        if enabled:
+            refuse_scaling(self.config.compression, self.config.interleave_period, "grad_scaler()")
         device = next(self.module.parameters()).device.type
-        return ShardGradScaler(lambda: self.engine, device, init_scale, growth_factor, backoff_factor,
-                               growth_interval, enabled)
+        return torch.amp.GradScaler(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
 
     @exiting.reaching_the_script
     def log_loss(self, loss: torch.Tensor | float, total: int | None = None) -> None:

@@ -102,11 +102,12 @@ class _NothingToStep:
 
 
 def _refuse_torch_scaler(optimizer: Any) -> None:
-    """torch.amp.GradScaler hands itself to step() (older torch) or sets ``grad_scale`` on the optimizer."""
+    """A grad scaler that hands itself to step() or sets ``grad_scale`` on the optimizer is not torch.amp's (whose
+    methods IMerge takes over, :mod:`.amp`): its scale never reached the shards."""
     if optimizer is None or getattr(optimizer, "grad_scale", None) is not None:
-        raise UnsupportedUse("torch.amp.GradScaler with IMerge: the gradients were pushed, scaled, during backward, "
-                             "and the shards applied them unscaled; use scaler = model.grad_scaler() (the same "
-                             "API), whose scale travels with the pushes")
+        raise UnsupportedUse("a grad scaler that is not a torch.amp.GradScaler stepped the IMerge optimizer: the "
+                             "gradients were pushed, scaled, during backward, and the shards applied them unscaled; "
+                             "use torch.amp.GradScaler (or model.grad_scaler()), whose scale travels with the pushes")
 
 
 class ShardOptimizer(torch.optim.Optimizer):
@@ -120,8 +121,10 @@ class ShardOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": list(params), **spec.group(index).kwargs} for index, params in enumerate(groups)],
                          defaults)
         self.state_source: StateSource | None = None  # the engine's reader of the shards' state
+        self.round_result: Callable[[], Any] = lambda: None  # the engine's: what the shards said of the latest round
         if shared is not None:  # the script's own optimizer: a scheduler attached to it drives the shards too
             self.param_groups = shared.param_groups
+            shared.imerge_shards = self  # type: ignore[attr-defined]  # torch.amp.GradScaler finds the shards (.amp)
             shared.register_state_dict_post_hook(
                 lambda optimizer, state_dict: _with_shard_state(optimizer, lambda: self.state_source, state_dict))
             shared.register_load_state_dict_pre_hook(_state_lives_on_the_shards)
