@@ -345,6 +345,23 @@ def test_load_state_dict_then_training_equals_one_process_that_loads_the_same(cl
         assert torch.equal(worker["unused.weight"], state["unused.weight"])
 
 
+def clipped_reference(spec: OptimizerSpec, data, max_norm: float, clip_value: float = 0.0
+                      ) -> tuple[torch.nn.Module, list[float]]:
+    """One process trained on the averaged gradients, clipped by value and then by norm as a DDP loop clips
+    them after backward; with the norms clip_grad_norm_ returned."""
+    reference, norms = Branchy(), []
+    optimizer = spec.build(list(reference.parameters()))
+    for step in data:
+        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
+            param.grad = grad
+        if clip_value:
+            torch.nn.utils.clip_grad_value_(reference.parameters(), clip_value)
+        if max_norm:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
+        optimizer.step()
+    return reference, norms
+
+
 def test_clip_grad_norm_with_a_max_norm_that_bites(cluster):
     c = cluster(3, SHARDS)
     data = make_data(8, 3, 16, FEATURES, CLASSES, seed=13)
@@ -361,13 +378,7 @@ def test_clip_grad_norm_with_a_max_norm_that_bites(cluster):
         return params_of(model.module), norms
 
     results = c.run_workers(body)
-    reference, norms = Branchy(), []
-    optimizer = spec.build(list(reference.parameters()))
-    for step in data:
-        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
-            param.grad = grad
-        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
-        optimizer.step()
+    reference, norms = clipped_reference(spec, data, max_norm)
     assert min(norms) > 4 * max_norm  # it bites every step
     assert_same_params([params for params, _ in results], params_of(reference))
     for _, worker_norms in results:
@@ -567,16 +578,7 @@ def test_torch_clipping_after_backward_gives_ddps_result_from_the_first_iteratio
         return params_of(model.module), norms
 
     results = c.run_workers(body)
-    reference, norms = Branchy(), []
-    optimizer = spec.build(list(reference.parameters()))
-    for step in data:
-        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
-            param.grad = grad
-        if clip_value:
-            torch.nn.utils.clip_grad_value_(reference.parameters(), clip_value)
-        if max_norm:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
-        optimizer.step()
+    reference, norms = clipped_reference(spec, data, max_norm, clip_value)
     unclipped = Branchy()
     train_reference(unclipped, spec.build(list(unclipped.parameters())), data, cross_entropy)
     assert not torch.allclose(params_of(unclipped)["head.weight"], params_of(reference)["head.weight"], atol=1e-3)
@@ -627,13 +629,7 @@ def test_a_grad_scaler_unscaled_then_clipped_after_backward_as_with_torchs(clust
         return params_of(model.module), norms
 
     results = c.run_workers(body)
-    reference, norms = Branchy(), []
-    optimizer = spec.build(list(reference.parameters()))
-    for step in data:
-        for param, grad in zip(reference.parameters(), averaged_grads(reference, step, cross_entropy)):
-            param.grad = grad
-        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)))
-        optimizer.step()
+    reference, norms = clipped_reference(spec, data, max_norm)
     assert_same_params([params for params, _ in results], params_of(reference))
     for _, worker_norms in results:
         assert worker_norms == pytest.approx(norms, rel=1e-4)
