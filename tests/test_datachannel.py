@@ -185,7 +185,8 @@ REFUSALS = {  # the push's fields, the class that refuses it, and a phrase of th
     "another worker's row": (dict(worker=1), "PermissionDenied", "worker 0's data connection"),
     "a round that is not the block's": (dict(round_=5), "FailedPrecondition", "current round is 0"),
     "an unknown dtype": (dict(dtype=7), "InvalidArgument", "unsupported dtype 7"),
-    "a generation the shard is not at": (dict(generation=4), "FutureGeneration", "has not restored generation 4"),
+    "a generation that is not the connection's": (dict(generation=4), "InvalidArgument",
+                                                  "of generation 4 on a data connection of generation 0"),
 }
 
 
@@ -322,8 +323,8 @@ def test_a_cancelled_pull_ends_its_connection_and_the_client_goes_on(shard):
 
 
 def test_connections_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place():
-    """--max-data-connections 2: a third connection gets RESOURCE_EXHAUSTED naming the option and is closed; once
-    one of the two closes, the next connection is served."""
+    """--max-data-connections 2, both admitted: a third connection gets Busy (UNAVAILABLE, which the worker
+    retries) naming the option and is closed; once one of the two closes, the next connection is served."""
     import types
 
     import grpc
@@ -337,8 +338,9 @@ def test_connections_beyond_the_limit_are_refused_and_a_closed_one_frees_its_pla
     shard = types.SimpleNamespace(stub=ps_pb2_grpc.ParameterServerStub(channel))
     try:
         first, second, third = Raw(shard), Raw(shard), Raw(shard)
-        assert third.answer() == (Kind.ERROR, ("ResourceExhausted", "shard 0: 2 data connections are open "
-                                                                    "(--max-data-connections)"))
+        assert [raw.answer()[0] for raw in (first, second)] == [Kind.WELCOME, Kind.WELCOME]
+        assert third.answer() == (Kind.ERROR, ("Busy", "shard 0: all 2 data connections are held by workers "
+                                                       "(--max-data-connections): try again"))
         assert third.closed()
         first.close()
         deadline = time.monotonic() + 10
@@ -347,7 +349,7 @@ def test_connections_beyond_the_limit_are_refused_and_a_closed_one_frees_its_pla
             kind, meta = fourth.answer()
             if kind == Kind.WELCOME or time.monotonic() > deadline:
                 break
-            assert meta[0] == "ResourceExhausted"
+            assert meta[0] == "Busy"
             fourth.close()
             time.sleep(0.05)
         assert kind == Kind.WELCOME

@@ -12,13 +12,19 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from safetensors.torch import load_file
+
+from flood import Flood
+from imerge.wire.datapath import Kind, read_header, send_frame
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
 from imerge.ps.checkpoint import CheckpointStore
 from imerge.ops.redis_server import RedisServer
@@ -229,6 +235,56 @@ def test_partition_between_a_worker_and_a_shard_healed_after_10s(tmp_path, refer
     assert ("starting generation 1" in run.log("coordinator")
             or "rejected on the data channel (DEADLINE_EXCEEDED" in run.log("ps0")), run.log("coordinator")
     assert same_parameters(run.model, reference.model)  # nothing counted twice, nothing lost
+
+
+def held_connection(ports: dict, worker: int) -> socket.socket:
+    """A data connection of ``worker`` in generation 0, through its HELLO (what a worker's pool holds)."""
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}"))
+    reply = stub.OpenChannel(ps_pb2.ChannelRequest(worker=worker, generation=0), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", ports["data"]), timeout=10)
+    send_frame(sock, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=worker, generation=0))
+    assert read_header(sock, 0, "test").kind == Kind.WELCOME
+    return sock
+
+
+@pytest.mark.timeout(300)
+def test_a_job_under_a_flood_of_strangers_loses_a_worker_and_recovers_bit_exact(tmp_path, reference):
+    """Both shards' data channels flooded for the whole job with 1,100 connections each that never complete a
+    HELLO (each reopened as soon as the shard ends it), and worker 1 killed with -9: the job recovers and ends
+    bit-identical to the fault-free run, no worker dies of a full table. A generation-0 connection held open
+    (--stream-idle-s 60, so that only the recovery can end it) is closed when the shard restores generation 1.
+    Before, the strangers filled the table, the workers' next connections were refused with RESOURCE_EXHAUSTED
+    (fatal) and the job failed."""
+    run = Run(tmp_path, IMERGE_STREAM_IDLE_S="60")
+    ports = [run._until(lambda role=role: _ports(run, role), f"{role}'s ports", 60) for role in ("ps0", "ps1")]
+    flood = Flood([p["data"] for p in ports], 1100)
+    try:
+        held = held_connection(ports[0], 1)
+        run.wait_round(1, 8)
+        run.signal("worker1", signal.SIGKILL)
+        run.wait_recovered(1)
+        held.settimeout(10)
+        try:
+            assert held.recv(1) == b""  # closed by the shard at its restore
+        except ConnectionResetError:
+            pass
+        code, output = run.finish()
+    finally:
+        flood.stop()
+    assert code == 0, output
+    assert flood.ended > 1100, flood.ended  # the shards kept ending strangers
+    text = " ".join(output.split())
+    assert "worker1 exited with code -9 (restart 1 of 2)" in text and "code 76" not in text
+    assert "data connections of older generations ended" in run.log("ps0")
+    assert same_parameters(run.model, reference.model)
+
+
+def _ports(run: Run, role: str) -> dict | None:
+    try:
+        ports = json.loads((run.logs / "ports" / f"{role}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return ports if "data" in ports and "grpc" in ports else None
 
 
 @pytest.mark.timeout(300)

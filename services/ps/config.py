@@ -14,7 +14,13 @@ class PSConfig(TlsConfig, CommonConfig):
     data_port: int = option(0, "port of the data channel, which carries the bytes of pushes and pulls beside "
                                "gRPC (0: any free port; -1: none, the workers must use --data-path grpc)")
     max_data_connections: int = option(1024, "data connections open at once (workers x calls in flight, with "
-                                             "room); one more is refused with RESOURCE_EXHAUSTED")
+                                             "room): when every place is held by a worker's connection, one "
+                                             "more is refused with UNAVAILABLE, which the worker retries")
+    max_pending_data_connections: int = option(64, "data connections not yet through their HELLO at once (the "
+                                                   "rest of --max-data-connections is kept for workers); a new "
+                                                   "one beyond it ends the oldest")
+    handshake_timeout_s: float = option(5.0, "a data connection must complete its TLS handshake and its HELLO "
+                                             "within this many seconds of its accept, or it is ended")
     advertise: str = option("", "address workers use to reach this shard (default: host:port)")
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers' pushes")
     max_pull_timeout_s: float = option(600.0, "longest wait a pull may ask for (a longer timeout_s is cut to this)")
@@ -59,6 +65,9 @@ class PSConfig(TlsConfig, CommonConfig):
         require(self.max_workers > 0, "max_workers", "must be positive")
         require(self.grace_s >= 0, "grace_s", "must be >= 0")
         require(1 <= self.max_data_connections <= 1 << 16, "max_data_connections", "must lie in 1..65536")
+        require(1 <= self.max_pending_data_connections <= 1 << 16, "max_pending_data_connections",
+                "must lie in 1..65536 (at most --max-data-connections are used)")
+        require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be positive")
         require(self.threads >= 0, "threads", "must be >= 0 (0: torch's own count)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "

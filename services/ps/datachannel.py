@@ -34,17 +34,18 @@ import torch
 
 from imerge.core.codec import tensor_view
 from imerge.core.compression import all_finite
-from imerge.core.errors import (DeadlineExceeded, Internal, InvalidArgument, PermissionDenied, RequestError,
-                                ResourceExhausted, Superseded, Unavailable)
+from imerge.core.errors import (Busy, DeadlineExceeded, Internal, InvalidArgument, PermissionDenied, RequestError,
+                                Superseded, Unavailable)
 from imerge.core.identity import certificate_names, require_worker
 from imerge.core.limits import check_block_ids, clip
-from imerge.wire.datapath import (ChannelClosed, Kind, channel_token, error_meta, expect, read_exact, read_header,
-                                  read_meta, send_frame, skip)
+from imerge.wire.datapath import (READ_CHUNK_BYTES, ChannelClosed, Kind, channel_token, error_meta, expect,
+                                  read_exact, read_header, read_meta, send_frame, skip)
 from imerge.wire.encoding import tensor_meta
 from imerge.wire.rpc import ps_pb2
 
+from .admission import Admission, AdmissionLimits
 from .config import PSConfig
-from .pace import Pace
+from .pace import Pace, payload_budget_s
 from .block import Snapshot
 from .state import Shard
 
@@ -63,16 +64,19 @@ class ChannelStream:
         self.superseded = ""
         self._min_bytes_per_s, self._window_s = min_bytes_per_s, window_s
         self.pace: Pace | None = None  # while a payload is read: it must keep the minimum rate
+        self.payload_until: float | None = None  # and arrive by then, if a push waits for its row
 
     @contextlib.contextmanager
-    def payload(self) -> Iterator[None]:
-        """While a payload is read, its bytes must keep --stream-min-bytes-per-s (between calls the connection
-        may idle)."""
+    def payload(self, nbytes: int = 0) -> Iterator[None]:
+        """While a payload of ``nbytes`` is read, its bytes must keep --stream-min-bytes-per-s (between calls
+        the connection may idle), and a push waiting for the row ends it once its budget is spent."""
         self.pace = Pace(self._min_bytes_per_s, self._window_s)
+        budget = payload_budget_s(nbytes, self._min_bytes_per_s)
+        self.payload_until = time.monotonic() + budget if budget is not None else None
         try:
             yield
         finally:
-            self.pace = None
+            self.pace, self.payload_until = None, None
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
         count = self.conn.recv_into(buffer, nbytes)
@@ -83,6 +87,11 @@ class ChannelStream:
             if too_slow:
                 raise DeadlineExceeded(f"data connection: {too_slow}")
         return count
+
+    def budget_left_s(self) -> float | None:
+        """Seconds left of the budget of the payload being read (None: none is)."""
+        until = self.payload_until
+        return until - time.monotonic() if until is not None else None
 
     def stalled(self, seconds: float) -> bool:
         """Silent, or reading a payload below the minimum rate, for the last ``seconds``."""
@@ -123,7 +132,7 @@ class Handoff:
         while (request := self._requests.get()) is not None:
             target, nbytes, after, done = request
             try:
-                with stream.payload():
+                with stream.payload(nbytes):
                     if target is None:
                         skip(stream, nbytes, what)
                     else:
@@ -151,6 +160,11 @@ class SocketPayload:
     def __init__(self, handoff: Handoff, stream: ChannelStream, nbytes: int, idle_s: float):
         self._handoff, self._stream, self._nbytes, self._idle_s = handoff, stream, nbytes, idle_s
 
+    def declare(self, nbytes: int, what: str) -> None:
+        if nbytes != self._nbytes:
+            raise InvalidArgument(f"{what}: the frame declares {self._nbytes} bytes of payload, the block's is "
+                                  f"{nbytes} bytes in the push's encoding")
+
     async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
         view = tensor_view(target)
         if len(view) != self._nbytes:
@@ -174,17 +188,35 @@ class SocketPayload:
             raise Unavailable(f"{what}: the data connection failed: {exc}") from None
 
 
+class Link:
+    """One accepted connection, as the channel's table holds it: its socket (the TLS socket once wrapped) and
+    the generation its HELLO named (-1 before it)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.generation = -1
+
+    def end(self) -> None:
+        """Shut the connection down from any thread: the read its thread waits in fails."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
 class DataChannel:
-    """The shard's data channel: a listening socket, and a thread per connection."""
+    """The shard's data channel: a listening socket, a thread per connection, and the table of connections
+    (:mod:`.admission`): strangers get a few places and a few seconds to say HELLO."""
 
     def __init__(self, shard: Shard, config: PSConfig, loop: asyncio.AbstractEventLoop,
                  tls: ssl.SSLContext | None = None):
         self.shard, self.config, self.loop, self.tls = shard, config, loop, tls
         self._secret = secrets.token_bytes(32)
         self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()
+        self._admission: Admission[Link] = Admission(AdmissionLimits(
+            config.max_data_connections, min(config.max_pending_data_connections, config.max_data_connections),
+            config.handshake_timeout_s))
+        self._links: set[Link] = set()
         self._lock = threading.Lock()
-        self._closing = False
+        self._stopped = threading.Event()
         self.port = 0
 
     def token(self, worker: int, generation: int) -> bytes:
@@ -193,67 +225,97 @@ class DataChannel:
     def start(self) -> int:
         listener = socket.create_server((self.config.host, self.config.data_port), backlog=256)
         self._listener, self.port = listener, listener.getsockname()[1]
-        threading.Thread(target=self._accept, args=(listener,), name=f"ps{self.shard.index}-data-accept", daemon=True).start()
+        name = f"ps{self.shard.index}-data"
+        threading.Thread(target=self._accept, args=(listener,), name=f"{name}-accept", daemon=True).start()
+        threading.Thread(target=self._reap, name=f"{name}-reap", daemon=True).start()
         return self.port
 
     def stop(self) -> None:
-        self._closing = True
+        self._stopped.set()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
         with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+            links = list(self._links)
+        for link in links:
+            link.end()
+
+    def end_generations_before(self, generation: int) -> None:
+        """The job moved to ``generation`` (a recovery): the connections of older ones end (a connection never
+        outlives the generation of its HELLO)."""
+        with self._lock:
+            old = [link for link in self._links if 0 <= link.generation < generation]
+        for link in old:
+            link.end()
+        if old:
+            log.info("shard %d: generation %d: %d data connections of older generations ended", self.shard.index,
+                     generation, len(old))
 
     def _accept(self, listener: socket.socket) -> None:
-        while not self._closing:
+        while not self._stopped.is_set():
             try:
                 conn, peer = listener.accept()
             except OSError:
                 return
+            link = Link(conn)
             with self._lock:
-                full = len(self._connections) >= self.config.max_data_connections
-                if not full:
-                    self._connections.add(conn)
-            if full:
+                placed, evicted = self._admission.accept(link, time.monotonic())
+                if placed:
+                    self._links.add(link)
+                self.shard.counters.strangers_ended += len(evicted)
+            for stranger in evicted:  # the oldest connections that have not said HELLO make room
+                stranger.end()
+            if not placed:
                 threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+            threading.Thread(target=self._serve, args=(link, peer), daemon=True,
                              name=f"ps{self.shard.index}-data").start()
+
+    def _reap(self) -> None:
+        """End the connections that did not complete their handshake and HELLO within --handshake-timeout-s."""
+        while not self._stopped.is_set():
+            now = time.monotonic()
+            with self._lock:
+                late = self._admission.expired(now)
+                next_deadline = self._admission.next_deadline()
+                self.shard.counters.strangers_ended += len(late)
+            for link in late:
+                link.end()
+            self._stopped.wait(0.5 if next_deadline is None else min(0.5, max(next_deadline - now, 0.01)))
+
+    def admit(self, link: Link, generation: int) -> bool:
+        """The connection's HELLO was accepted: it keeps its place (False: it was ended meanwhile)."""
+        with self._lock:
+            admitted = self._admission.admit(link)
+        if admitted:
+            link.generation = generation
+        return admitted
 
     def _refuse(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            conn.settimeout(self.config.stream_idle_s)
-            send_frame(conn, Kind.ERROR, error_meta(ResourceExhausted(
-                f"shard {self.shard.index}: {self.config.max_data_connections} data connections are open "
-                f"(--max-data-connections)"), ps_pb2.ChannelError))
+            conn.settimeout(1.0)
+            send_frame(conn, Kind.ERROR, error_meta(Busy(
+                f"shard {self.shard.index}: all {self.config.max_data_connections} data connections are held by "
+                f"workers (--max-data-connections): try again"), ps_pb2.ChannelError))
         conn.close()
 
-    def _serve(self, conn: socket.socket, peer: Any) -> None:
-        raw = conn
+    def _serve(self, link: Link, peer: Any) -> None:
+        conn = link.sock
         try:
-            conn.settimeout(self.config.stream_idle_s)  # the TLS handshake and the HELLO too
+            conn.settimeout(self.config.handshake_timeout_s)  # the TLS handshake and the HELLO: see _reap
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
-                conn = self.tls.wrap_socket(conn, server_side=True)
-                self._replace(raw, conn)
+                conn = link.sock = self.tls.wrap_socket(conn, server_side=True)
             stream = ChannelStream(conn, self.config.stream_min_bytes_per_s, self.config.stream_idle_s)
-            Connection(self, stream, peer).serve()
-        except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), a write to a gone worker
-            log.info("shard %d: data connection from %s failed: %s", self.shard.index, peer, exc)
+            Connection(self, stream, peer, link).serve()
+        except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), an eviction, a write to a gone worker
+            log.debug("shard %d: data connection from %s ended: %s", self.shard.index, peer, exc)
         finally:
             with self._lock:
-                self._connections.discard(raw)
-                self._connections.discard(conn)
+                self._admission.release(link)
+                self._links.discard(link)
             conn.close()
-
-    def _replace(self, raw: socket.socket, wrapped: socket.socket) -> None:
-        with self._lock:
-            self._connections.discard(raw)
-            self._connections.add(wrapped)
 
     def check_hello(self, hello: ps_pb2.ChannelHello, names: list[str] | None) -> None:
         self.shard.check_generation(hello.generation, f"data connection of worker {hello.worker}")
@@ -267,11 +329,12 @@ class DataChannel:
 class Connection:
     """One data connection: a HELLO, then calls (a push of some blocks, or a pull), one at a time."""
 
-    def __init__(self, channel: DataChannel, stream: ChannelStream, peer: Any):
-        self.channel, self.stream, self.peer = channel, stream, peer
+    def __init__(self, channel: DataChannel, stream: ChannelStream, peer: Any, link: Link):
+        self.channel, self.stream, self.peer, self.link = channel, stream, peer, link
         self.shard, self.config = channel.shard, channel.config
         self.max_payload = self.shard.max_block_numel * 8  # a sparse payload: int32 index and value per element
         self.worker = -1
+        self.generation = -1
 
     def serve(self) -> None:
         try:
@@ -293,10 +356,12 @@ class Connection:
         except RequestError as exc:
             self._refuse(exc)
         except TimeoutError:
-            self._refuse(DeadlineExceeded(f"data connection of worker {self.worker}: the client sent nothing for "
-                                          f"{self.config.stream_idle_s:g}s within a frame (--stream-idle-s)"))
-        except ChannelClosed as exc:
-            log.info("shard %d: data connection of worker %d: %s", self.shard.index, self.worker, exc)
+            self._refuse(DeadlineExceeded(
+                f"data connection of worker {self.worker}: the client sent nothing for {self.config.stream_idle_s:g}s "
+                "within a frame (--stream-idle-s)" if self.worker >= 0 else
+                f"data connection: no HELLO within {self.config.handshake_timeout_s:g}s (--handshake-timeout-s)"))
+        except OSError as exc:  # the peer closed or reset the connection, or it was ended (evicted, a recovery)
+            log.debug("shard %d: data connection of worker %d: %s", self.shard.index, self.worker, exc)
         except Exception as exc:  # noqa: BLE001 - one bad connection never harms the others
             log.exception("shard %d: data connection of worker %d: internal error", self.shard.index, self.worker)
             self._refuse(Internal(f"internal error: {type(exc).__name__}: {exc}"), counted=False)
@@ -308,12 +373,21 @@ class Connection:
         conn = self.stream.conn
         names = certificate_names(conn.getpeercert()) if isinstance(conn, ssl.SSLSocket) else None
         self.channel.check_hello(hello, names)
-        self.worker = hello.worker
+        if not self.channel.admit(self.link, hello.generation):
+            raise ChannelClosed("ended before its HELLO was accepted (--handshake-timeout-s, or evicted by newer "
+                                "connections that had not said HELLO either)")
+        self.worker, self.generation = hello.worker, hello.generation
+        conn.settimeout(self.config.stream_idle_s)
         send_frame(self.stream, Kind.WELCOME)
 
-    def _check_worker(self, worker: int, what: str) -> None:
+    def _check_call(self, worker: int, generation: int, what: str) -> None:
+        """A call names the worker and the generation of the connection's HELLO."""
         if worker != self.worker:
             raise PermissionDenied(f"{what}: names worker {worker} on worker {self.worker}'s data connection")
+        if generation != self.generation:
+            raise InvalidArgument(f"{what}: of generation {generation} on a data connection of generation "
+                                  f"{self.generation} (a connection carries the generation of its HELLO: open "
+                                  "another)")
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.channel.loop)
@@ -321,7 +395,7 @@ class Connection:
     def _push(self, frame: Any) -> None:
         header = read_meta(self.stream, frame, ps_pb2.PushHeader, "push")
         what = f"push of block {clip(header.block_id)} by worker {header.worker}"
-        self._check_worker(header.worker, what)
+        self._check_call(header.worker, header.generation, what)
         handoff = Handoff(self.channel.loop)
         payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
         source = f"data connection from {self.peer[0]}:{self.peer[1]}"
@@ -332,7 +406,7 @@ class Connection:
 
     def _pull(self, frame: Any) -> None:
         request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull")
-        self._check_worker(request.worker, "Pull")
+        self._check_call(request.worker, request.generation, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         timeout = self.config.pull_wait(request.timeout_s)
         ready: queue.SimpleQueue[tuple[str, int, Snapshot, tuple[bool, float]] | BaseException] = queue.SimpleQueue()
@@ -380,11 +454,13 @@ class Connection:
         connection close: the worker reads the refusal, not a reset."""
         if counted:
             self.shard.counters.rejected += 1
-            log.warning("rejected on the data channel (%s %s): %s", exc.status, type(exc).__name__,
-                        clip(str(exc), 1000))
+            log.log(logging.WARNING if self.worker >= 0 else logging.INFO, "rejected on the data channel (%s %s): %s",
+                    exc.status, type(exc).__name__, clip(str(exc), 1000))
         with contextlib.suppress(OSError):
             send_frame(self.stream, Kind.ERROR, error_meta(exc, ps_pb2.ChannelError))
-            deadline, drained, scratch = time.monotonic() + DRAIN_S, 0, memoryview(bytearray(1 << 20))
+            if self.worker < 0:  # a stranger: its HELLO was all it may write
+                return
+            deadline, drained, scratch = time.monotonic() + DRAIN_S, 0, memoryview(bytearray(READ_CHUNK_BYTES))
             while drained < DRAIN_BYTES and (left := deadline - time.monotonic()) > 0:
                 self.stream.conn.settimeout(left)
                 if not (count := self.stream.recv_into(scratch)):

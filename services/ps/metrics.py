@@ -31,6 +31,7 @@ class ShardCounters:
     stale_generation: int = 0
     checkpoints_written: int = 0
     checkpoint_failures: int = 0
+    strangers_ended: int = 0
 
 
 COUNTERS = (  # (ShardCounters field, metric name without _total, help)
@@ -52,6 +53,9 @@ COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("checkpoints_written", "imerge_shard_checkpoints", "Checkpoints written completely"),
     ("checkpoint_failures", "imerge_shard_checkpoint_failures", "Checkpoint writes that failed (disk full, "
                                                                 "permissions): the previous checkpoint stands"),
+    ("strangers_ended", "imerge_shard_data_connections_ended_before_hello", "Data connections ended before a valid "
+                                                                            "HELLO: past --handshake-timeout-s, or "
+                                                                            "evicted to make room for newer ones"),
 )
 
 

@@ -5,12 +5,20 @@ for ever. :class:`Pace` keeps the stream's byte count at a few points of the las
 it moved lately: a stream that moved less than the minimum rate over a whole window is ended
 (:meth:`Pace.too_slow`), and the stream holding a row is superseded by a newer push of that row once it moved
 less than the minimum over the last second (:meth:`Pace.stalled`), as a silent one is.
+
+A block's payload, whose size the shard checked before reading it, also has a budget: the time that size takes at
+the minimum rate, at least ``STALLED_S`` (:func:`payload_budget_s`). A push that waits for the row supersedes a
+holder whose payload has taken longer than that, however it keeps the rate: no client holds a row that another
+push of it waits for longer than its block's size at the minimum rate. A holder nobody waits for keeps the
+window's rule, so that a real worker's payload stalled for a moment by its network is not ended for it.
 """
 from __future__ import annotations
 
 import collections
 import time
 from collections.abc import Callable
+
+from imerge.core.limits import STALLED_S
 
 SAMPLES_PER_WINDOW = 16
 
@@ -59,3 +67,9 @@ class Pace:
             return True
         moved = self.moved_in(seconds)
         return bool(self.min_bytes_per_s) and moved is not None and moved < self.min_bytes_per_s * seconds
+
+
+def payload_budget_s(nbytes: int, min_bytes_per_s: float) -> float | None:
+    """How long a payload of ``nbytes`` may take: its size at the minimum rate, at least ``STALLED_S`` (None:
+    no minimum rate)."""
+    return max(STALLED_S, nbytes / min_bytes_per_s) if min_bytes_per_s else None

@@ -7,6 +7,7 @@ indices are in range: a bad one leaves the block as it was.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -40,6 +41,10 @@ def check_encoding(meta: BlockMeta, assign: bool, dtype: str, nnz: int, what: st
 class PayloadSource(Protocol):
     """Where a push's payload comes from: a gRPC stream's data chunks, or a data channel's frame."""
 
+    def declare(self, nbytes: int, what: str) -> None:
+        """The payload must be ``nbytes`` (the block's size in the push's encoding): InvalidArgument now, before
+        a byte is read or skipped, if the source declared another length; and no more is ever read."""
+
     async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
         """Fill the contiguous CPU tensor ``target`` with the payload (InvalidArgument if its size differs);
         with ``check_finite``, return whether it is all finite if the source checked it as it read (else
@@ -49,22 +54,45 @@ class PayloadSource(Protocol):
         """Read and drop the payload (a duplicate push)."""
 
 
-class ChunkStream:
-    """A gRPC push's payload: its data chunks, copied into place as they arrive."""
+class Budgeted(Protocol):
+    """A stream whose block payloads must each arrive within their size at the minimum rate."""
 
-    def __init__(self, chunks: AsyncIterator[bytes]):
-        self._chunks = chunks
+    def payload(self, nbytes: int) -> contextlib.AbstractContextManager[None]: ...
+
+
+class ChunkStream:
+    """A gRPC push's payload: its data chunks, copied into place as they arrive (a chunk stream declares no
+    length: it is held to the declared one as it comes)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], stream: Budgeted | None = None):
+        self._chunks, self._stream = chunks, stream
+        self._nbytes: int | None = None
+
+    def declare(self, nbytes: int, what: str) -> None:
+        self._nbytes = nbytes
+
+    def _budget(self) -> contextlib.AbstractContextManager[None]:
+        if self._stream is None or self._nbytes is None:
+            return contextlib.nullcontext()
+        return self._stream.payload(self._nbytes)
 
     async def read_into(self, target: torch.Tensor, what: str, check_finite: bool = False) -> bool | None:
         assembler = ChunkAssembler(target, what)
-        async for chunk in self._chunks:
-            assembler.feed(chunk)
+        with self._budget():
+            async for chunk in self._chunks:
+                assembler.feed(chunk)
         assembler.finish()
         return None
 
     async def skip(self) -> None:
-        async for _ in self._chunks:
-            pass
+        received = 0
+        with self._budget():
+            async for chunk in self._chunks:
+                received += len(chunk)
+                if self._nbytes is not None and received > self._nbytes:
+                    raise InvalidArgument(f"duplicate push: more than the block's {self._nbytes} bytes")
+        if self._nbytes is not None and received != self._nbytes:
+            raise InvalidArgument(f"duplicate push: {received} of the block's {self._nbytes} bytes arrived")
 
 
 async def receive_gradient(block: BlockState, worker: int, dtype: str, nnz: int, data: PayloadSource,

@@ -258,7 +258,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
                 self._check_identity(context, header.worker, what)
-                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data()), stream,
+                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data(), stream), stream,
                                                                   context.peer())
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
@@ -430,6 +430,7 @@ class ShardServer:
                                                            server_ssl_context(cfg) if cfg.tls_server else None)
             try:
                 report_port(cfg.ports_file, "data", self._channel.start())
+                self.shard.on_restored = self._channel.end_generations_before
             except OSError as exc:
                 raise ConfigError("--data-port", f"shard {cfg.shard_index} cannot listen on "
                                                   f"{cfg.host}:{cfg.data_port}: {exc}") from None

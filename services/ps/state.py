@@ -66,6 +66,7 @@ class Shard:
         self.checkpoint_every = 0
         self.on_checkpoint: Callable[[list[int]], None] | None = None  # called with the complete rounds
         self.on_checkpoint_failed: Callable[[int, str, int], None] | None = None  # (round, why, failures in a row)
+        self.on_restored: Callable[[int], None] | None = None  # called with the new generation after a restore
         self.failed_checkpoints = 0  # consecutive failed writes
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
         self._writing: concurrent.futures.Future[None] | None = None
@@ -180,6 +181,8 @@ class Shard:
                 block.changed.notify_all()
         log.info("shard %d: generation %d restored from round %d (%s)", self.index, generation, checkpoint.round,
                  checkpoint.path)
+        if self.on_restored is not None:
+            self.on_restored(generation)
 
     # -- validation (before any allocation) ---------------------------------
     def check_meta(self, meta: BlockMeta) -> None:
@@ -259,7 +262,8 @@ class Shard:
         if numel != block.meta.numel:
             raise InvalidArgument(f"{what}: got {numel} elements, the block holds {block.meta.numel}")
         check_encoding(block.meta, options.assign, dtype, nnz, what)
-        async with block.rows[worker].held(round_, stream, what):
+        data.declare(payload_bytes(numel, dtype, nnz), what)  # a retry or a duplicate too: before it holds the row
+        async with block.rows[worker].held(round_, stream, what, lambda: block.round):
             if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
                 await self._check_retry(block, worker, round_, dtype, nnz, data, what, source)
                 self.counters.duplicate_pushes += 1

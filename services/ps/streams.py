@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Superseded
 from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
 
-from .pace import Pace
+from .pace import Pace, payload_budget_s
 
 HEADER_BYTES = 64  # what a message that is not data counts for in a stream's rate
 
@@ -79,6 +80,23 @@ class Progressing:
         self._waited = 0.0  # seconds spent waiting for the client's messages (the server's own work not counted)
         self._wait_started: float | None = None
         self.pace = Pace(min_bytes_per_s, idle_s, self._waiting_clock)
+        self.payload_until: float | None = None  # while a block's payload is read: when its budget ends
+
+    @contextlib.contextmanager
+    def payload(self, nbytes: int) -> Iterator[None]:
+        """While a block's payload of ``nbytes`` is read: a push waiting for the row ends it once its budget
+        (:func:`~.pace.payload_budget_s`) is spent."""
+        budget = payload_budget_s(nbytes, self.pace.min_bytes_per_s)
+        self.payload_until = time.monotonic() + budget if budget is not None else None
+        try:
+            yield
+        finally:
+            self.payload_until = None
+
+    def budget_left_s(self) -> float | None:
+        """Seconds left of the budget of the payload being read (None: none is)."""
+        until = self.payload_until
+        return until - time.monotonic() if until is not None else None
 
     def _waiting_clock(self) -> float:
         """The stream's clock: it runs only while the server waits for the client."""
@@ -246,8 +264,10 @@ class Segments:
 class Row:
     """One worker's row of a block: pushes of it are serialized. A push of this round or a later one that waits
     supersedes the stream holding the row once that stream sent nothing, or less than the minimum rate, for
-    ``STALLED_S`` (a stalled, dripping or abandoned push never holds up its retry for longer); at most
-    ``MAX_ROW_WAITERS`` wait."""
+    ``STALLED_S`` (a stalled, dripping or abandoned push never holds up its retry for longer) or once its payload
+    took longer than its budget (its size at the minimum rate: nobody holds a row another push waits for longer),
+    and a push of the block's current round supersedes a holder of an older round (a duplicate, whose bytes
+    change nothing) at once; at most ``MAX_ROW_WAITERS`` wait."""
 
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
@@ -255,15 +275,23 @@ class Row:
         self.waiters = 0
 
     @contextlib.asynccontextmanager
-    async def held(self, round_: int, stream: Progressing | None, what: str) -> AsyncIterator[None]:
+    async def held(self, round_: int, stream: Progressing | None, what: str,
+                   current_round: Callable[[], int] = lambda: -1) -> AsyncIterator[None]:
+        """The row, for a push of ``round_``; ``current_round()`` is the block's round now: a holder of an older
+        round than that is a duplicate, which a push of the current round supersedes at once."""
         if self.waiters >= MAX_ROW_WAITERS:
             raise ResourceExhausted(f"{what}: {MAX_ROW_WAITERS} pushes of this worker already wait for the block")
         self.waiters += 1
         try:
-            while not await _acquired(self.lock, STALLED_S):
-                if self.holder is not None and round_ >= self.holder[0] and self.holder[1].stalled(STALLED_S):
-                    self.holder[1].supersede(f"sent nothing, or less than the minimum rate, for {STALLED_S:g}s "
-                                             f"while a newer {what} waited")
+            looked = False
+            while True:
+                holder = self.holder
+                why = _why_superseded(holder, round_, current_round(), looked) if holder is not None else ""
+                if holder is not None and why:
+                    holder[1].supersede(f"{why} while a newer {what} waited")
+                if await _acquired(self.lock, _next_look(self.holder)):
+                    break
+                looked = True
         finally:
             self.waiters -= 1
         self.holder = (round_, stream) if stream is not None else None
@@ -272,6 +300,30 @@ class Row:
         finally:
             self.holder = None
             self.lock.release()
+
+
+def _why_superseded(holder: tuple[int, Any], round_: int, current: int, looked: bool) -> str:
+    """Why a push of ``round_`` that waits for the row ends its ``holder`` ("" while it may go on): the holder
+    pushes a duplicate (an older round than the block's ``current`` one, which this push is of); its payload
+    has taken longer than its budget; or (``looked``: after the waiter's look of ``STALLED_S``) it sent nothing,
+    or less than the minimum rate, over that second."""
+    held_round, stream = holder
+    if held_round < current <= round_:
+        return f"a duplicate of round {held_round}"
+    if round_ < held_round:
+        return ""
+    if looked and stream.stalled(STALLED_S):
+        return f"sent nothing, or less than the minimum rate, for {STALLED_S:g}s"
+    left = stream.budget_left_s()
+    if left is not None and left <= 0:
+        return "its payload took longer than its size at the minimum rate (--stream-min-bytes-per-s)"
+    return ""
+
+
+def _next_look(holder: tuple[int, Any] | None) -> float:
+    """How long a waiter waits before it looks at the holder again: a second, or until its budget ends."""
+    left = holder[1].budget_left_s() if holder is not None else None
+    return STALLED_S if left is None else min(STALLED_S, max(left, 0.01))
 
 
 async def _acquired(lock: asyncio.Lock, timeout_s: float) -> bool:

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import queue
 import socket
 import ssl
@@ -28,7 +29,7 @@ import torch
 
 from imerge.core.codec import PayloadReceiver, tensor_view
 from imerge.core.compression import Payload
-from imerge.core.errors import DeadlineExceeded, InvalidArgument, RequestError, Unavailable
+from imerge.core.errors import Busy, DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, read_exact, read_header, read_meta,
                                   send_frame)
 from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
@@ -36,6 +37,7 @@ from imerge.wire.rpc import ps_pb2
 
 from .items import PushItem
 
+log = logging.getLogger(__name__)
 OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
 
 
@@ -153,6 +155,22 @@ class SocketDataPath:
         return connection
 
     def _connect(self, reply: ps_pb2.ChannelReply, worker: int, generation: int, timeout_s: float) -> socket.socket:
+        """A new connection through its HELLO. A shard whose table is full (Busy), or that ended the connection
+        before its WELCOME (a flood of strangers evicted it), is tried again until ``timeout_s``."""
+        deadline, pause = time.monotonic() + timeout_s, 0.01
+        while True:
+            try:
+                return self._connect_once(reply, worker, generation, max(deadline - time.monotonic(), 0.05))
+            except (Busy, ChannelClosed, ConnectionResetError, BrokenPipeError) as exc:  # full, or evicted
+                if time.monotonic() + pause >= deadline:
+                    raise Busy(f"data connection to {self._host}:{reply.port}: no place within {timeout_s:g}s: {exc}",
+                               address=self.address) from None
+                log.debug("data connection to %s:%d: %s; trying again in %.2fs", self._host, reply.port, exc, pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.5)
+
+    def _connect_once(self, reply: ps_pb2.ChannelReply, worker: int, generation: int, timeout_s: float
+                      ) -> socket.socket:
         what = f"data connection to {self._host}:{reply.port}"
         sock = socket.create_connection((self._host, reply.port), timeout=timeout_s)
         try:

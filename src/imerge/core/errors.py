@@ -136,6 +136,12 @@ class Unavailable(RequestError):
     recoverable = True
 
 
+class Busy(Unavailable):
+    """The shard has no room for another data connection now (its table is full of workers' connections): the
+    worker's client tries again within its call's timeout, and only then gives up as the shard being
+    unavailable."""
+
+
 class DeadlineExceeded(RequestError):
     """A call ran past its deadline: a peer is late or lost."""
 

@@ -39,6 +39,7 @@ MAGIC = b"IMdc"
 HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = MAX_MESSAGE_BYTES  # what one gRPC message may hold: a push header, a pull of many blocks
 TOKEN_BYTES = 16
+READ_CHUNK_BYTES = 64 << 10  # a meta or a dropped payload is read in pieces this large: memory grows as bytes come
 _ERRORS = request_error_classes()
 
 
@@ -54,6 +55,11 @@ class Kind(enum.IntEnum):
 
 
 CARRIES_PAYLOAD = frozenset({Kind.PUSH, Kind.BLOCK})
+# The largest meta of each kind: a HELLO (a token and two integers) or a result is tiny, and a client that has
+# not yet shown its token can make the shard hold no more than that; a push header (hyperparameters, a mask of
+# segments) or a pull of many blocks may be as large as a gRPC message.
+MAX_META = {Kind.HELLO: 256, Kind.WELCOME: 0, Kind.PUSH: MAX_META_BYTES, Kind.RESULT: 4096, Kind.PULL: MAX_META_BYTES,
+            Kind.BLOCK: 4096, Kind.END: 0, Kind.ERROR: 1 << 20}
 
 
 class Conn(Protocol):
@@ -83,7 +89,7 @@ def read_exact(conn: Conn, view: memoryview, what: str) -> None:
         received += count
 
 
-def skip(conn: Conn, nbytes: int, what: str, chunk_bytes: int = 1 << 20) -> None:
+def skip(conn: Conn, nbytes: int, what: str, chunk_bytes: int = READ_CHUNK_BYTES) -> None:
     """Read and drop ``nbytes`` (a payload that is not applied: a duplicate)."""
     scratch = memoryview(bytearray(min(nbytes, chunk_bytes)))
     while nbytes > 0:
@@ -113,9 +119,9 @@ class FrameHeader:
             kind = Kind(kind)
         except ValueError:
             raise InvalidArgument(f"data channel: unknown frame kind {kind}") from None
-        if meta_len > MAX_META_BYTES:
+        if meta_len > MAX_META[kind]:
             raise InvalidArgument(f"data channel: {kind.name} frame's meta of {meta_len} bytes is more than "
-                                  f"{MAX_META_BYTES}")
+                                  f"the {MAX_META[kind]} a {kind.name} frame may carry")
         if kind not in CARRIES_PAYLOAD and payload_len:
             raise InvalidArgument(f"data channel: a {kind.name} frame carries no payload, this one declares "
                                   f"{payload_len} bytes")
@@ -138,9 +144,13 @@ def read_header(conn: Conn, max_payload: int, what: str) -> FrameHeader:
 
 
 def read_meta(conn: Conn, header: FrameHeader, message_type: Any, what: str) -> Any:
-    """The frame's meta, parsed as ``message_type`` (InvalidArgument if it is not one)."""
-    raw = bytearray(header.meta_len)
-    read_exact(conn, memoryview(raw), what)
+    """The frame's meta, parsed as ``message_type`` (InvalidArgument if it is not one). The buffer grows as the
+    bytes arrive: a peer that declares a large meta and sends little makes the reader hold little."""
+    raw = bytearray()
+    while len(raw) < header.meta_len:
+        piece = bytearray(min(header.meta_len - len(raw), READ_CHUNK_BYTES))
+        read_exact(conn, memoryview(piece), what)
+        raw += piece
     message = message_type()
     try:
         message.ParseFromString(bytes(raw))
