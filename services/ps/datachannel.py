@@ -195,6 +195,15 @@ class Link:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.generation = -1
+        self.busy = False     # a call is being served (its answer goes out before a retired link ends)
+        self.retired = False  # its generation is over: it ends when its call does
+
+    def retire(self) -> None:
+        """End the connection now if it idles, else once its call is answered (a waiting pull gets its
+        StaleGeneration, not a reset)."""
+        self.retired = True
+        if not self.busy:
+            self.end()
 
     def end(self) -> None:
         """Shut the connection down from any thread: the read its thread waits in fails."""
@@ -242,12 +251,13 @@ class DataChannel:
             link.end()
 
     def end_generations_before(self, generation: int) -> None:
-        """The job moved to ``generation`` (a recovery): the connections of older ones end (a connection never
-        outlives the generation of its HELLO)."""
+        """The job moved to ``generation`` (a recovery): the connections of older ones end, each once its call in
+        flight is answered (a connection never outlives the generation of its HELLO; a stranger's HELLO of an
+        older generation is refused)."""
         with self._lock:
             old = [link for link in self._links if 0 <= link.generation < generation]
         for link in old:
-            link.end()
+            link.retire()
         if old:
             log.info("shard %d: generation %d: %d data connections of older generations ended", self.shard.index,
                      generation, len(old))
@@ -348,11 +358,15 @@ class Connection:
                     raise
                 except TimeoutError:  # idle between calls: the worker opens another when it needs one
                     return
+                self.link.busy = True
                 expect(header, Kind.PUSH, Kind.PULL, what="data connection")
                 if header.kind == Kind.PUSH:
                     self._push(header)
                 else:
                     self._pull(header)
+                self.link.busy = False
+                if self.link.retired:  # the shard restored a newer generation meanwhile
+                    return
         except RequestError as exc:
             self._refuse(exc)
         except TimeoutError:
