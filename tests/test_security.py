@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis
@@ -238,6 +239,32 @@ def test_the_data_channel_is_tls_when_the_shard_serves_tls_and_refuses_plaintext
             send_frame(plain, Kind.HELLO, ps_pb2.ChannelHello(token=reply.token, worker=0))
             with pytest.raises((ChannelClosed, ConnectionError, IMergeError)):
                 read_header(plain, 0, "plaintext hello")
+    finally:
+        shard.stop()
+
+
+def test_a_tls_handshake_dripped_byte_by_byte_is_ended_at_the_handshake_deadline(pki, redis_url):
+    """A stranger that starts a TLS record and then sends a byte every 0.3 s is ended --handshake-timeout-s (1.5 s
+    here) after its accept, TLS handshake included (before, the handshake had --stream-idle-s, 10 s, and the
+    HELLO as long again per read). The reaper and an eviction end it too: the connection's table holds the TLS
+    socket before its handshake starts."""
+    shard = tls_shard_and_block(pki, redis_url, handshake_timeout_s=1.5)
+    try:
+        with socket.create_connection(("127.0.0.1", shard.server._channel.port), timeout=10) as stranger:
+            started = time.monotonic()
+            stranger.sendall(b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes, none of which comes
+            stranger.settimeout(0.3)
+            ended = None
+            while ended is None and time.monotonic() - started < 8:
+                try:
+                    stranger.send(b"\x01")
+                    if stranger.recv(1024) == b"":
+                        ended = time.monotonic() - started
+                except TimeoutError:
+                    continue
+                except OSError:
+                    ended = time.monotonic() - started
+        assert ended is not None and ended < 3.0, ended
     finally:
         shard.stop()
 

@@ -315,8 +315,9 @@ class DataChannel:
         try:
             conn.settimeout(self.config.handshake_timeout_s)  # the TLS handshake and the HELLO: see _reap
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                conn = link.sock = self.tls.wrap_socket(conn, server_side=True)
+            if self.tls is not None:  # the link holds the TLS socket before the handshake: the reaper can end it
+                conn = link.sock = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                conn.do_handshake()
             stream = ChannelStream(conn, self.config.stream_min_bytes_per_s, self.config.stream_idle_s)
             Connection(self, stream, peer, link).serve()
         except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), an eviction, a write to a gone worker
