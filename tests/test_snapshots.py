@@ -10,7 +10,7 @@ from imerge.ps.block import SnapshotBuffers
 
 
 def test_a_held_snapshot_keeps_its_round_while_later_rounds_publish():
-    buffers, param = SnapshotBuffers("float32"), torch.arange(1000.0)
+    buffers, param = SnapshotBuffers("float32", 1000), torch.arange(1000.0)
     held = buffers.snapshot(param)  # a pull still sending round 0
     for _ in range(20):
         param += 1
@@ -20,7 +20,7 @@ def test_a_held_snapshot_keeps_its_round_while_later_rounds_publish():
 
 
 def test_a_dropped_snapshot_gives_its_buffer_back_and_no_more_than_two_are_kept():
-    buffers, param = SnapshotBuffers("float32"), torch.zeros(64)
+    buffers, param = SnapshotBuffers("float32", 64), torch.zeros(64)
     current = buffers.snapshot(param)
     for _ in range(50):  # the steady state: the previous round's snapshot is dropped after the next one is made
         current = buffers.snapshot(param)
@@ -34,6 +34,6 @@ def test_a_dropped_snapshot_gives_its_buffer_back_and_no_more_than_two_are_kept(
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_cast_snapshot_rounds_as_tensor_to_does(dtype):
     param = torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 1e3
-    snapshot = SnapshotBuffers(dtype).snapshot(param)
+    snapshot = SnapshotBuffers(dtype, param.numel()).snapshot(param)
     expected = param.to(getattr(torch, dtype)).view(torch.uint8).numpy().tobytes()
     assert bytes(snapshot.parts[0]) == expected and snapshot.dtype == dtype and snapshot.nbytes == 20_000

@@ -82,8 +82,9 @@ class SnapshotBuffers:
 
     KEPT = 2  # free buffers kept for reuse (more would only hold memory)
 
-    def __init__(self, dtype: str):
-        self._dtype_name, self._dtype = dtype, WIRE_DTYPES[dtype]
+    def __init__(self, dtype: str, numel: int):
+        self._dtype_name, self._dtype, self._numel = dtype, WIRE_DTYPES[dtype], numel
+        self._nbytes = numel * self._dtype.itemsize
         self._free: list[bytearray] = []
         self._lock = threading.Lock()  # the step threads publish, any thread may drop the last reference
         self.allocated = 0  # buffers made so far (a test's view of the reuse)
@@ -91,14 +92,13 @@ class SnapshotBuffers:
     def snapshot(self, param: torch.Tensor) -> Snapshot:
         """The parameters (cast to the buffers' dtype, rounded as ``Tensor.to`` rounds) in a buffer of their
         own, until the snapshot is dropped."""
-        nbytes = param.numel() * self._dtype.itemsize
         with self._lock:
             buffer = self._free.pop() if self._free else None
-        if buffer is None or len(buffer) != nbytes:
-            buffer = bytearray(nbytes)
+        if buffer is None:
+            buffer = bytearray(self._nbytes)
             self.allocated += 1
-        torch.frombuffer(buffer, dtype=self._dtype).copy_(param)
-        snapshot = Snapshot((memoryview(buffer),), param.numel(), self._dtype_name, -1, nbytes)
+        torch.frombuffer(buffer, dtype=self._dtype).copy_(param)  # a param of another size raises here
+        snapshot = Snapshot((memoryview(buffer),), self._numel, self._dtype_name, -1, self._nbytes)
         weakref.finalize(snapshot, self._give_back, buffer)
         return snapshot
 
@@ -155,7 +155,7 @@ class BlockState:
         self.receiving: set[int] = set()
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
         self.row_sources: list[tuple[int, str] | None] = [None] * meta.num_workers  # (round, client) last counted
-        self._buffers = None if self.sparse else SnapshotBuffers(meta.mode.cast)  # a dense block's snapshots
+        self._buffers = None if self.sparse else SnapshotBuffers(meta.mode.cast, meta.numel)  # dense snapshots
         self.snapshot = snapshot_of(self.flat, meta.mode) if self.sparse else self.publish()  # top-k: the whole
         self.changed = asyncio.Condition()
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push

@@ -345,7 +345,6 @@ class Connection:
         self.shard, self.config = channel.shard, channel.config
         self.max_payload = self.shard.max_block_numel * 8  # a sparse payload: int32 index and value per element
         self.worker = -1
-        self.generation = -1
 
     def serve(self) -> None:
         try:
@@ -391,7 +390,7 @@ class Connection:
         if not self.channel.admit(self.link, hello.generation):
             raise ChannelClosed("ended before its HELLO was accepted (--handshake-timeout-s, or evicted by newer "
                                 "connections that had not said HELLO either)")
-        self.worker, self.generation = hello.worker, hello.generation
+        self.worker = hello.worker
         conn.settimeout(self.config.stream_idle_s)
         send_frame(self.stream, Kind.WELCOME)
 
@@ -399,9 +398,9 @@ class Connection:
         """A call names the worker and the generation of the connection's HELLO."""
         if worker != self.worker:
             raise PermissionDenied(f"{what}: names worker {worker} on worker {self.worker}'s data connection")
-        if generation != self.generation:
+        if generation != self.link.generation:
             raise InvalidArgument(f"{what}: of generation {generation} on a data connection of generation "
-                                  f"{self.generation} (a connection carries the generation of its HELLO: open "
+                                  f"{self.link.generation} (a connection carries the generation of its HELLO: open "
                                   "another)")
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
