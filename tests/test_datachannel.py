@@ -85,9 +85,10 @@ def gradient(value: float) -> bytes:
     return np.full(NUMEL, value, "<f4").tobytes()
 
 
-@pytest.fixture(scope="module")
-def shard_process(tmp_path_factory):
-    process = ShardProcess(tmp_path_factory.mktemp("shard"), "--stream-idle-s", "2")
+@pytest.fixture(scope="module", params=["native", "python"])
+def shard_process(tmp_path_factory, request):
+    """The module's shard, on each data plane (the C extension's receive, and Python's)."""
+    process = ShardProcess(tmp_path_factory.mktemp("shard"), "--stream-idle-s", "2", "--data-plane", request.param)
     yield process
     process.stop()
 

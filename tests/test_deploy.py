@@ -448,6 +448,9 @@ def test_dockerfile_is_multi_stage_non_root_with_the_imerge_entrypoint_and_healt
     ports = [args for op, args in instructions if op == "EXPOSE"][0].split()
     assert "IMERGE_PORT=50051" in env and "IMERGE_METRICS_PORT=9400" in env and "IMERGE_DATA_PORT=50052" in env
     assert ports == ["50051", "50052", "9400"]
+    build = text[text.index("AS build"):text.index("AS runtime-cpu")]  # the compiler builds the native data plane
+    assert "gcc" in build and "setup.py" in build and "data_plane('native')" in build
+    assert "gcc" not in text[text.index("AS runtime-cpu"):]  # and stays out of the image
 
 
 def test_health_command_checks_a_real_shard(redis_url):

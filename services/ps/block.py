@@ -21,13 +21,12 @@ ratio bounds it (dense where that is smaller, and after an assignment).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,6 +34,7 @@ from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
+from imerge.core.native import DataPlane, data_plane
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -133,8 +133,9 @@ class BlockMeta:
 
 
 class BlockState:
-    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str):
+    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str, plane: DataPlane | None = None):
         self.meta = meta
+        self.plane = plane or data_plane()  # sums the rows into the mean (native where built)
         self.init_digest = init_digest
         self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
         self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
@@ -157,9 +158,14 @@ class BlockState:
         self.row_sources: list[tuple[int, str] | None] = [None] * meta.num_workers  # (round, client) last counted
         self._buffers = None if self.sparse else SnapshotBuffers(meta.mode.cast, meta.numel)  # dense snapshots
         self.snapshot = snapshot_of(self.flat, meta.mode) if self.sparse else self.publish()  # top-k: the whole
-        self.changed = asyncio.Condition()
+        self.waiters: set[Callable[[], None]] = set()  # pulls waiting for the round (called on the event loop)
         self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
         self.superseded = 0         # set to the new generation when a restore replaces this block
+
+    def wake(self) -> None:
+        """The round completed or failed, or a restore replaced the block: the waiting pulls look again."""
+        for waiter in list(self.waiters):
+            waiter()
 
     def publish(self) -> Snapshot:
         """The snapshot of the parameters as they are now (a top-k block's: the update of what the workers
@@ -193,10 +199,10 @@ class BlockState:
         return self.publish()
 
     @classmethod
-    def from_image(cls, image: BlockImage, round_: int) -> "BlockState":
+    def from_image(cls, image: BlockImage, round_: int, plane: DataPlane | None = None) -> "BlockState":
         meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
                          image.segments, image.compression)
-        block = cls(meta, image.param.clone(), image.init_digest)
+        block = cls(meta, image.param.clone(), image.init_digest, plane)
         block.load_state(image.state)
         block.round = round_
         return block
@@ -233,24 +239,21 @@ class BlockState:
                     if payload is None:
                         raise Internal(f"block {self.meta.block_id}: worker {worker}'s gradient is missing")
                     accumulate(mean, payload)
-            else:  # into a buffer kept from round to round (a fresh one costs its page faults every round)
+                mean.div_(self.meta.num_workers)
+                finite = None
+            else:  # in one pass, into a buffer kept from round to round (a fresh one costs its page faults)
                 if self._mean is None:
                     self._mean = torch.empty(self.meta.numel)
-                mean, rows = self._mean, self.grads
-                if len(rows) > 1:
-                    torch.add(rows[0], rows[1], out=mean)
-                else:
-                    mean.copy_(rows[0])
-                for row in rows[2:]:
-                    mean.add_(row)
-            mean.div_(self.meta.num_workers)
+                mean = self._mean
+                finite = self.plane.mean_rows(mean, list(self.grads), self.meta.num_workers)
             if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
                 mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
-            finite = all_finite(mean) if options.needs_agreement else True  # an inf clamped is still an overflow
-            if options.clip_value:  # as torch.nn.utils.clip_grad_value_, before clipping by the norm
-                mean.clamp_(-options.clip_value, options.clip_value)
+                finite = None
             if not options.needs_agreement:
                 return mean, RoundScalars()
+            finite = all_finite(mean) if finite is None else finite  # an inf clamped is still an overflow
+            if options.clip_value:  # as torch.nn.utils.clip_grad_value_, before clipping by the norm
+                mean.clamp_(-options.clip_value, options.clip_value)
             return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from imerge.core.config import CommonConfig, TlsConfig, option, require
+from imerge.core.native import CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class PSConfig(TlsConfig, CommonConfig):
     threads: int = option(0, "threads of the shard's arithmetic: blocks aggregated and stepped at once, and torch's "
                              "threads within one such step (0: torch's own count, from OMP_NUM_THREADS or the "
                              "cores, and 2 blocks at once); the data channel reads on a thread per connection")
+    data_plane: str = option("auto", "what receives the payloads and sums the rows: native (the C extension "
+                                     "pip install builds where a C compiler exists; the shard refuses to start "
+                                     "without it), python, or auto (native where built, else python, logged once)")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     register: bool = option(True, "register this shard's address in the coordinator's store")
     checkpoint_dir: str = option("", "folder of this job's checkpoints (shard-{i}/ under it); empty: none, "
@@ -68,6 +72,7 @@ class PSConfig(TlsConfig, CommonConfig):
         require(1 <= self.max_pending_data_connections <= 1 << 16, "max_pending_data_connections",
                 "must lie in 1..65536 (at most --max-data-connections are used)")
         require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be positive")
+        require(self.data_plane in CHOICES, "data_plane", f"must be one of {', '.join(CHOICES)}")
         require(self.threads >= 0, "threads", "must be >= 0 (0: torch's own count)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "

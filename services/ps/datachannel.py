@@ -27,27 +27,26 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 import torch
 
 from imerge.core.codec import tensor_view
-from imerge.core.compression import all_finite
+from imerge.core.native import RECV_CLOSED, RECV_TIMEOUT, DataPlane, data_plane
 from imerge.core.errors import (Busy, DeadlineExceeded, Internal, InvalidArgument, PermissionDenied, RequestError,
                                 Superseded, Unavailable)
 from imerge.core.identity import certificate_names, require_worker
 from imerge.core.limits import check_block_ids, clip
 from imerge.wire.datapath import (READ_CHUNK_BYTES, ChannelClosed, Kind, channel_token, error_meta, expect,
-                                  read_exact, read_header, read_meta, send_frame, skip)
+                                  read_header, read_meta, send_frame, skip)
 from imerge.wire.encoding import tensor_meta
 from imerge.wire.rpc import ps_pb2
 
 from .admission import Admission, AdmissionLimits
 from .config import PSConfig
 from .pace import Pace, payload_budget_s
-from .block import Snapshot
-from .state import Shard
+from .state import PulledBlock, Shard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,10 +55,13 @@ DRAIN_S = 2.0               # and for at most this long
 
 
 class ChannelStream:
-    """A connection as the push's row sees it: how long it has been silent, and a way to end it."""
+    """A connection as the push's row sees it: how long it has been silent, and a way to end it; and its
+    payloads, read by the data plane (:mod:`imerge.core.native`)."""
 
-    def __init__(self, conn: socket.socket, min_bytes_per_s: float = 0.0, window_s: float = 10.0):
+    def __init__(self, conn: socket.socket, min_bytes_per_s: float = 0.0, window_s: float = 10.0,
+                 plane: DataPlane | None = None):
         self.conn = conn
+        self.plane = plane or data_plane("python")
         self.last = time.monotonic()
         self.superseded = ""
         self._min_bytes_per_s, self._window_s = min_bytes_per_s, window_s
@@ -80,13 +82,36 @@ class ChannelStream:
 
     def recv_into(self, buffer: memoryview, nbytes: int = 0) -> int:
         count = self.conn.recv_into(buffer, nbytes)
+        self._moved(count)
+        return count
+
+    def read_payload(self, target: memoryview, what: str, check_finite: bool) -> bool:
+        """Fill ``target`` (a tensor's bytes) from the connection; with ``check_finite``, return whether its
+        float32 elements are all finite (checked as they arrive). The data plane returns at least every
+        :data:`~imerge.core.native.PAUSE_S` for the idle check; the rate is checked as bytes arrive."""
+        received, finite, size = 0, True, len(target)
+        while received < size:
+            count, part_finite, state = self.plane.recv_into(self.conn, target, received, check_finite)
+            received, finite = received + count, finite and part_finite
+            if count:
+                self._moved(count)
+            if state == RECV_CLOSED:
+                raise ChannelClosed(f"{what}: the connection closed after {received} of {size} bytes")
+            timeout = self.conn.gettimeout()
+            if state == RECV_TIMEOUT or (not count and timeout is not None and self.idle_for() >= timeout):
+                raise TimeoutError(f"{what}: nothing for {timeout}s")
+        return finite
+
+    def _moved(self, count: int) -> None:
         self.last = time.monotonic()
         if self.pace is not None:
             self.pace.moved(count)
-            too_slow = self.pace.too_slow()
-            if too_slow:
-                raise DeadlineExceeded(f"data connection: {too_slow}")
-        return count
+            self._check_pace()
+
+    def _check_pace(self) -> None:
+        too_slow = self.pace.too_slow() if self.pace is not None else ""
+        if too_slow:
+            raise DeadlineExceeded(f"data connection: {too_slow}")
 
     def budget_left_s(self) -> float | None:
         """Seconds left of the budget of the payload being read (None: none is)."""
@@ -116,28 +141,29 @@ class Handoff:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._requests: queue.SimpleQueue[tuple[memoryview | None, int, Callable[[], Any] | None, asyncio.Future[Any]] | None] = \
+        self._requests: queue.SimpleQueue[tuple[memoryview | None, int, bool, asyncio.Future[Any]] | None] = \
             queue.SimpleQueue()
 
-    async def read(self, target: memoryview | None, nbytes: int, after: Callable[[], Any] | None = None) -> Any:
-        """On the loop: have ``nbytes`` read into ``target`` (None: read and dropped), then ``after()`` run on the
-        connection's thread (where the bytes are still in its cache); return what ``after`` returned."""
+    async def read(self, target: memoryview | None, nbytes: int, check_finite: bool = False) -> bool:
+        """On the loop: have ``nbytes`` read into ``target`` (None: read and dropped) by the connection's thread;
+        return whether the float32 elements are all finite (checked as they arrived) if ``check_finite``."""
         done = self._loop.create_future()
-        self._requests.put((target, nbytes, after, done))
-        return await done
+        self._requests.put((target, nbytes, check_finite, done))
+        finite: bool = await done
+        return finite
 
     def serve(self, future: concurrent.futures.Future[Any], stream: ChannelStream, what: str) -> Any:
         """On the connection's thread: answer the coroutine's reads until it is done; return its result."""
         future.add_done_callback(lambda _: self._requests.put(None))
         while (request := self._requests.get()) is not None:
-            target, nbytes, after, done = request
+            target, nbytes, check_finite, done = request
             try:
                 with stream.payload(nbytes):
                     if target is None:
                         skip(stream, nbytes, what)
+                        outcome: Any = True
                     else:
-                        read_exact(stream, target, what)
-                outcome: Any = after() if after is not None else None
+                        outcome = stream.read_payload(target, what, check_finite)
                 failed = False
             except BaseException as exc:  # noqa: BLE001 - the coroutine raises it
                 outcome, failed = exc, True
@@ -170,15 +196,15 @@ class SocketPayload:
         if len(view) != self._nbytes:
             raise InvalidArgument(f"{what}: the frame carries {self._nbytes} bytes of payload, the block's is "
                                   f"{len(view)} bytes")
-        finite: bool | None = await self._read(view, what, (lambda: all_finite(target)) if check_finite else None)
-        return finite
+        finite = await self._read(view, what, check_finite)
+        return finite if check_finite else None
 
     async def skip(self) -> None:
         await self._read(None, "duplicate push")
 
-    async def _read(self, view: memoryview | None, what: str, after: Callable[[], Any] | None = None) -> Any:
+    async def _read(self, view: memoryview | None, what: str, check_finite: bool = False) -> bool:
         try:
-            return await self._handoff.read(view, self._nbytes, after)
+            return await self._handoff.read(view, self._nbytes, check_finite)
         except TimeoutError:
             raise DeadlineExceeded(f"{what}: the client sent nothing for {self._idle_s:g}s (--stream-idle-s)") \
                 from None
@@ -318,7 +344,8 @@ class DataChannel:
             if self.tls is not None:  # the link holds the TLS socket before the handshake: the reaper can end it
                 conn = link.sock = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 conn.do_handshake()
-            stream = ChannelStream(conn, self.config.stream_min_bytes_per_s, self.config.stream_idle_s)
+            stream = ChannelStream(conn, self.config.stream_min_bytes_per_s, self.config.stream_idle_s,
+                                   self.shard.plane)
             Connection(self, stream, peer, link).serve()
         except OSError as exc:  # a reset, a failed handshake (ssl.SSLError), an eviction, a write to a gone worker
             log.debug("shard %d: data connection from %s ended: %s", self.shard.index, peer, exc)
@@ -423,7 +450,7 @@ class Connection:
         self._check_call(request.worker, request.generation, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         timeout = self.config.pull_wait(request.timeout_s)
-        ready: queue.SimpleQueue[tuple[str, int, Snapshot, tuple[bool, float]] | BaseException] = queue.SimpleQueue()
+        ready: queue.SimpleQueue[PulledBlock | BaseException] = queue.SimpleQueue()
         future = self._run(self._wait_blocks(request, timeout, ready))
         try:
             for _ in request.block_ids:
@@ -443,25 +470,18 @@ class Connection:
             future.cancel()
 
     async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float,
-                           ready: queue.SimpleQueue[tuple[str, int, Snapshot, tuple[bool, float]] | BaseException]
-                           ) -> None:
+                           ready: queue.SimpleQueue[PulledBlock | BaseException]) -> None:
         """Each block's (id, round, snapshot, result) into ``ready`` as soon as its round completes; the first
         failure ends the pull."""
-        async def one(block_id: str) -> None:
-            try:
-                ready.put(await self.shard.pull_result(block_id, request.worker, request.round, timeout,
-                                                       request.generation))
-            except Exception as exc:  # noqa: BLE001 - the connection's thread raises it
-                ready.put(exc)
-                raise
-
-        waits = [asyncio.ensure_future(one(block_id)) for block_id in request.block_ids]
         try:
-            await asyncio.gather(*waits)
-        finally:
-            for wait in waits:
-                if not wait.done():
-                    wait.cancel()
+            async with contextlib.aclosing(self.shard.pull_blocks(request.block_ids, request.worker, request.round,
+                                                                   timeout, request.generation)) as pulled:
+                async for blocks in pulled:
+                    for block in blocks:
+                        ready.put(block)
+        except Exception as exc:  # noqa: BLE001 - the connection's thread raises it
+            ready.put(exc)
+            raise
 
     def _refuse(self, exc: RequestError, counted: bool = True) -> None:
         """Answer an ERROR frame, read (and drop) what the worker still writes of its call, then let the

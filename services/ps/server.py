@@ -25,6 +25,7 @@ from imerge.core.planning import FIRST_PLAN
 from imerge.control.messages import PostedScalars, RoundScalars
 from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
+from imerge.core.native import data_plane
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
                                 ResourceExhausted)
 from imerge.core.identity import require_loader, require_worker
@@ -284,10 +285,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                 yield frame
             self.shard.counters.bytes_sent += snapshot.nbytes
 
-    async def _pulled(self, block_id: str, request: ps_pb2.PullRequest, timeout: float
-                      ) -> tuple[str, int, Snapshot, tuple[bool, float]]:
-        return await self.shard.pull_result(block_id, request.worker, request.round, timeout, request.generation)
-
     @_streaming
     async def Pull(self, request: ps_pb2.PullRequest, context: Context) -> AsyncIterator[ps_pb2.TensorChunk | bytes]:
         """Each block is sent as soon as its round completes (pipelined), not when all of them have."""
@@ -300,24 +297,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             raise ResourceExhausted(f"Pull: {self._parked[peer]} block waits are parked on this connection already "
                                     f"(at most {most})")
         self._parked[peer] += parked
-        waits = [asyncio.ensure_future(self._pulled(block_id, request, timeout)) for block_id in request.block_ids]
-        pending = list(waits)
-        try:
-            while pending:  # the blocks completed meanwhile go out in the order they were asked for
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                ready = [wait for wait in pending if wait in done]
-                pending = [wait for wait in pending if wait not in done]
-                async for chunk in self._send([wait.result() for wait in ready]):
-                    yield chunk
-        finally:  # the first failure is the answer; the others are dropped, not logged as never retrieved
+        try:  # the blocks completed together go out in the order they were asked for
+            async with contextlib.aclosing(self.shard.pull_blocks(request.block_ids, request.worker, request.round,
+                                                                   timeout, request.generation)) as pulled:
+                async for blocks in pulled:
+                    async for chunk in self._send(blocks):
+                        yield chunk
+        finally:
             self._parked[peer] -= parked
             if not self._parked[peer]:
                 del self._parked[peer]
-            for wait in waits:
-                if not wait.done():
-                    wait.cancel()
-                elif not wait.cancelled():
-                    wait.exception()
 
     @_streaming
     async def Fetch(self, request: ps_pb2.FetchRequest, context: Context) -> AsyncIterator[ps_pb2.TensorChunk | bytes]:
@@ -393,7 +382,8 @@ class ShardServer:
         self.config = config
         self.shard = Shard(config.shard_index, check_finite=config.check_finite,
                            max_block_numel=config.max_block_numel, max_workers=config.max_workers,
-                           link_mbps=config.link_mbps, threads=config.threads)
+                           link_mbps=config.link_mbps, threads=config.threads,
+                           plane=data_plane(config.data_plane))
         self.address = ""
         self.metrics: MetricsServer | None = None
         self._server: grpc.aio.Server | None = None
@@ -448,9 +438,10 @@ class ShardServer:
             await self._membership.join()
             await asyncio.to_thread(self._store.register_shard, cfg.shard_index, self.address)
             self._membership.start()
-        log.info("shard %d serving on %s (%s)%s", cfg.shard_index, self.address,
+        log.info("shard %d serving on %s (%s)%s, %s data plane", cfg.shard_index, self.address,
                  ("mutual TLS" if cfg.tls_ca else "TLS") if cfg.tls_server else "plaintext",
-                 f", data channel on port {self._channel.port}" if self._channel is not None else "")
+                 f", data channel on port {self._channel.port}" if self._channel is not None else "",
+                 self.shard.plane.name)
         return self.address
 
     async def drain(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from imerge.core.blockstate import block_state_bytes, parse_block_state, state_b
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite
 from imerge.core.modes import payload_bytes
+from imerge.core.native import DataPlane, data_plane
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.limits import check_id, clip
@@ -46,12 +47,15 @@ from .metrics import ShardCounters, ShardMetrics
 from .rounds import Agreements, RoundOptions
 
 log = logging.getLogger(__name__)
+PulledBlock = tuple[str, int, Snapshot, tuple[bool, float]]  # (block id, new round, parameters, its result)
 
 
 class Shard:
     def __init__(self, index: int, *, check_finite: bool = True, max_block_numel: int = 1 << 28,
-                 max_workers: int = 4096, link_mbps: float = 10000.0, threads: int = 0):
+                 max_workers: int = 4096, link_mbps: float = 10000.0, threads: int = 0,
+                 plane: DataPlane | None = None):
         self.index = index
+        self.plane = plane or data_plane()  # receives the payloads and sums the rows (native where built)
         self.check_finite = check_finite
         self.max_block_numel = max_block_numel
         self.max_workers = max_workers
@@ -168,7 +172,7 @@ class Shard:
             raise FailedPrecondition(f"checkpoint {checkpoint.path} holds blocks {sorted(checkpoint.blocks)}, "
                                      f"the mapping table gives shard {self.index} {sorted(self.expected)}")
         old = self.blocks
-        self.blocks = {block_id: BlockState.from_image(image, checkpoint.round)
+        self.blocks = {block_id: BlockState.from_image(image, checkpoint.round, self.plane)
                        for block_id, image in checkpoint.blocks.items()}
         self.agreements.reset()  # rounds of the old generation never complete
         self.generation = generation
@@ -176,9 +180,8 @@ class Shard:
         self.metrics.generation.set(generation)
         self.metrics.blocks.set(len(self.blocks))
         for block in old.values():
-            async with block.changed:
-                block.superseded = generation
-                block.changed.notify_all()
+            block.superseded = generation
+            block.wake()
         log.info("shard %d: generation %d restored from round %d (%s)", self.index, generation, checkpoint.round,
                  checkpoint.path)
         if self.on_restored is not None:
@@ -227,7 +230,7 @@ class Shard:
         init_digest = digest(tensor_view(init))
         existing = self.blocks.get(meta.block_id)
         if existing is None:
-            self.blocks[meta.block_id] = BlockState(meta, init, init_digest)
+            self.blocks[meta.block_id] = BlockState(meta, init, init_digest, self.plane)
             self.metrics.blocks.set(len(self.blocks))
             log.info("block %s: %d elements, %d workers, %s", meta.block_id, meta.numel,
                      meta.num_workers, meta.optimizer.name)
@@ -349,59 +352,88 @@ class Shard:
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id,
                       block.round, exc)
-            async with block.changed:
-                block.failed = f"round {block.round} could not complete on shard {self.index}: {exc}"
-                block.changed.notify_all()
+            block.failed = f"round {block.round} could not complete on shard {self.index}: {exc}"
+            block.wake()
             return
-        async with block.changed:
-            block.snapshot = snapshot
-            block.snapshot_result = (total.found_inf, total.grad_norm if options.needs_agreement else 0.0)
-            block.round += 1
-            block.pushed.clear()
-            self.counters.rounds_completed += 1
-            block.round_options, block.round_no_grad = None, None
-            block.changed.notify_all()
+        block.snapshot = snapshot
+        block.snapshot_result = (total.found_inf, total.grad_norm if options.needs_agreement else 0.0)
+        block.round += 1
+        block.pushed.clear()
+        self.counters.rounds_completed += 1
+        block.round_options, block.round_no_grad = None, None
+        block.wake()
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
             self.maybe_checkpoint()
             if self._final is not None and not self._final.done() and self.common_round() is not None:
                 self._final.set_result(None)
 
     # -- pull -----------------------------------------------------------------
-    async def pull(self, block_id: str, worker: int, round_: int, timeout_s: float,
-                   generation: int = 0) -> tuple[int, Snapshot]:
-        """Wait until every worker pushed ``round_`` (this one's push may come later: a worker pulls while it
-        pushes); return (new round, parameters)."""
-        what = f"pull of block {block_id} by worker {worker} for round {round_}"
-        self.check_generation(generation, what)
+    async def pull_blocks(self, block_ids: Sequence[str], worker: int, round_: int, timeout_s: float,
+                          generation: int = 0) -> AsyncGenerator[list[PulledBlock], None]:
+        """Wait until every worker pushed ``round_`` of each block (this worker's push may still come: a worker
+        pulls while it pushes); yield the blocks as their rounds complete, as (id, new round, parameters,
+        (step skipped, gradient norm)), those that completed together in the order asked. Every block is
+        checked before any is waited for; the first failure ends the pull. The caller is woken once per batch
+        of blocks that completed, never once per block."""
+        self.check_generation(generation, f"pull by worker {worker} for round {round_}")
+        blocks = [self._pullable(block_id, worker, round_) for block_id in block_ids]
+        self.counters.pulls += len(blocks)
+        loop = asyncio.get_running_loop()
+        started, waiting, waited = loop.time(), list(zip(block_ids, blocks)), False
+        wake: asyncio.Future[None] = loop.create_future()
+
+        def changed() -> None:
+            if not wake.done():
+                wake.set_result(None)
+
+        for block in blocks:
+            block.waiters.add(changed)
+        try:
+            while waiting:
+                ready = [(block_id, block, item) for block_id, block in waiting
+                         if (item := self._pulled(block_id, block, worker, round_)) is not None]
+                if ready:
+                    waiting = [(block_id, block) for block_id, block in waiting if block.round <= round_]
+                    for _ in ready if waited else ():
+                        self.metrics.pull_wait.observe(loop.time() - started)
+                    yield [item for _, _, item in ready]
+                    continue
+                try:
+                    async with asyncio.timeout_at(started + timeout_s):
+                        await wake
+                except TimeoutError:
+                    block_id, block = waiting[0]
+                    missing = block.missing_workers()
+                    reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
+                    raise DeadlineExceeded(f"pull of block {block_id} by worker {worker} for round {round_}: timed "
+                                           f"out after {timeout_s:g}s; {reason}") from None
+                wake, waited = loop.create_future(), True
+        finally:
+            for block in blocks:
+                block.waiters.discard(changed)
+
+    def _pullable(self, block_id: str, worker: int, round_: int) -> BlockState:
+        """The block a pull of ``round_`` names, checked: it exists, has the worker, and is at that round or the
+        next."""
         block = self.block(block_id)
         self._check_worker(block, worker)
-        self.counters.pulls += 1
-        if round_ == block.round - 1:
-            return block.round, block.snapshot
-        if round_ != block.round:
-            raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-        try:  # the puller's own push may still be on its way: it is one of the pushes waited for
-            with self.metrics.pull_wait.time():
-                async with block.changed:
-                    await asyncio.wait_for(block.changed.wait_for(
-                        lambda: block.round > round_ or block.superseded or block.failed), timeout_s)
-        except asyncio.TimeoutError:
-            missing = block.missing_workers()
-            reason = (f"workers {missing} have not pushed" if missing else "the aggregation is still running")
-            raise DeadlineExceeded(f"{what}: timed out after {timeout_s:g}s; {reason}") from None
-        if block.failed and block.round <= round_:
-            raise Unavailable(f"{what}: {block.failed}")
+        if round_ not in (block.round - 1, block.round):
+            raise FailedPrecondition(f"pull of block {block_id} by worker {worker} for round {round_}: the block's "
+                                     f"current round is {block.round}")
+        return block
+
+    def _pulled(self, block_id: str, block: BlockState, worker: int, round_: int) -> PulledBlock | None:
+        """The block's parameters after ``round_`` once it completed (None while it has not)."""
         if block.superseded:
             self.counters.stale_generation += 1
-            raise StaleGeneration(f"{what}: the job moved to generation {block.superseded} while it waited "
-                                  f"(it recovered from a checkpoint): rejoin")
-        return block.round, block.snapshot
-
-    async def pull_result(self, block_id: str, worker: int, round_: int, timeout_s: float, generation: int = 0
-                          ) -> tuple[str, int, Snapshot, tuple[bool, float]]:
-        """:meth:`pull`, with the round's (step skipped, gradient norm) that the snapshot is of."""
-        new_round, snapshot = await self.pull(block_id, worker, round_, timeout_s, generation)
-        return block_id, new_round, snapshot, self.block(block_id).snapshot_result  # no await between
+            raise StaleGeneration(f"pull of block {block_id} by worker {worker} for round {round_}: the job moved "
+                                  f"to generation {block.superseded} while it waited (it recovered from a "
+                                  f"checkpoint): rejoin")
+        if block.round > round_:
+            return block_id, block.round, block.snapshot, block.snapshot_result
+        if block.failed:
+            raise Unavailable(f"pull of block {block_id} by worker {worker} for round {round_}: {block.failed}")
+        return None
 
     def export_block(self, block_id: str, generation: int = 0) -> tuple[int, bytes]:
         """(round, the block's parameters and optimizer state as safetensors bytes)."""

@@ -1,0 +1,276 @@
+/* imerge.core._native: the shard's data plane in C (see imerge/core/native.py, its only caller).
+ *
+ * Bytes are received from a socket straight into a tensor's memory in cache-sized chunks, each chunk checked
+ * for NaN and infinity while it is still in the cache; the workers' rows of a block are summed in worker order
+ * and divided into the round's mean in one pass. Every function takes raw addresses and lengths (no torch
+ * headers: the caller passes tensor.data_ptr()) and runs with the GIL released. The arithmetic is IEEE float32,
+ * one rounding per operation, in torch's order (compiled with -ffp-contract=off: no fused multiply-add), so
+ * that its results are torch's to the bit.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <time.h>
+
+#define RECV_CHUNK (256 * 1024) /* bytes per recv: a chunk is checked while it is in the L2 cache */
+#define MEAN_CHUNK 2048         /* floats per pass of the mean: the running sum stays in the L1 cache */
+#define MAX_ROWS 65536
+
+enum { RECV_DONE = 0, RECV_CLOSED = 1, RECV_TIMEOUT = 2, RECV_PAUSED = 3 };
+
+/* The hot loops are compiled for AVX-512, AVX2 and the baseline, and the loader picks what the CPU has (wider
+ * vectors, the same IEEE operations: -ffp-contract=off keeps a multiply and an add two roundings). */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
+
+/* Whether the n floats at p are all finite (an exponent of all ones is an infinity or a NaN). */
+static inline int finite_run(const float *p, size_t n) {
+    const uint32_t *bits = (const uint32_t *)p;
+    uint32_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad |= (uint32_t)((bits[i] & 0x7f800000u) == 0x7f800000u);
+    return bad == 0;
+}
+
+CLONES static int floats_finite(const float *p, size_t n) { return finite_run(p, n); }
+
+/* The last step of the mean, in one pass: out[i] = (partial[i] + last[i]) / divisor (partial: the sum of the
+ * rows before the last, or NULL with one row), times the reciprocal where that is exact (a power of two: its
+ * reciprocal is exact, and the product is the quotient rounded the same). Returns whether all are finite. */
+static inline int finish_mean(float *out, const float *partial, const float *last, size_t n, float divisor,
+                              int power_of_two) {
+    float reciprocal = 1.0f / divisor;
+    uint32_t bad = 0;
+#define FINISH(value)                                                                                         \
+    for (size_t i = 0; i < n; i++) {                                                                          \
+        float mean = (value);                                                                                 \
+        uint32_t bits;                                                                                        \
+        memcpy(&bits, &mean, sizeof bits);                                                                    \
+        out[i] = mean;                                                                                        \
+        bad |= (uint32_t)((bits & 0x7f800000u) == 0x7f800000u);                                             \
+    }
+    if (partial == NULL && power_of_two) {
+        FINISH(last[i] * reciprocal)
+    } else if (partial == NULL) {
+        FINISH(last[i] / divisor)
+    } else if (power_of_two) {
+        FINISH((partial[i] + last[i]) * reciprocal)
+    } else {
+        FINISH((partial[i] + last[i]) / divisor)
+    }
+#undef FINISH
+    return bad == 0;
+}
+
+/* out = the rows' sum in their order, divided by divisor; whether every element is finite. One or two rows:
+ * one pass. More: in chunks that stay in the L1 cache, the rows but the last summed into out, then the last
+ * added and the quotient taken in the chunk's final pass. */
+CLONES static int mean_into(float *out, const float **rows, Py_ssize_t count, Py_ssize_t numel, float divisor) {
+    int exponent;
+    int power_of_two = frexpf(divisor, &exponent) == 0.5f && exponent > -120 && exponent < 120;
+    if (count <= 2)
+        return finish_mean(out, count == 2 ? rows[0] : NULL, rows[count - 1], (size_t)numel, divisor,
+                           power_of_two);
+    int finite = 1;
+    for (Py_ssize_t start = 0; start < numel; start += MEAN_CHUNK) {
+        size_t n = (size_t)(numel - start < MEAN_CHUNK ? numel - start : MEAN_CHUNK);
+        float *sum = out + start;
+        const float *first = rows[0] + start, *second = rows[1] + start;
+        for (size_t i = 0; i < n; i++)
+            sum[i] = first[i] + second[i];
+        for (Py_ssize_t w = 2; w < count - 1; w++) {
+            const float *row = rows[w] + start;
+            for (size_t i = 0; i < n; i++)
+                sum[i] = sum[i] + row[i];
+        }
+        finite &= finish_mean(sum, sum, rows[count - 1] + start, n, divisor, power_of_two);
+    }
+    return finite;
+}
+
+static long long now_ms(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000;
+}
+
+/* recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> (received, finite, state)
+ *
+ * Receive bytes start..nbytes of the memory at address (those before start arrived in earlier calls), and
+ * return how many came in this call; stop when they all arrived (state 0), when the peer closed the
+ * connection (1), when nothing arrived for timeout_ms (2; < 0: wait forever), or when the call has run for
+ * budget_ms (3, paused: the caller checks the sender's rate and calls again; < 0: no budget). With check_finite, the float32
+ * elements completed by this call are checked as they arrive (one split by an earlier call's end included;
+ * address must then be 4-byte aligned); finite is False when one is not. A failed recv or poll raises OSError. The GIL is released throughout. */
+static PyObject *recv_into(PyObject *self, PyObject *args) {
+    int fd, timeout_ms, budget_ms, check_finite;
+    unsigned long long address;
+    Py_ssize_t start, nbytes;
+    if (!PyArg_ParseTuple(args, "iKnniip", &fd, &address, &start, &nbytes, &timeout_ms, &budget_ms, &check_finite))
+        return NULL;
+    if (start < 0 || nbytes < start || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "recv_into: a start outside 0..nbytes, or a negative descriptor");
+        return NULL;
+    }
+    if (check_finite && address % sizeof(float) != 0) {
+        PyErr_SetString(PyExc_ValueError, "recv_into: float32 elements at an unaligned address");
+        return NULL;
+    }
+    char *base = (char *)(uintptr_t)address;
+    size_t got = (size_t)start, checked = got - got % sizeof(float), want = (size_t)nbytes;
+    int finite = 1, state = RECV_DONE, failure = 0;
+    Py_BEGIN_ALLOW_THREADS
+    long long until = budget_ms >= 0 ? now_ms() + budget_ms : -1;
+    while (got < want) {
+        size_t ask = want - got < RECV_CHUNK ? want - got : RECV_CHUNK;
+        ssize_t count = recv(fd, base + got, ask, 0);
+        if (count > 0) {
+            got += (size_t)count;
+            if (check_finite) {
+                size_t whole = got - got % sizeof(float);
+                if (whole > checked) {
+                    finite &= floats_finite((const float *)(base + checked), (whole - checked) / sizeof(float));
+                    checked = whole;
+                }
+            }
+            continue;
+        }
+        if (count == 0) {
+            state = RECV_CLOSED;
+            break;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            failure = errno;
+            break;
+        }
+        int wait_ms = timeout_ms, paused = 0;
+        if (until >= 0) {
+            long long left = until - now_ms();
+            if (left <= 0) {
+                state = RECV_PAUSED;
+                break;
+            }
+            if (wait_ms < 0 || left < wait_ms) {
+                wait_ms = (int)left;
+                paused = 1;
+            }
+        }
+        struct pollfd waiting = {fd, POLLIN, 0};
+        int ready = poll(&waiting, 1, wait_ms);
+        if (ready == 0) {
+            state = paused ? RECV_PAUSED : RECV_TIMEOUT;
+            break;
+        }
+        if (ready < 0 && errno != EINTR) {
+            failure = errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failure) {
+        errno = failure;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(nOi)", (Py_ssize_t)got - start, finite ? Py_True : Py_False, state);
+}
+
+/* mean_rows(out, rows, numel, divisor) -> finite
+ *
+ * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
+ * what torch.add(rows[0], rows[1], out=out), out.add_(row) for the others, then out.div_(divisor) make, in
+ * one pass over the rows instead of one per operation. Returns whether every element of out is finite. */
+static PyObject *mean_rows(PyObject *self, PyObject *args) {
+    unsigned long long out_address;
+    PyObject *rows_arg;
+    Py_ssize_t numel;
+    float divisor;
+    if (!PyArg_ParseTuple(args, "KOnf", &out_address, &rows_arg, &numel, &divisor))
+        return NULL;
+    PyObject *rows_seq = PySequence_Fast(rows_arg, "mean_rows: rows must be a sequence of addresses");
+    if (rows_seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(rows_seq);
+    if (count < 1 || count > MAX_ROWS || numel < 0) {
+        Py_DECREF(rows_seq);
+        PyErr_SetString(PyExc_ValueError, "mean_rows: 1 to 65536 rows of a non-negative length");
+        return NULL;
+    }
+    const float **rows = PyMem_Malloc(sizeof(float *) * (size_t)count);
+    if (rows == NULL) {
+        Py_DECREF(rows_seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t w = 0; w < count; w++) {
+        unsigned long long address = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(rows_seq, w));
+        if (PyErr_Occurred()) {
+            PyMem_Free(rows);
+            Py_DECREF(rows_seq);
+            return NULL;
+        }
+        rows[w] = (const float *)(uintptr_t)address;
+    }
+    Py_DECREF(rows_seq);
+    float *out = (float *)(uintptr_t)out_address;
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = mean_into(out, rows, count, numel, divisor);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(rows);
+    return PyBool_FromLong(finite);
+}
+
+/* all_finite(address, numel) -> whether the numel float32 elements at address are all finite (GIL released). */
+static PyObject *all_finite(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t numel;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &numel))
+        return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "all_finite: negative length");
+        return NULL;
+    }
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = floats_finite((const float *)(uintptr_t)address, (size_t)numel);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(finite);
+}
+
+static PyMethodDef methods[] = {
+    {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> "
+                                           "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
+    {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
+    {"all_finite", all_finite, METH_VARARGS, "all_finite(address, numel) -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "imerge.core._native",
+                                    "IMerge's data plane in C: receive, check and sum float32 bytes with the GIL "
+                                    "released.", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "RECV_DONE", RECV_DONE) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_CLOSED", RECV_CLOSED) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_TIMEOUT", RECV_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_PAUSED", RECV_PAUSED) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_CHUNK", RECV_CHUNK) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

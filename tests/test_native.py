@@ -1,0 +1,234 @@
+"""The data plane: the C extension and its Python twin give the same bits, and a machine without a compiler
+still installs and runs IMerge (on the Python path, saying so once)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from imerge.core import native
+from imerge.core.errors import InvalidArgument
+from imerge.core.native import RECV_CLOSED, RECV_DONE, RECV_PAUSED, RECV_TIMEOUT, data_plane
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANES = ["native", "python"]
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int32)
+
+
+def torch_mean(rows: list[torch.Tensor], divisor: int) -> torch.Tensor:
+    """What the shard computed before the data plane: torch's add in worker order, then its division."""
+    out = torch.empty_like(rows[0])
+    if len(rows) > 1:
+        torch.add(rows[0], rows[1], out=out)
+    else:
+        out.copy_(rows[0])
+    for row in rows[2:]:
+        out.add_(row)
+    return out.div_(divisor)
+
+
+def test_the_extension_is_built_where_a_compiler_exists():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the Python data plane runs")
+    assert native.native_available(), native.why_unavailable()
+    assert data_plane("auto").name == "native"
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("workers", [1, 2, 3, 4, 5, 7, 8])
+def test_the_mean_of_the_rows_is_torchs_to_the_bit(plane, workers):
+    generator = torch.Generator().manual_seed(workers)
+    numel = 70_001  # not a multiple of any vector width or chunk
+    rows = [torch.randn(numel, generator=generator) * 10.0 ** (3 * worker - 6) for worker in range(workers)]
+    rows[0][:64] = torch.tensor([1e-40, -1e-41, 3e-45, 0.0, -0.0, 1e38, -1e38, 3.4e38] * 8)  # subnormals, huge
+    out = torch.full((numel,), float("nan"))
+    assert data_plane(plane).mean_rows(out, rows, workers) is True
+    assert torch.equal(bits(out), bits(torch_mean(rows, workers)))
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_mean_that_is_not_finite_is_said_so(plane, bad):
+    rows = [torch.ones(5000), torch.ones(5000), torch.ones(5000)]
+    rows[2][4321] = bad
+    out = torch.empty(5000)
+    assert data_plane(plane).mean_rows(out, rows, 3) is False
+    overflow = [torch.full((100,), 3e38), torch.full((100,), 3e38)]  # the sum overflows though each row is finite
+    assert data_plane(plane).mean_rows(torch.empty(100), overflow, 2) is False
+
+
+def test_rows_that_do_not_match_are_refused():
+    with pytest.raises(InvalidArgument, match="contiguous float32"):
+        data_plane("python").mean_rows(torch.empty(10), [torch.empty(11)], 1)
+    with pytest.raises(InvalidArgument, match="contiguous float32"):
+        data_plane("python").mean_rows(torch.empty(10), [torch.empty(10, dtype=torch.float64)], 1)
+    with pytest.raises(InvalidArgument, match="not one of auto, native, python"):
+        data_plane("fast")
+
+
+def receive(plane: str, sock: socket.socket, target: torch.Tensor, check: bool = True) -> tuple[int, bool, list[int]]:
+    view = memoryview(target.numpy()).cast("B")
+    received, finite, states = 0, True, []
+    while received < len(view):
+        count, part_finite, state = data_plane(plane).recv_into(sock, view, received, check)
+        received, finite = received + count, finite and part_finite
+        states.append(state)
+        if state in (RECV_CLOSED, RECV_TIMEOUT) or (state == RECV_PAUSED and not count):  # not a sender's drip
+            break
+    return received, finite, states
+
+
+def send_in_pieces(sock: socket.socket, data: bytes, sizes: list[int], pause_s: float = 0.0) -> threading.Thread:
+    """Send ``data`` in pieces of the given sizes (cycled): elements split across the receiver's reads."""
+    def run() -> None:
+        offset, index = 0, 0
+        while offset < len(data):
+            size = sizes[index % len(sizes)]
+            sock.sendall(data[offset:offset + size])
+            offset, index = offset + size, index + 1
+            if pause_s:
+                time.sleep(pause_s)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("where", [None, 0, 1_000_000, 2_999_999])
+def test_a_payload_lands_whole_and_a_nan_anywhere_is_seen(plane, where):
+    payload = torch.randn(3_000_000)
+    if where is not None:
+        payload[where] = float("nan")
+    left, right = socket.socketpair()
+    right.settimeout(5)
+    with left, right:
+        sender = send_in_pieces(left, payload.numpy().tobytes(), [1 << 20, 3, 777_777, 5, 262_145])
+        target = torch.empty_like(payload)
+        received, finite, states = receive(plane, right, target)
+        sender.join(10)
+    assert received == payload.numel() * 4 and states[-1] == RECV_DONE
+    assert torch.equal(bits(target), bits(payload))
+    assert finite is (where is None)
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_an_element_split_between_reads_is_checked_once_it_is_whole(plane):
+    payload = torch.ones(1000)
+    payload[1] = float("inf")  # bytes 4..7: sent as 6 and then the rest, so its two halves come in two reads
+    left, right = socket.socketpair()
+    right.settimeout(5)
+    with left, right:
+        sender = send_in_pieces(left, payload.numpy().tobytes(), [6, 4000], pause_s=0.2)
+        received, finite, _ = receive(plane, right, torch.empty(1000))
+        sender.join(10)
+    assert received == 4000 and finite is False
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_a_closed_or_silent_sender_is_reported_with_what_arrived(plane):
+    left, right = socket.socketpair()
+    right.settimeout(0.5)
+    with right:
+        left.sendall(b"\x00" * 1000)
+        started = time.monotonic()
+        received, _, states = receive(plane, right, torch.empty(1000))
+        waited = time.monotonic() - started
+        assert received == 1000 and states[-1] in (RECV_TIMEOUT, RECV_PAUSED)  # native: paused before the timeout
+        assert waited < 2
+        left.close()
+        received, _, states = receive(plane, right, torch.empty(1000))
+    assert received == 0 and states == [RECV_CLOSED]
+
+
+def test_the_native_receive_returns_within_its_budget_while_the_sender_drips():
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    left, right = socket.socketpair()
+    right.settimeout(10)
+    with left, right:
+        target = memoryview(bytearray(4096))
+        dripping = send_in_pieces(left, b"\x01" * 40, [1], pause_s=0.02)
+        started = time.monotonic()
+        count, _, state = data_plane("native").recv_into(right, target, 0, False, budget_s=0.2)
+        took = time.monotonic() - started
+        dripping.join(10)
+    assert state == RECV_PAUSED and 0 < count < 40 and took < 1.0
+
+
+def test_a_tls_socket_is_read_by_python(monkeypatch):
+    """The native receive reads a plain socket's descriptor; anything else (a TLS socket) takes the Python
+    path, which reads through its methods."""
+    calls = []
+
+    class Wrapped(socket.socket):  # as ssl.SSLSocket is: a subclass, whose bytes must pass its own recv
+        def recv_into(self, buffer, nbytes=0, flags=0):  # noqa: ANN001, ANN201
+            calls.append(len(buffer))
+            return super().recv_into(buffer, nbytes, flags)
+
+    left, right = socket.socketpair()
+    wrapped = Wrapped(right.family, right.type, fileno=right.detach())
+    with left, wrapped:
+        left.sendall(b"\x00" * 400)
+        received, _, _ = receive("auto", wrapped, torch.empty(100))
+    assert received == 400 and calls
+
+
+def test_without_a_compiler_the_install_succeeds_and_the_python_path_says_so(tmp_path):
+    """A wheel built where the C compiler cannot be found holds no extension, installs, and runs on the Python
+    data plane: ``auto`` logs one line, ``native`` refuses naming why."""
+    source = tmp_path / "source"  # this checkout as a fresh clone has it: no build output, no extension built
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "runs", "*.so",
+                                                                "__pycache__", "*.egg-info", ".pytest_cache"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "wheel"), str(source)],
+                           env={**_env(), "CC": str(tmp_path / "no-compiler"), "TMPDIR": str(tmp_path)},
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert build.returncode == 0, build.stdout + build.stderr
+    wheel = next((tmp_path / "wheel").glob("imerge-*.whl"))
+    assert not [name for name in zipfile.ZipFile(wheel).namelist() if "_native" in name and name.endswith(".so")]
+    # a fresh environment: a venv that sees this one's dependencies (torch, ...) but not its editable imerge
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "dependencies.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site),
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    probe = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+             "import imerge, torch\n"
+             "from imerge.core.native import data_plane, native_available\n"
+             "assert imerge.__file__.startswith(%r), imerge.__file__\n"
+             "assert not native_available()\n"
+             "plane = data_plane('auto'); data_plane('auto')\n"
+             "out = torch.empty(3); assert plane.mean_rows(out, [torch.ones(3), torch.ones(3)], 2)\n"
+             "print('plane', plane.name, out.tolist())\n"
+             "try:\n    data_plane('native')\nexcept Exception as exc:\n    print('refused', exc)\n") % str(site)
+    run = subprocess.run([str(venv / "bin" / "python"), "-c", probe], env=_env(), capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "plane python [1.0, 1.0, 1.0]" in run.stdout
+    assert "refused --data-plane native: imerge.core._native is not built" in run.stdout
+    assert run.stderr.count("the native data plane is not available") == 1, run.stderr
+    shard = subprocess.run([str(venv / "bin" / "python"), "-m", "imerge", "ps", "--no-register", "--metrics-port",
+                            "-1", "--data-plane", "native"], env=_env(), capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)
+    assert shard.returncode != 0 and "--data-plane native: imerge.core._native is not built" in shard.stderr, shard.stderr
+    assert "Traceback" not in shard.stderr
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_") and k != "PYTHONPATH"}
