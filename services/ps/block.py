@@ -249,12 +249,19 @@ class BlockState:
             if options.loss_scale:  # as GradScaler.unscale_: times the float32 reciprocal of the scale
                 mean.mul_(torch.tensor(options.loss_scale, dtype=torch.float64).reciprocal().float())
                 finite = None
-            if not options.needs_agreement:
-                return mean, RoundScalars()
-            finite = all_finite(mean) if finite is None else finite  # an inf clamped is still an overflow
+            if options.needs_agreement and finite is None:  # before the clamp: an inf clamped is still an overflow
+                finite = all_finite(mean)
             if options.clip_value:  # as torch.nn.utils.clip_grad_value_, before clipping by the norm
                 mean.clamp_(-options.clip_value, options.clip_value)
+            if not options.needs_agreement:
+                return mean, RoundScalars()
             return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
+
+    def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot:
+        """:meth:`average`, then :meth:`step`: a round that needs no agreement of the shards (runs off the event
+        loop)."""
+        mean, scalars = self.average(metrics, options)
+        return self.step(metrics, mean, options, no_grad, scalars)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
              total: RoundScalars) -> Snapshot:

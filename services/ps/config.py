@@ -28,9 +28,8 @@ class PSConfig(TlsConfig, CommonConfig):
     check_finite: bool = option(True, "reject gradients holding NaN or infinity")
     max_block_numel: int = option(1 << 28, "largest block, in elements, the shard accepts")
     max_workers: int = option(4096, "largest number of workers a block may declare")
-    threads: int = option(0, "threads of the shard's arithmetic: blocks aggregated and stepped at once, and torch's "
-                             "threads within one such step (0: torch's own count, from OMP_NUM_THREADS or the "
-                             "cores, and 2 blocks at once); the data channel reads on a thread per connection")
+    threads: int = option(0, "threads of the shard's arithmetic: blocks averaged and stepped at once, each on one "
+                             "core (0: one per core); the data channel reads on a thread per connection")
     data_plane: str = option("auto", "what receives the payloads and sums the rows: native (the C extension "
                                      "pip install builds where a C compiler exists; the shard refuses to start "
                                      "without it), python, or auto (native where built, else python, logged once)")
@@ -73,7 +72,7 @@ class PSConfig(TlsConfig, CommonConfig):
                 "must lie in 1..65536 (at most --max-data-connections are used)")
         require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be positive")
         require(self.data_plane in CHOICES, "data_plane", f"must be one of {', '.join(CHOICES)}")
-        require(self.threads >= 0, "threads", "must be >= 0 (0: torch's own count)")
+        require(self.threads >= 0, "threads", "must be >= 0 (0: one per core)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "
                                                               "stays valid while the next is written)")

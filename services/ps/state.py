@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
@@ -62,7 +63,8 @@ class Shard:
         self.blocks: dict[str, BlockState] = {}
         self.counters = ShardCounters()
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
-        self._executor = concurrent.futures.ThreadPoolExecutor(threads or 2, thread_name_prefix=f"ps{index}-step")
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 2,
+                                                               thread_name_prefix=f"ps{index}-step")
         self._tasks: set[asyncio.Task[None]] = set()
         self.generation = 0
         self.expected: set[str] | None = None  # the blocks the mapping table gives this shard
@@ -343,12 +345,14 @@ class Shard:
         loop = asyncio.get_running_loop()
         total = RoundScalars()
         try:
-            mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
             if options.needs_agreement:  # every block of the job must have averaged before any steps
+                mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
                 total = await self.agreements.agree(block.round, block.meta.block_id, scalars,
                                                     self.expected or set(self.blocks))
-            snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options, no_grad,
-                                                  total)
+                snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options,
+                                                      no_grad, total)
+            else:  # one trip to a step thread
+                snapshot = await loop.run_in_executor(self._executor, block.aggregate, self.metrics, options, no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id,
                       block.round, exc)
