@@ -232,3 +232,65 @@ def _env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("IMERGE_") and k != "PYTHONPATH"}
+
+
+SGD_VARIANTS = [dict(), dict(weight_decay=0.01), dict(momentum=0.9), dict(momentum=0.9, dampening=0.2),
+                dict(momentum=0.9, nesterov=True, weight_decay=1e-3)]
+
+
+@pytest.mark.parametrize("hypers", SGD_VARIANTS, ids=lambda h: ",".join(h) or "plain")
+def test_a_blocks_native_sgd_round_gives_torchs_bits(hypers):
+    """A block's round on the native data plane (the mean, the SGD step and the snapshot in one pass per
+    piece) against the same block on the Python path (torch's add, div_ and SGD.step): equal bits over
+    rounds of changing learning rates, with three workers and pieces of odd sizes."""
+    from imerge.control.messages import RoundScalars  # noqa: F401 - the block's module needs the control plane
+    from imerge.core.optim import OptimizerSpec, hyper_delta
+    from imerge.ps.block import BlockMeta, BlockState
+    from imerge.ps.metrics import ShardCounters, ShardMetrics
+    from imerge.ps.rounds import RoundOptions
+
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    spec = OptimizerSpec("sgd", lr=0.05, **hypers)
+    meta = BlockMeta("b", "float32", 10_007, 3, spec, (1, 4_000, 6_006))
+    init = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
+    blocks = {plane: BlockState(meta, init.clone(), "d", data_plane(plane)) for plane in PLANES}
+    metrics = ShardMetrics(0, ShardCounters(), 1e4)
+    generator = torch.Generator().manual_seed(2)
+    for round_ in range(5):
+        rows = torch.randn(3, 10_007, generator=generator)
+        options = RoundOptions(hypers=hyper_delta({"lr": 0.05 / (round_ + 1)}, {"lr": 0.05}))
+        snapshots = {}
+        for plane, block in blocks.items():
+            block.grads.copy_(rows)
+            snapshots[plane] = block.aggregate(metrics, options, set())
+        assert torch.equal(bits(blocks["native"].flat), bits(blocks["python"].flat)), round_
+        assert bytes(snapshots["native"].parts[0]) == bytes(snapshots["python"].parts[0])
+    if hypers.get("momentum"):
+        for native_piece, python_piece in zip(blocks["native"].pieces, blocks["python"].pieces):
+            kept = [blocks[p].optimizer.state[piece]["momentum_buffer"]
+                    for p, piece in (("native", native_piece), ("python", python_piece))]
+            assert torch.equal(bits(kept[0]), bits(kept[1]))
+
+
+def test_a_variant_whose_probe_disagrees_steps_with_torch(monkeypatch, caplog):
+    """Where the probe of a variant finds other bits than torch's (another machine, another torch), the shard
+    steps with torch: logged once, and the result is torch's."""
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    monkeypatch.setattr(native, "_VERIFIED", {})
+    monkeypatch.setattr(native, "_probe_sgd", lambda plane, variant: False)
+    step = native.SgdStep(0.1, momentum=0.5)
+    with caplog.at_level("WARNING"):
+        assert data_plane("native").fused_sgd(step) is False
+        assert data_plane("native").fused_sgd(step) is False
+    assert sum("differs from torch's" in r.getMessage() for r in caplog.records) == 1
+    assert data_plane("python").fused_sgd(step) is False
+
+
+def test_the_probe_passes_for_every_variant_here():
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    for hypers in SGD_VARIANTS:
+        step = native.SgdStep(0.1, **hypers)
+        assert native._probe_sgd(data_plane("native"), step.variant), hypers

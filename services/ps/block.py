@@ -34,7 +34,7 @@ from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
-from imerge.core.native import DataPlane, data_plane
+from imerge.core.native import DataPlane, SgdStep, data_plane
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -92,15 +92,23 @@ class SnapshotBuffers:
     def snapshot(self, param: torch.Tensor) -> Snapshot:
         """The parameters (cast to the buffers' dtype, rounded as ``Tensor.to`` rounds) in a buffer of their
         own, until the snapshot is dropped."""
+        return self.written(lambda target: target.copy_(param))  # a param of another size raises here
+
+    def written(self, write: Callable[[torch.Tensor], object]) -> Snapshot:
+        """A snapshot of what ``write`` puts into the tensor it is given (the buffer, as the buffers' dtype)."""
         with self._lock:
             buffer = self._free.pop() if self._free else None
         if buffer is None:
             buffer = bytearray(self._nbytes)
             self.allocated += 1
-        torch.frombuffer(buffer, dtype=self._dtype).copy_(param)  # a param of another size raises here
+        write(torch.frombuffer(buffer, dtype=self._dtype))
         snapshot = Snapshot((memoryview(buffer),), self._numel, self._dtype_name, -1, self._nbytes)
         weakref.finalize(snapshot, self._give_back, buffer)
         return snapshot
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype_name
 
     def _give_back(self, buffer: bytearray) -> None:
         with self._lock:
@@ -259,9 +267,40 @@ class BlockState:
 
     def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot:
         """:meth:`average`, then :meth:`step`: a round that needs no agreement of the shards (runs off the event
-        loop)."""
+        loop); plain SGD in one native pass where the data plane gives torch's bits for it."""
+        fused = self._fused_sgd(metrics, options, no_grad)
+        if fused is not None:
+            return fused
         mean, scalars = self.average(metrics, options)
         return self.step(metrics, mean, options, no_grad, scalars)
+
+    def _fused_sgd(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot | None:
+        """The round's mean, SGD step and float32 snapshot in one pass over each piece (the native data plane's
+        ``sgd_step``); None where that does not apply: compressed or sparse blocks, options that change the
+        mean, pieces without gradient, an optimizer that is not single-tensor SGD, a momentum buffer that
+        torch's first step has not made yet, or a machine whose probe found other bits than torch's."""
+        buffers = self._buffers
+        if buffers is None or buffers.dtype != "float32" or self._grads is None or no_grad or options.assign or \
+                options.loss_scale or options.max_norm or options.clip_value:
+            return None
+        apply_hypers(self.optimizer, self.hypers, options.hypers)
+        step = SgdStep.of(self.optimizer)
+        if step is None or not self.plane.fused_sgd(step):
+            return None
+        momentum = [self.optimizer.state.get(piece, {}).get("momentum_buffer") if step.momentum else None
+                    for piece in self.pieces]
+        if step.momentum and any(buffer is None for buffer in momentum):
+            return None
+        rows = list(self.grads)
+
+        def write(snapshot: torch.Tensor) -> None:
+            with torch.no_grad():
+                for piece, buffer, (start, end) in zip(self.pieces, momentum, self.meta.bounds()):
+                    self.plane.sgd_step(piece, [row[start:end] for row in rows], self.meta.num_workers, step,
+                                        buffer, snapshot[start:end])
+
+        with metrics.optimizer_step.time():
+            return buffers.written(write)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
              total: RoundScalars) -> Snapshot:

@@ -22,6 +22,7 @@
 #define RECV_CHUNK (256 * 1024) /* bytes per recv: a chunk is checked while it is in the L2 cache */
 #define MEAN_CHUNK 2048         /* floats per pass of the mean: the running sum stays in the L1 cache */
 #define MAX_ROWS 65536
+#define MAX_SMALL_ROWS 4096     /* rows of a fused step (their chunk pointers live on the stack) */
 
 enum { RECV_DONE = 0, RECV_CLOSED = 1, RECV_TIMEOUT = 2, RECV_PAUSED = 3 };
 
@@ -191,28 +192,24 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
  * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
  * what torch.add(rows[0], rows[1], out=out), out.add_(row) for the others, then out.div_(divisor) make, in
  * one pass over the rows instead of one per operation. Returns whether every element of out is finite. */
-static PyObject *mean_rows(PyObject *self, PyObject *args) {
-    unsigned long long out_address;
-    PyObject *rows_arg;
-    Py_ssize_t numel;
-    float divisor;
-    if (!PyArg_ParseTuple(args, "KOnf", &out_address, &rows_arg, &numel, &divisor))
-        return NULL;
-    PyObject *rows_seq = PySequence_Fast(rows_arg, "mean_rows: rows must be a sequence of addresses");
+/* The float32 rows a sequence of addresses names (PyMem_Free them); NULL with an exception set. */
+static const float **parsed_rows(PyObject *rows_arg, Py_ssize_t *count, const char *what) {
+    PyObject *rows_seq = PySequence_Fast(rows_arg, "rows must be a sequence of addresses");
     if (rows_seq == NULL)
         return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(rows_seq);
-    if (count < 1 || count > MAX_ROWS || numel < 0) {
+    *count = PySequence_Fast_GET_SIZE(rows_seq);
+    if (*count < 1 || *count > MAX_ROWS) {
         Py_DECREF(rows_seq);
-        PyErr_SetString(PyExc_ValueError, "mean_rows: 1 to 65536 rows of a non-negative length");
+        PyErr_Format(PyExc_ValueError, "%s: 1 to %d rows", what, MAX_ROWS);
         return NULL;
     }
-    const float **rows = PyMem_Malloc(sizeof(float *) * (size_t)count);
+    const float **rows = PyMem_Malloc(sizeof(float *) * (size_t)*count);
     if (rows == NULL) {
         Py_DECREF(rows_seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
-    for (Py_ssize_t w = 0; w < count; w++) {
+    for (Py_ssize_t w = 0; w < *count; w++) {
         unsigned long long address = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(rows_seq, w));
         if (PyErr_Occurred()) {
             PyMem_Free(rows);
@@ -222,10 +219,117 @@ static PyObject *mean_rows(PyObject *self, PyObject *args) {
         rows[w] = (const float *)(uintptr_t)address;
     }
     Py_DECREF(rows_seq);
+    return rows;
+}
+
+/* mean_rows(out, rows, numel, divisor) -> finite
+ *
+ * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
+ * what torch.add(rows[0], rows[1], out=out), out.add_(row) for the others, then out.div_(divisor) make, in
+ * one pass over the rows instead of one per operation. Returns whether every element of out is finite. */
+static PyObject *mean_rows(PyObject *self, PyObject *args) {
+    unsigned long long out_address;
+    PyObject *rows_arg;
+    Py_ssize_t numel, count;
+    float divisor;
+    if (!PyArg_ParseTuple(args, "KOnf", &out_address, &rows_arg, &numel, &divisor))
+        return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "mean_rows: a negative length");
+        return NULL;
+    }
+    const float **rows = parsed_rows(rows_arg, &count, "mean_rows");
+    if (rows == NULL)
+        return NULL;
     float *out = (float *)(uintptr_t)out_address;
     int finite;
     Py_BEGIN_ALLOW_THREADS
     finite = mean_into(out, rows, count, numel, divisor);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(rows);
+    return PyBool_FromLong(finite);
+}
+
+/* The SGD step of torch.optim.SGD's single-tensor path, on the mean of the rows, element by element: each
+ * "a.add_(b, alpha=x)" of torch is a fused multiply-add there (its vector kernels' fmadd: fmaf here, one
+ * rounding) and each "a.mul_(x)" a product; the caller checks once per variant that this gives torch's bits on
+ * this machine (imerge/core/native.py) before it uses it. */
+typedef struct {
+    float neg_lr, weight_decay, momentum, one_minus_dampening;
+    int nesterov;
+} SgdHypers;
+
+CLONES static int sgd_into(float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel, float divisor,
+                           SgdHypers h, float *buf, float *snapshot) {
+    float mean[MEAN_CHUNK];
+    const float *chunk_rows[2];
+    int finite = 1;
+    for (Py_ssize_t start = 0; start < numel; start += MEAN_CHUNK) {
+        Py_ssize_t n = numel - start < MEAN_CHUNK ? numel - start : MEAN_CHUNK;
+        if (count <= 2) {
+            for (Py_ssize_t w = 0; w < count; w++)
+                chunk_rows[w] = rows[w] + start;
+            finite &= mean_into(mean, chunk_rows, count, n, divisor);
+        } else {
+            const float *more[MAX_SMALL_ROWS];
+            const float **shifted = count <= MAX_SMALL_ROWS ? more : NULL;
+            if (shifted == NULL)
+                return -1;
+            for (Py_ssize_t w = 0; w < count; w++)
+                shifted[w] = rows[w] + start;
+            finite &= mean_into(mean, shifted, count, n, divisor);
+        }
+        float *p = param + start, *b = buf ? buf + start : NULL, *snap = snapshot ? snapshot + start : NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float grad = mean[i];
+            if (h.weight_decay != 0.0f)
+                grad = fmaf(p[i], h.weight_decay, grad);
+            if (b != NULL) {
+                float kept = b[i] * h.momentum;
+                kept = fmaf(grad, h.one_minus_dampening, kept);
+                b[i] = kept;
+                grad = h.nesterov ? fmaf(kept, h.momentum, grad) : kept;
+            }
+            p[i] = fmaf(grad, h.neg_lr, p[i]);
+        }
+        if (snap != NULL)
+            memcpy(snap, p, (size_t)n * sizeof(float));
+    }
+    return finite;
+}
+
+/* sgd_step(param, rows, numel, divisor, neg_lr, weight_decay, momentum, one_minus_dampening, nesterov, buf,
+ *          snapshot) -> finite
+ *
+ * One pass over a piece: the rows' mean (as mean_rows makes it), then SGD's update of param (and of the
+ * momentum buffer buf, 0 without momentum), the new parameters also written to snapshot (0: none). Returns
+ * whether the mean was finite. The GIL is released throughout. */
+static PyObject *sgd_step(PyObject *self, PyObject *args) {
+    unsigned long long param_address, buf_address, snapshot_address;
+    PyObject *rows_arg;
+    Py_ssize_t numel, count;
+    float divisor;
+    SgdHypers h;
+    if (!PyArg_ParseTuple(args, "KOnfffffpKK", &param_address, &rows_arg, &numel, &divisor, &h.neg_lr,
+                          &h.weight_decay, &h.momentum, &h.one_minus_dampening, &h.nesterov, &buf_address,
+                          &snapshot_address))
+        return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "sgd_step: a negative length");
+        return NULL;
+    }
+    const float **rows = parsed_rows(rows_arg, &count, "sgd_step");
+    if (rows == NULL)
+        return NULL;
+    if (count > MAX_SMALL_ROWS) {
+        PyMem_Free(rows);
+        PyErr_Format(PyExc_ValueError, "sgd_step: at most %d rows", MAX_SMALL_ROWS);
+        return NULL;
+    }
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = sgd_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, h,
+                      (float *)(uintptr_t)buf_address, (float *)(uintptr_t)snapshot_address);
     Py_END_ALLOW_THREADS
     PyMem_Free(rows);
     return PyBool_FromLong(finite);
@@ -252,6 +356,8 @@ static PyMethodDef methods[] = {
     {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> "
                                            "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
+    {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(param, rows, numel, divisor, neg_lr, weight_decay, momentum, "
+                                         "one_minus_dampening, nesterov, buf, snapshot) -> finite"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, numel) -> bool"},
     {NULL, NULL, 0, NULL},
 };
