@@ -238,11 +238,17 @@ SGD_VARIANTS = [dict(), dict(weight_decay=0.01), dict(momentum=0.9), dict(moment
                 dict(momentum=0.9, nesterov=True, weight_decay=1e-3)]
 
 
-@pytest.mark.parametrize("hypers", SGD_VARIANTS, ids=lambda h: ",".join(h) or "plain")
-def test_a_blocks_native_sgd_round_gives_torchs_bits(hypers):
-    """A block's round on the native data plane (the mean, the SGD step and the snapshot in one pass per
-    piece) against the same block on the Python path (torch's add, div_ and SGD.step): equal bits over
-    rounds of changing learning rates, with three workers and pieces of odd sizes."""
+OPTIMIZERS = [("sgd", hypers) for hypers in SGD_VARIANTS] + [
+    ("adam", dict()), ("adam", dict(weight_decay=0.01)), ("adamw", dict(weight_decay=0.01)),
+    ("adam", dict(betas=(0.3, 0.99), eps=1e-6))]
+
+
+@pytest.mark.parametrize("name,hypers", OPTIMIZERS, ids=lambda v: v if isinstance(v, str) else ",".join(v) or "-")
+def test_a_blocks_native_step_gives_torchs_bits(name, hypers):
+    """A block's round on the native data plane (the mean, the optimizer step and the snapshot in native
+    passes per piece) against the same block on the Python path (torch's add, div_ and the optimizer's
+    step): equal bits over rounds of changing learning rates, with three workers and pieces of odd sizes
+    (the optimizer's state too)."""
     from imerge.control.messages import RoundScalars  # noqa: F401 - the block's module needs the control plane
     from imerge.core.optim import OptimizerSpec, hyper_delta
     from imerge.ps.block import BlockMeta, BlockState
@@ -251,7 +257,7 @@ def test_a_blocks_native_sgd_round_gives_torchs_bits(hypers):
 
     if not native.native_available():
         pytest.skip(native.why_unavailable())
-    spec = OptimizerSpec("sgd", lr=0.05, **hypers)
+    spec = OptimizerSpec(name, lr=0.05, **hypers)
     meta = BlockMeta("b", "float32", 10_007, 3, spec, (1, 4_000, 6_006))
     init = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
     blocks = {plane: BlockState(meta, init.clone(), "d", data_plane(plane)) for plane in PLANES}
@@ -266,11 +272,12 @@ def test_a_blocks_native_sgd_round_gives_torchs_bits(hypers):
             snapshots[plane] = block.aggregate(metrics, options, set())
         assert torch.equal(bits(blocks["native"].flat), bits(blocks["python"].flat)), round_
         assert bytes(snapshots["native"].parts[0]) == bytes(snapshots["python"].parts[0])
-    if hypers.get("momentum"):
-        for native_piece, python_piece in zip(blocks["native"].pieces, blocks["python"].pieces):
-            kept = [blocks[p].optimizer.state[piece]["momentum_buffer"]
-                    for p, piece in (("native", native_piece), ("python", python_piece))]
-            assert torch.equal(bits(kept[0]), bits(kept[1]))
+    for native_piece, python_piece in zip(blocks["native"].pieces, blocks["python"].pieces):
+        states = [blocks["native"].optimizer.state[native_piece], blocks["python"].optimizer.state[python_piece]]
+        assert states[0].keys() == states[1].keys()
+        for key, value in states[0].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, states[1][key]) and value.dtype == states[1][key].dtype, key
 
 
 def test_a_variant_whose_probe_disagrees_steps_with_torch(monkeypatch, caplog):
@@ -282,10 +289,10 @@ def test_a_variant_whose_probe_disagrees_steps_with_torch(monkeypatch, caplog):
     monkeypatch.setattr(native, "_probe_sgd", lambda plane, variant: False)
     step = native.SgdStep(0.1, momentum=0.5)
     with caplog.at_level("WARNING"):
-        assert data_plane("native").fused_sgd(step) is False
-        assert data_plane("native").fused_sgd(step) is False
+        assert data_plane("native").fused_step(step) is False
+        assert data_plane("native").fused_step(step) is False
     assert sum("differs from torch's" in r.getMessage() for r in caplog.records) == 1
-    assert data_plane("python").fused_sgd(step) is False
+    assert data_plane("python").fused_step(step) is False
 
 
 def test_the_probe_passes_for_every_variant_here():
@@ -294,3 +301,6 @@ def test_the_probe_passes_for_every_variant_here():
     for hypers in SGD_VARIANTS:
         step = native.SgdStep(0.1, **hypers)
         assert native._probe_sgd(data_plane("native"), step.variant), hypers
+    for decay, decoupled, beta1 in [(0.0, False, 0.9), (0.01, False, 0.9), (0.01, True, 0.9), (0.0, False, 0.3)]:
+        step = native.AdamStep(1e-3, beta1, 0.999, 1e-8, decay, decoupled)
+        assert native._probe_adam(data_plane("native"), step.variant), step

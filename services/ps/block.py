@@ -34,7 +34,7 @@ from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
-from imerge.core.native import DataPlane, SgdStep, data_plane
+from imerge.core.native import AdamStep, DataPlane, SgdStep, adam_step, data_plane
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -267,37 +267,44 @@ class BlockState:
 
     def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot:
         """:meth:`average`, then :meth:`step`: a round that needs no agreement of the shards (runs off the event
-        loop); plain SGD in one native pass where the data plane gives torch's bits for it."""
-        fused = self._fused_sgd(metrics, options, no_grad)
+        loop); SGD and Adam in native passes where the data plane gives torch's bits for them."""
+        fused = self._fused_step(metrics, options, no_grad)
         if fused is not None:
             return fused
         mean, scalars = self.average(metrics, options)
         return self.step(metrics, mean, options, no_grad, scalars)
 
-    def _fused_sgd(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot | None:
-        """The round's mean, SGD step and float32 snapshot in one pass over each piece (the native data plane's
-        ``sgd_step``); None where that does not apply: compressed or sparse blocks, options that change the
-        mean, pieces without gradient, an optimizer that is not single-tensor SGD, a momentum buffer that
-        torch's first step has not made yet, or a machine whose probe found other bits than torch's."""
+    def _fused_step(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot | None:
+        """The round's mean, optimizer step and float32 snapshot in native passes over each piece (SGD: one;
+        Adam: two, and torch's square root); None where that does not apply: compressed or sparse blocks,
+        options that change the mean, pieces without gradient, an optimizer other than single-tensor SGD, Adam
+        or AdamW, state that torch's first step has not made yet, or a machine whose probe of the variant
+        found other bits than torch's."""
         buffers = self._buffers
         if buffers is None or buffers.dtype != "float32" or self._grads is None or no_grad or options.assign or \
                 options.loss_scale or options.max_norm or options.clip_value:
             return None
         apply_hypers(self.optimizer, self.hypers, options.hypers)
-        step = SgdStep.of(self.optimizer)
-        if step is None or not self.plane.fused_sgd(step):
+        step = SgdStep.of(self.optimizer) or AdamStep.of(self.optimizer)
+        if step is None or not self.plane.fused_step(step):
             return None
-        momentum = [self.optimizer.state.get(piece, {}).get("momentum_buffer") if step.momentum else None
-                    for piece in self.pieces]
-        if step.momentum and any(buffer is None for buffer in momentum):
+        states = [self.optimizer.state.get(piece, {}) for piece in self.pieces]
+        needed = ("exp_avg", "exp_avg_sq", "step") if isinstance(step, AdamStep) else \
+            ("momentum_buffer",) if step.momentum else ()
+        if any(state.get(name) is None for state in states for name in needed):
             return None
         rows = list(self.grads)
 
         def write(snapshot: torch.Tensor) -> None:
             with torch.no_grad():
-                for piece, buffer, (start, end) in zip(self.pieces, momentum, self.meta.bounds()):
-                    self.plane.sgd_step(piece, [row[start:end] for row in rows], self.meta.num_workers, step,
-                                        buffer, snapshot[start:end])
+                for piece, state, (start, end) in zip(self.pieces, states, self.meta.bounds()):
+                    piece_rows = [row[start:end] for row in rows]
+                    if isinstance(step, AdamStep):
+                        adam_step(self.plane, piece, piece_rows, self.meta.num_workers, step, state,
+                                  snapshot[start:end])
+                    else:
+                        self.plane.sgd_step(piece, piece_rows, self.meta.num_workers, step,
+                                            state.get("momentum_buffer"), snapshot[start:end])
 
         with metrics.optimizer_step.time():
             return buffers.written(write)

@@ -262,23 +262,13 @@ typedef struct {
 CLONES static int sgd_into(float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel, float divisor,
                            SgdHypers h, float *buf, float *snapshot) {
     float mean[MEAN_CHUNK];
-    const float *chunk_rows[2];
+    const float *shifted[MAX_SMALL_ROWS];
     int finite = 1;
     for (Py_ssize_t start = 0; start < numel; start += MEAN_CHUNK) {
         Py_ssize_t n = numel - start < MEAN_CHUNK ? numel - start : MEAN_CHUNK;
-        if (count <= 2) {
-            for (Py_ssize_t w = 0; w < count; w++)
-                chunk_rows[w] = rows[w] + start;
-            finite &= mean_into(mean, chunk_rows, count, n, divisor);
-        } else {
-            const float *more[MAX_SMALL_ROWS];
-            const float **shifted = count <= MAX_SMALL_ROWS ? more : NULL;
-            if (shifted == NULL)
-                return -1;
-            for (Py_ssize_t w = 0; w < count; w++)
-                shifted[w] = rows[w] + start;
-            finite &= mean_into(mean, shifted, count, n, divisor);
-        }
+        for (Py_ssize_t w = 0; w < count; w++)
+            shifted[w] = rows[w] + start;
+        finite &= mean_into(mean, shifted, count, n, divisor);
         float *p = param + start, *b = buf ? buf + start : NULL, *snap = snapshot ? snapshot + start : NULL;
         for (Py_ssize_t i = 0; i < n; i++) {
             float grad = mean[i];
@@ -335,6 +325,101 @@ static PyObject *sgd_step(PyObject *self, PyObject *args) {
     return PyBool_FromLong(finite);
 }
 
+/* Adam's moments on the rows' mean, torch.optim.Adam's (and AdamW's) single-tensor order: the weight decay
+ * (AdamW: param.mul_(decay_mul) first; Adam: grad.add(param, alpha=weight_decay)), exp_avg.lerp_(grad, w1),
+ * exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=omb2), as torch's vector kernels round them (lerp and
+ * addcmul fused multiply-adds). The square root is torch's own (its vector library's rounding); then
+ * adam_update. The caller probes each variant against torch first (imerge/core/native.py). */
+CLONES static int adam_moments_into(float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel,
+                                    float divisor, float weight_decay, float decay_mul, float w1, float beta2,
+                                    float omb2, float *exp_avg, float *exp_avg_sq) {
+    float mean[MEAN_CHUNK];
+    const float *shifted[MAX_SMALL_ROWS];
+    int finite = 1;
+    for (Py_ssize_t start = 0; start < numel; start += MEAN_CHUNK) {
+        Py_ssize_t n = numel - start < MEAN_CHUNK ? numel - start : MEAN_CHUNK;
+        for (Py_ssize_t w = 0; w < count; w++)
+            shifted[w] = rows[w] + start;
+        finite &= mean_into(mean, shifted, count, n, divisor);
+        float *p = param + start, *m = exp_avg + start, *v = exp_avg_sq + start;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            float grad = mean[i];
+            if (decay_mul != 0.0f)
+                p[i] = p[i] * decay_mul;
+            else if (weight_decay != 0.0f)
+                grad = fmaf(p[i], weight_decay, grad);
+            float difference = grad - m[i];
+            m[i] = fabsf(w1) < 0.5f ? fmaf(w1, difference, m[i]) : fmaf(w1 - 1.0f, difference, grad);
+            v[i] = fmaf(omb2 * grad, grad, v[i] * beta2);
+        }
+    }
+    return finite;
+}
+
+/* param += (neg_step * exp_avg) / (root / bc2_sqrt + eps), as torch's div, add_ and addcdiv_ round them; the
+ * new parameters also into snapshot (NULL: none). root: torch's exp_avg_sq.sqrt(). */
+CLONES static void adam_update_into(float *param, const float *exp_avg, const float *root, Py_ssize_t numel,
+                                    float bc2_sqrt, float eps, float neg_step, float *snapshot) {
+    for (Py_ssize_t i = 0; i < numel; i++) {
+        float denom = root[i] / bc2_sqrt + eps;
+        param[i] = param[i] + (neg_step * exp_avg[i]) / denom;
+    }
+    if (snapshot != NULL)
+        memcpy(snapshot, param, (size_t)numel * sizeof(float));
+}
+
+/* adam_moments(param, rows, numel, divisor, weight_decay, decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq)
+ * -> finite (of the mean) */
+static PyObject *adam_moments(PyObject *self, PyObject *args) {
+    unsigned long long param_address, exp_avg_address, exp_avg_sq_address;
+    PyObject *rows_arg;
+    Py_ssize_t numel, count;
+    float divisor, weight_decay, decay_mul, w1, beta2, omb2;
+    if (!PyArg_ParseTuple(args, "KOnffffffKK", &param_address, &rows_arg, &numel, &divisor, &weight_decay,
+                          &decay_mul, &w1, &beta2, &omb2, &exp_avg_address, &exp_avg_sq_address))
+        return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "adam_moments: a negative length");
+        return NULL;
+    }
+    const float **rows = parsed_rows(rows_arg, &count, "adam_moments");
+    if (rows == NULL)
+        return NULL;
+    if (count > MAX_SMALL_ROWS) {
+        PyMem_Free(rows);
+        PyErr_Format(PyExc_ValueError, "adam_moments: at most %d rows", MAX_SMALL_ROWS);
+        return NULL;
+    }
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = adam_moments_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, weight_decay,
+                               decay_mul, w1, beta2, omb2, (float *)(uintptr_t)exp_avg_address,
+                               (float *)(uintptr_t)exp_avg_sq_address);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(rows);
+    return PyBool_FromLong(finite);
+}
+
+/* adam_update(param, exp_avg, root, numel, bc2_sqrt, eps, neg_step, snapshot) */
+static PyObject *adam_update(PyObject *self, PyObject *args) {
+    unsigned long long param_address, exp_avg_address, root_address, snapshot_address;
+    Py_ssize_t numel;
+    float bc2_sqrt, eps, neg_step;
+    if (!PyArg_ParseTuple(args, "KKKnfffK", &param_address, &exp_avg_address, &root_address, &numel, &bc2_sqrt,
+                          &eps, &neg_step, &snapshot_address))
+        return NULL;
+    if (numel < 0) {
+        PyErr_SetString(PyExc_ValueError, "adam_update: a negative length");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    adam_update_into((float *)(uintptr_t)param_address, (const float *)(uintptr_t)exp_avg_address,
+                     (const float *)(uintptr_t)root_address, numel, bc2_sqrt, eps, neg_step,
+                     (float *)(uintptr_t)snapshot_address);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* all_finite(address, numel) -> whether the numel float32 elements at address are all finite (GIL released). */
 static PyObject *all_finite(PyObject *self, PyObject *args) {
     unsigned long long address;
@@ -356,6 +441,10 @@ static PyMethodDef methods[] = {
     {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> "
                                            "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
+    {"adam_moments", adam_moments, METH_VARARGS, "adam_moments(param, rows, numel, divisor, weight_decay, "
+                                                 "decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq) -> finite"},
+    {"adam_update", adam_update, METH_VARARGS, "adam_update(param, exp_avg, root, numel, bc2_sqrt, eps, neg_step, "
+                                               "snapshot)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(param, rows, numel, divisor, neg_lr, weight_decay, momentum, "
                                          "one_minus_dampening, nesterov, buf, snapshot) -> finite"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, numel) -> bool"},

@@ -96,24 +96,26 @@ class DataPlane:
         return _finite(out)
 
 
-    def fused_sgd(self, step: "SgdStep") -> bool:
-        """Whether :meth:`sgd_step` may run ``step``'s variant here: the extension is built, and a probe of that
-        variant (weight decay, momentum, Nesterov) gave torch.optim.SGD's bits on this machine."""
+    def fused_step(self, step: "SgdStep | AdamStep") -> bool:
+        """Whether the native step may run ``step``'s variant here: the extension is built, and a probe of that
+        variant (SGD: weight decay, momentum, dampening, Nesterov; Adam: weight decay, AdamW's) gave torch's
+        bits on this machine (once per variant and process)."""
         if self._native is None:
             return False
         variant = step.variant
         if variant not in _VERIFIED:
-            _VERIFIED[variant] = _probe_sgd(self, variant)
+            probe = _probe_adam if isinstance(step, AdamStep) else _probe_sgd
+            _VERIFIED[variant] = probe(self, variant)  # type: ignore[arg-type]
             if not _VERIFIED[variant]:
-                log.warning("the native SGD step %s differs from torch's on this machine: the shards step with "
-                            "torch (slower)", variant)
+                log.warning("the native optimizer step %s differs from torch's on this machine: the shards step "
+                            "with torch (slower)", variant)
         return _VERIFIED[variant]
 
     def sgd_step(self, param: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int, step: "SgdStep",
                  buffer: torch.Tensor | None, snapshot: torch.Tensor | None) -> bool:
         """One pass: the rows' mean (as :meth:`mean_rows`), then ``step`` applied to ``param`` (and to the
         momentum ``buffer``) as torch.optim.SGD's single-tensor path does, the new parameters also written into
-        ``snapshot``; return whether the mean was finite. Only where :meth:`fused_sgd` said so."""
+        ``snapshot``; return whether the mean was finite. Only where :meth:`fused_step` said so."""
         if self._native is None:
             raise InvalidArgument("sgd_step needs the native data plane")
         tensors = [param, *rows, *(t for t in (buffer, snapshot) if t is not None)]
@@ -156,7 +158,7 @@ class SgdStep:
         return self.weight_decay != 0, self.momentum != 0, self.dampening != 0, self.nesterov
 
 
-_VERIFIED: dict[tuple[bool, bool, bool, bool], bool] = {}
+_VERIFIED: dict[tuple[object, ...], bool] = {}
 
 
 def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool:
@@ -189,6 +191,100 @@ def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool
         kept = optimizer.state[theirs].get("momentum_buffer")
         if not (_same(ours, theirs.detach()) and _same(snapshot, ours) and
                 (buffer is None or (kept is not None and _same(buffer, kept)))):
+            return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamStep:
+    """The hyperparameters of one step of ``torch.optim.Adam`` or ``AdamW`` that the native step can take."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    decoupled: bool = False  # AdamW's weight decay
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> "AdamStep | None":
+        """The step ``optimizer`` would take (its one group), or None where it is not a plain single-tensor
+        Adam or AdamW step (amsgrad, maximize, capturable, differentiable, foreach, fused, tensor values)."""
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or len(optimizer.param_groups) != 1:
+            return None
+        group = optimizer.param_groups[0]
+        if any(group.get(flag) for flag in ("amsgrad", "maximize", "capturable", "differentiable", "foreach",
+                                            "fused")):
+            return None
+        betas = group.get("betas")
+        values = [group.get("lr"), *(betas if isinstance(betas, tuple) else (None, None)), group.get("eps"),
+                  group.get("weight_decay", 0.0)]
+        if not all(type(v) in (float, int) for v in values):
+            return None
+        lr, beta1, beta2, eps, weight_decay = (float(v) for v in values)
+        decoupled = bool(group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW))
+        return cls(lr, beta1, beta2, eps, weight_decay, decoupled)
+
+    @property
+    def variant(self) -> tuple[str, bool, bool, bool]:
+        return "adam", self.weight_decay != 0, self.decoupled, abs(1 - self.beta1) < 0.5
+
+
+def adam_step(plane: DataPlane, param: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int, step: AdamStep,
+              state: dict[str, torch.Tensor], snapshot: torch.Tensor | None) -> bool:
+    """One Adam step of ``param`` on the rows' mean, as torch.optim.Adam's single-tensor path makes it (its
+    ``step``, ``exp_avg`` and ``exp_avg_sq`` in ``state``, made by torch's first step): the moments in a
+    native pass, torch's square root, the update and the snapshot in a second pass. Returns whether the mean
+    was finite. Only where :meth:`DataPlane.fused_step` said so."""
+    native = plane._native
+    if native is None:
+        raise InvalidArgument("adam_step needs the native data plane")
+    exp_avg, exp_avg_sq, count = state["exp_avg"], state["exp_avg_sq"], state["step"]
+    tensors = [param, *rows, exp_avg, exp_avg_sq, *(t for t in (snapshot,) if t is not None)]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != param.numel() for t in tensors):
+        raise InvalidArgument(f"adam_step: tensors that are not contiguous float32 of {param.numel()} elements")
+    count += 1
+    decay_mul = 1 - step.lr * step.weight_decay if step.decoupled and step.weight_decay else 0.0
+    finite = bool(native.adam_moments(param.data_ptr(), [row.data_ptr() for row in rows], param.numel(),
+                                      float(divisor), 0.0 if step.decoupled else step.weight_decay, decay_mul,
+                                      1 - step.beta1, step.beta2, 1 - step.beta2, exp_avg.data_ptr(),
+                                      exp_avg_sq.data_ptr()))
+    number = count.item()
+    bias_correction1, bias_correction2 = 1 - step.beta1 ** number, 1 - step.beta2 ** number
+    root = exp_avg_sq.sqrt()
+    native.adam_update(param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), param.numel(),
+                       bias_correction2 ** 0.5, step.eps, -(step.lr / bias_correction1),
+                       snapshot.data_ptr() if snapshot is not None else 0)
+    return finite
+
+
+def _probe_adam(plane: DataPlane, variant: tuple[str, bool, bool, bool]) -> bool:
+    """Whether the native Adam step gives torch's bits for ``variant``: as :func:`_probe_sgd`, four steps."""
+    _, decay, decoupled, small_weight = variant
+    generator = torch.Generator().manual_seed(47)
+    numel, workers = 4099, 3
+    step = AdamStep(0.0031, 0.9 if small_weight else 0.3, 0.997, 1e-7, 0.013 if decay else 0.0, decoupled)
+    ours = torch.randn(numel, generator=generator)
+    theirs = torch.nn.Parameter(ours.clone())
+    optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
+        [theirs], lr=step.lr, betas=(step.beta1, step.beta2), eps=step.eps, weight_decay=step.weight_decay)
+    state: dict[str, torch.Tensor] = {}
+    mean = torch.empty(numel)
+    for index in range(4):
+        rows = [torch.randn(numel, generator=generator) * 10.0 ** (worker - 1) for worker in range(workers)]
+        DataPlane(None).mean_rows(mean, rows, workers)
+        theirs.grad = mean.clone()
+        with torch.no_grad():
+            optimizer.step()
+        if index == 0:
+            ours.copy_(theirs.detach())
+            state = {name: value.clone() for name, value in optimizer.state[theirs].items()}
+            continue
+        snapshot = torch.empty(numel)
+        adam_step(plane, ours, rows, workers, step, state, snapshot)
+        kept = optimizer.state[theirs]
+        if not (_same(ours, theirs.detach()) and _same(snapshot, ours) and
+                all(_same(state[name], kept[name]) for name in ("exp_avg", "exp_avg_sq", "step"))):
             return False
     return True
 
