@@ -287,25 +287,6 @@ def test_a_pull_on_the_channel_waits_for_the_round_and_names_what_is_missing(sha
     assert (kind, error) == (Kind.ERROR, "InvalidArgument") and "asked for twice" in message
 
 
-def test_the_client_turns_a_refusal_into_the_shards_error_class(shard):
-    async def run():
-        client = ShardClient(shard.address, data_path="socket")
-        try:
-            with pytest.raises(FailedPrecondition, match="current round is 0") as refused:
-                await client.push([PushItem(BLOCK, torch.ones(NUMEL), 3)], 0, timeout_s=10)
-            assert refused.value.address == shard.address
-            with pytest.raises(NotFound):
-                await client.pull_into([("nope", torch.empty(NUMEL))], 0, 0, 1)
-            with pytest.raises(FutureGeneration, match="generation 7"):
-                await client.push([PushItem(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10, generation=7)
-            reply = await client.push([PushItem(BLOCK, torch.ones(NUMEL), 0)], 0, timeout_s=10)  # the client still works
-            assert reply.results[0].pushed == 1
-        finally:
-            await client.close()
-
-    asyncio.run(run())
-
-
 def test_a_cancelled_pull_ends_its_connection_and_the_client_goes_on(shard):
     async def run():
         client = ShardClient(shard.address, data_path="socket")

@@ -34,7 +34,7 @@ from imerge.control.messages import RoundScalars
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
-from imerge.core.native import AdamStep, DataPlane, SgdStep, adam_step, data_plane
+from imerge.core.native import MAX_FUSED_ROWS, AdamStep, DataPlane, SgdStep, adam_step, data_plane
 from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
@@ -282,7 +282,8 @@ class BlockState:
         found other bits than torch's."""
         buffers = self._buffers
         if buffers is None or buffers.dtype != "float32" or self._grads is None or no_grad or options.assign or \
-                options.loss_scale or options.max_norm or options.clip_value:
+                options.loss_scale or options.max_norm or options.clip_value or \
+                self.meta.num_workers > MAX_FUSED_ROWS:
             return None
         apply_hypers(self.optimizer, self.hypers, options.hypers)
         step = SgdStep.of(self.optimizer) or AdamStep.of(self.optimizer)

@@ -27,27 +27,19 @@ from typing import Any
 
 import torch
 
-from imerge.core.codec import PayloadReceiver, tensor_view
+from imerge.core.codec import tensor_view
 from imerge.core.compression import Payload
 from imerge.core.errors import Busy, DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, read_exact, read_header, read_meta,
                                   send_frame)
-from imerge.wire.encoding import DTYPE_ENUM, dtype_name, encoding_fields, nnz_of
+from imerge.wire.encoding import DTYPE_ENUM, encoding_fields
 from imerge.wire.rpc import ps_pb2
 
 from .items import PushItem
+from .pulled import PulledBlocks, apply_payload
 
 log = logging.getLogger(__name__)
 OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
-
-
-def apply_payload(target: torch.Tensor, payload: Payload) -> None:
-    """A pulled compressed block into its target: widened, or a sparse update written at its indices (the
-    other elements keep what the worker holds, which is what the shard last sent)."""
-    if payload.sparse:
-        target[payload.index.long()] = payload.values.float()
-    else:
-        target.copy_(payload.values)
 
 
 class CallThreads:
@@ -272,45 +264,32 @@ class SocketDataPath:
 
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
                                      timeout_s=timeout_s, generation=generation)
-        rounds = await self._call(worker, generation, timeout_s + 5.0, self._pull, request, dict(targets),
-                                  lambda item: loop.call_soon_threadsafe(arrived, item))
+        pulled = PulledBlocks(targets, "pull", self.address)
+        await self._call(worker, generation, timeout_s + 5.0, self._pull, request, pulled,
+                         lambda item: loop.call_soon_threadsafe(arrived, item))
         if failures:
             raise failures[0]
-        return [rounds[block_id] for block_id, _ in targets]
+        return pulled.finish()
 
-    def _pull(self, sock: socket.socket, request: ps_pb2.PullRequest, targets: dict[str, torch.Tensor],
-              notify: Callable[[Any], Any]) -> dict[str, int]:
+    def _pull(self, sock: socket.socket, request: ps_pb2.PullRequest, pulled: PulledBlocks,
+              notify: Callable[[Any], Any]) -> None:
         send_frame(sock, Kind.PULL, request)
-        rounds: dict[str, int] = {}
-        while len(rounds) < len(targets):
+        while not pulled.complete:
             frame = self._expect(sock, Kind.BLOCK, "pull")
             if frame.kind == Kind.END:
-                raise InvalidArgument(f"pull: the shard sent {len(rounds)} of {len(targets)} blocks; missing "
-                                      f"{sorted(set(targets) - set(rounds))}", address=self.address)
+                pulled.finish()  # raises: blocks are missing
             meta = read_meta(sock, frame, ps_pb2.TensorMeta, "pull")
-            self._receive_block(sock, frame.payload_len, meta, targets, rounds)
+            self._receive_block(sock, frame.payload_len, meta, pulled)
             notify((meta.block_id, meta.round, meta))
         self._expect(sock, Kind.END, "pull")
-        return rounds
 
-    def _receive_block(self, sock: socket.socket, nbytes: int, meta: ps_pb2.TensorMeta,
-                       targets: dict[str, torch.Tensor], rounds: dict[str, int]) -> None:
-        block_id, what = meta.block_id, f"pull: block {meta.block_id}"
-        target = targets.get(block_id)
-        if target is None or block_id in rounds:
-            raise InvalidArgument(f"pull: the shard sent block {block_id!r}, which was not asked for or came twice",
-                                  address=self.address)
-        if meta.numel != target.numel():
-            raise InvalidArgument(f"{what} has {meta.numel} elements, expected {target.numel()}",
-                                  address=self.address)
-        dense = meta.dtype == ps_pb2.FLOAT32 and meta.encoding == ps_pb2.DENSE
-        receiver = None if dense else PayloadReceiver(target.numel(), dtype_name(meta.dtype, what), nnz_of(meta),
-                                                      what)
+    def _receive_block(self, sock: socket.socket, nbytes: int, meta: ps_pb2.TensorMeta, pulled: PulledBlocks) -> None:
+        target = pulled.target(meta)
+        receiver = pulled.receiver(meta, target)
         place = tensor_view(target) if receiver is None else tensor_view(receiver.buffer)
+        what = f"pull: block {meta.block_id}"
         if nbytes != len(place):
             raise InvalidArgument(f"{what}: {nbytes} bytes of payload, expected {len(place)}", address=self.address)
         read_exact(sock, place, what)
         if receiver is not None:
             apply_payload(target, receiver.finish(fed=False))
-        rounds[block_id] = meta.round
-

@@ -1,7 +1,10 @@
-"""What a push stream carries of each block: typed, for the gRPC stream and the data channel alike."""
+"""What a push carries of each block, and the interface of what carries it: typed, for every data path."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -36,3 +39,29 @@ class PushItem:
     @property
     def payload(self) -> Payload:
         return self.grad if isinstance(self.grad, Payload) else Payload(self.grad)
+
+
+BlockArrived = Callable[[str, int, Any], None]  # (block id, its new round, its meta), as soon as it is in place
+
+
+class DataPath(Protocol):
+    """What carries one shard's pushes and pulls: the data channel (:class:`~.datachannel.SocketDataPath`, the
+    default) or gRPC's streams (:class:`~.transport.GrpcDataPath`). Every implementation keeps one contract,
+    which ``tests/test_datapath_contract.py`` runs over each: a push's blocks counted in order and acknowledged
+    per block (a retry of the same bytes a duplicate, other bytes a second writer), each pulled block written
+    into its target as soon as its round completes, refusals raised as the shard's error class before a byte
+    of a refused payload is applied, deadlines that name what was waited for."""
+
+    address: str
+
+    async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0,
+                   fence: int = 0, lane: int = 0, written: asyncio.Event | None = None) -> Any:
+        """Push the blocks' gradients in one call (``written`` set once the last byte is handed over); return
+        the shard's ``PushReply``."""
+
+    async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
+                        generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
+        """Wait for ``round_`` of the blocks, each written into its target as it comes (``on_block`` told);
+        return the new rounds in the targets' order."""
+
+    async def close(self) -> None: ...

@@ -16,22 +16,20 @@ from typing import Any
 import grpc
 import torch
 
-from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, PayloadReceiver, tensor_view
+from imerge.core.codec import CHUNK_BYTES, ChunkAssembler, tensor_view
 from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
 from imerge.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME
-from imerge.wire.encoding import dtype_name, nnz_of
 from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials, client_ssl_context
 
-from .datachannel import SocketDataPath, apply_payload, push_header
-from .items import PushItem
+from .datachannel import SocketDataPath, push_header
+from .items import BlockArrived, DataPath, PushItem
+from .pulled import PulledBlocks, apply_payload
 
-# (block id, its new round, its meta), as soon as a pulled block is in place
-BlockArrived = Callable[[str, int, Any], None]
 OPEN_CHANNEL_TIMEOUT_S = 30.0
 
 
@@ -46,25 +44,100 @@ def _translated(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class BlockReceiver:
-    """A compressed block on its way into its target: fp16/bf16 parameters widened, or a sparse update written
-    at its indices (the other elements keep what the worker holds, which is what the shard last sent)."""
+class _Incoming:
+    """One pulled block's data chunks on their way into its target (a compressed block: into a buffer first,
+    applied when whole)."""
 
-    def __init__(self, meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str):
-        self._target = target
-        self._receiver = PayloadReceiver(target.numel(), dtype_name(meta.dtype, what), nnz_of(meta), what)
+    def __init__(self, pulled: PulledBlocks, meta: ps_pb2.TensorMeta, on_block: BlockArrived | None):
+        self.meta, self._on_block = meta, on_block
+        self._target = pulled.target(meta)
+        self._receiver = pulled.receiver(meta, self._target)
+        self._assembler = ChunkAssembler(self._target, f"{pulled.address}: {pulled.what}: block {meta.block_id}") \
+            if self._receiver is None else None
 
     def feed(self, data: bytes) -> None:
-        self._receiver.feed(data)
+        if self._assembler is not None:
+            self._assembler.feed(data)
+        else:
+            assert self._receiver is not None
+            self._receiver.feed(data)
 
     def finish(self) -> None:
-        apply_payload(self._target, self._receiver.finish())
+        if self._assembler is not None:
+            self._assembler.finish()
+        else:
+            assert self._receiver is not None
+            apply_payload(self._target, self._receiver.finish())
+        if self._on_block is not None:
+            self._on_block(self.meta.block_id, self.meta.round, self.meta)
 
 
-def receiver_for(meta: ps_pb2.TensorMeta, target: torch.Tensor, what: str) -> ChunkAssembler | BlockReceiver:
-    if meta.dtype == ps_pb2.FLOAT32 and meta.encoding == ps_pb2.DENSE:
-        return ChunkAssembler(target, what)  # straight into the parameters
-    return BlockReceiver(meta, target, what)
+async def receive_into(call: Any, pulled: PulledBlocks, on_block: BlockArrived | None = None) -> list[int]:
+    """Read a Pull's or Fetch's (meta, data...) per block into its target, in whatever order the shard answers
+    them (a pull sends each block as soon as its round completes); ``on_block(block_id, round, meta)`` as each
+    block is complete. Return each target's round, in the targets' order."""
+    current: _Incoming | None = None
+    async for chunk in call:
+        if chunk.WhichOneof("part") == "meta":
+            if current is not None:
+                current.finish()
+            current = _Incoming(pulled, chunk.meta, on_block)
+        elif current is None:
+            raise InvalidArgument(f"{pulled.what}: the shard's reply did not start with a block's meta",
+                                  address=pulled.address)
+        else:
+            current.feed(chunk.data)
+    if current is not None:
+        current.finish()
+    return pulled.finish()
+
+
+class GrpcDataPath:
+    """Pushes and pulls of one shard on gRPC's streams (``--data-path grpc``): a push stream of a header and
+    1 MiB data frames per block, a pull answered block by block as each completes."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel):
+        self.address = address
+        method = f"/{SERVICE_NAME}/"  # the data-carrying methods with the lean encoding of imerge.wire.frames
+        self._push = channel.stream_unary(method + "Push", request_serializer=serialize,
+                                          response_deserializer=ps_pb2.PushReply.FromString)
+        self._pull = channel.unary_stream(method + "Pull", request_serializer=serialize,
+                                          response_deserializer=deserializer(ps_pb2.TensorChunk))
+
+    async def close(self) -> None:
+        """Nothing of its own: it rides on the client's channel."""
+
+    async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0,
+                   fence: int = 0, lane: int = 0, written: asyncio.Event | None = None) -> ps_pb2.PushReply:
+        async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
+            for item in blocks:
+                payload = item.payload
+                yield ps_pb2.PushChunk(header=push_header(item.block_id, payload, item.round, item.options, worker,
+                                                          generation, fence, lane))
+                for part in payload.parts():
+                    for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
+                        yield frame
+            if written is not None:
+                written.set()
+
+        try:
+            reply: ps_pb2.PushReply = await self._push(segments(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc, self.address) from None
+        return reply
+
+    async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
+                        generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
+        request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
+                                     timeout_s=timeout_s, generation=generation)
+        call = self._pull(request, timeout=timeout_s + 5.0)
+        try:
+            return await receive_into(call, PulledBlocks(targets, "pull", self.address), on_block)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc, self.address) from None
+        except BaseException:  # refused, or cancelled: the shard stops waiting for it too
+            call.cancel()
+            raise
 
 
 class ShardClient:
@@ -81,20 +154,15 @@ class ShardClient:
         method = f"/{SERVICE_NAME}/"
         self._init = self._channel.stream_unary(method + "InitBlock", request_serializer=serialize,
                                                 response_deserializer=ps_pb2.InitBlockReply.FromString)
-        self._push = self._channel.stream_unary(method + "Push", request_serializer=serialize,
-                                                response_deserializer=ps_pb2.PushReply.FromString)
-        tensor_chunks = deserializer(ps_pb2.TensorChunk)
-        self._pull = self._channel.unary_stream(method + "Pull", request_serializer=serialize,
-                                                response_deserializer=tensor_chunks)
         self._fetch = self._channel.unary_stream(method + "Fetch", request_serializer=serialize,
-                                                 response_deserializer=tensor_chunks)
-        self._data = (SocketDataPath(address, self.open_channel,
-                                     client_ssl_context(tls) if tls is not None and tls.tls_client else None)
-                      if data_path == "socket" else None)
+                                                 response_deserializer=deserializer(ps_pb2.TensorChunk))
+        self._data: DataPath = (SocketDataPath(address, self.open_channel,
+                                               client_ssl_context(tls) if tls is not None and tls.tls_client
+                                               else None)
+                                if data_path == "socket" else GrpcDataPath(address, self._channel))
 
     async def close(self) -> None:
-        if self._data is not None:
-            await self._data.close()
+        await self._data.close()
         await self._channel.close(grace=None)
 
     @_translated
@@ -121,88 +189,19 @@ class ShardClient:
         reply: ps_pb2.InitBlockReply = await self._init(chunks(), timeout=timeout_s)
         return reply
 
-    @_translated
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float,
                    generation: int = 0, fence: int = 0, lane: int = 0,
                    written: asyncio.Event | None = None) -> ps_pb2.PushReply:
-        """Push several blocks' gradients in one stream: a header, then the data, per block. ``written`` is set
-        once the last data has been handed to gRPC."""
-        if self._data is not None:
-            return await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written)
-
-        async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
-            for item in blocks:
-                payload = item.payload
-                yield ps_pb2.PushChunk(header=push_header(item.block_id, payload, item.round, item.options, worker,
-                                                          generation, fence, lane))
-                for part in payload.parts():
-                    for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
-                        yield frame
-            if written is not None:
-                written.set()
-
-        reply: ps_pb2.PushReply = await self._push(segments(), timeout=timeout_s)
+        """Push several blocks' gradients in one call: a header, then the data, per block. ``written`` is set
+        once the last data has been handed to the data path."""
+        reply: ps_pb2.PushReply = await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written)
         return reply
 
-    async def _receive_into(self, call: Any, targets: list[tuple[str, torch.Tensor]], what: str,
-                            on_block: BlockArrived | None = None) -> list[int]:
-        """Read (meta, data...) per block into its target, in whatever order the shard answers them (a pull
-        sends each block as soon as its round completes); call ``on_block(block_id, round, meta)`` as each block
-        is complete. Return each target's round, in the targets' order."""
-        pending = dict(targets)
-        rounds: dict[str, int] = {}
-        metas: dict[str, ps_pb2.TensorMeta] = {}
-        current: tuple[str, ChunkAssembler | BlockReceiver] | None = None
-
-        def finish() -> None:
-            if current is None:
-                return
-            block_id, assembler = current
-            assembler.finish()
-            if on_block is not None:
-                on_block(block_id, rounds[block_id], metas[block_id])
-
-        async for chunk in call:
-            if chunk.WhichOneof("part") == "meta":
-                if current is not None:
-                    finish()
-                block_id = chunk.meta.block_id
-                target = pending.pop(block_id, None)
-                if target is None:
-                    raise InvalidArgument(f"{what}: the shard sent block {block_id!r}, which was not asked for "
-                                          f"or came twice", address=self.address)
-                if chunk.meta.numel != target.numel():
-                    raise InvalidArgument(f"{what}: block {block_id} has {chunk.meta.numel} elements, "
-                                          f"expected {target.numel()}", address=self.address)
-                current = block_id, receiver_for(chunk.meta, target, f"{self.address}: {what}: block {block_id}")
-                rounds[block_id], metas[block_id] = chunk.meta.round, chunk.meta
-            elif current is None:
-                raise InvalidArgument(f"{what}: the shard's reply did not start with a block's meta",
-                                      address=self.address)
-            else:
-                current[1].feed(chunk.data)
-        if current is not None:
-            finish()
-        if pending:
-            raise InvalidArgument(f"{what}: the shard sent {len(rounds)} of {len(targets)} blocks; missing "
-                                  f"{sorted(pending)}", address=self.address)
-        return [rounds[block_id] for block_id, _ in targets]
-
-    @_translated
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int,
                         timeout_s: float, generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
         """Wait for ``round_`` of the blocks, writing each block's parameters into its target as soon as the shard
         completes it (``on_block`` is told); return the new rounds. May be issued while the push is in flight."""
-        if self._data is not None:
-            return await self._data.pull_into(targets, worker, round_, timeout_s, generation, on_block)
-        request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
-                                     timeout_s=timeout_s, generation=generation)
-        call = self._pull(request, timeout=timeout_s + 5.0)
-        try:
-            return await self._receive_into(call, targets, "pull", on_block)
-        except BaseException:  # refused, or cancelled: the shard stops waiting for it too
-            call.cancel()
-            raise
+        return await self._data.pull_into(targets, worker, round_, timeout_s, generation, on_block)
 
     @_translated
     async def fetch_into(self, targets: list[tuple[str, torch.Tensor]], timeout_s: float,
@@ -210,7 +209,7 @@ class ShardClient:
         """The blocks' current parameters; waits up to ``timeout_s`` for an unreachable shard to come back."""
         call = self._fetch(ps_pb2.FetchRequest(block_ids=[b for b, _ in targets], generation=generation),
                            timeout=timeout_s, wait_for_ready=True)
-        return await self._receive_into(call, targets, "fetch")
+        return await receive_into(call, PulledBlocks(targets, "fetch", self.address))
 
     @_translated
     async def export_blocks(self, block_ids: list[str], timeout_s: float, generation: int = 0) -> dict[str, bytes]:

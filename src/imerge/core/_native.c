@@ -192,15 +192,16 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
  * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
  * what torch.add(rows[0], rows[1], out=out), out.add_(row) for the others, then out.div_(divisor) make, in
  * one pass over the rows instead of one per operation. Returns whether every element of out is finite. */
-/* The float32 rows a sequence of addresses names (PyMem_Free them); NULL with an exception set. */
-static const float **parsed_rows(PyObject *rows_arg, Py_ssize_t *count, const char *what) {
+/* The float32 rows a sequence of addresses names, at most most of them (PyMem_Free them); NULL with an
+ * exception set. */
+static const float **parsed_rows(PyObject *rows_arg, Py_ssize_t *count, const char *what, Py_ssize_t most) {
     PyObject *rows_seq = PySequence_Fast(rows_arg, "rows must be a sequence of addresses");
     if (rows_seq == NULL)
         return NULL;
     *count = PySequence_Fast_GET_SIZE(rows_seq);
-    if (*count < 1 || *count > MAX_ROWS) {
+    if (*count < 1 || *count > most) {
         Py_DECREF(rows_seq);
-        PyErr_Format(PyExc_ValueError, "%s: 1 to %d rows", what, MAX_ROWS);
+        PyErr_Format(PyExc_ValueError, "%s: 1 to %zd rows", what, most);
         return NULL;
     }
     const float **rows = PyMem_Malloc(sizeof(float *) * (size_t)*count);
@@ -238,7 +239,7 @@ static PyObject *mean_rows(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "mean_rows: a negative length");
         return NULL;
     }
-    const float **rows = parsed_rows(rows_arg, &count, "mean_rows");
+    const float **rows = parsed_rows(rows_arg, &count, "mean_rows", MAX_ROWS);
     if (rows == NULL)
         return NULL;
     float *out = (float *)(uintptr_t)out_address;
@@ -308,14 +309,9 @@ static PyObject *sgd_step(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sgd_step: a negative length");
         return NULL;
     }
-    const float **rows = parsed_rows(rows_arg, &count, "sgd_step");
+    const float **rows = parsed_rows(rows_arg, &count, "sgd_step", MAX_SMALL_ROWS);
     if (rows == NULL)
         return NULL;
-    if (count > MAX_SMALL_ROWS) {
-        PyMem_Free(rows);
-        PyErr_Format(PyExc_ValueError, "sgd_step: at most %d rows", MAX_SMALL_ROWS);
-        return NULL;
-    }
     int finite;
     Py_BEGIN_ALLOW_THREADS
     finite = sgd_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, h,
@@ -382,14 +378,9 @@ static PyObject *adam_moments(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "adam_moments: a negative length");
         return NULL;
     }
-    const float **rows = parsed_rows(rows_arg, &count, "adam_moments");
+    const float **rows = parsed_rows(rows_arg, &count, "adam_moments", MAX_SMALL_ROWS);
     if (rows == NULL)
         return NULL;
-    if (count > MAX_SMALL_ROWS) {
-        PyMem_Free(rows);
-        PyErr_Format(PyExc_ValueError, "adam_moments: at most %d rows", MAX_SMALL_ROWS);
-        return NULL;
-    }
     int finite;
     Py_BEGIN_ALLOW_THREADS
     finite = adam_moments_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, weight_decay,

@@ -18,7 +18,7 @@ import importlib
 import logging
 import math
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -37,6 +37,7 @@ except ImportError as exc:  # no compiler at install time, or a build that faile
 
 CHOICES = ("auto", "native", "python")
 RECV_DONE, RECV_CLOSED, RECV_TIMEOUT, RECV_PAUSED = 0, 1, 2, 3
+MAX_FUSED_ROWS = 4096  # the most workers a native optimizer step sums (more: torch steps)
 PAUSE_S = 0.25  # a native receive returns to Python at least this often (the rate checks)
 
 
@@ -161,40 +162,6 @@ class SgdStep:
 _VERIFIED: dict[tuple[object, ...], bool] = {}
 
 
-def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool:
-    """Whether the native step gives torch.optim.SGD's bits for ``variant``: three steps of 3 rows of 4,099
-    elements (every vector width's tail) with random hyperparameters of that variant, the first made by torch
-    (it creates the momentum buffer), the next two by both and compared."""
-    decay, momentum, dampening, nesterov = variant
-    generator = torch.Generator().manual_seed(46)
-    numel, workers = 4099, 3
-    step = SgdStep(0.0137, 0.9 if momentum else 0.0, 0.3 if dampening else 0.0, 0.011 if decay else 0.0,
-                   nesterov and momentum)
-    ours = torch.randn(numel, generator=generator)
-    theirs = torch.nn.Parameter(ours.clone())
-    optimizer = torch.optim.SGD([theirs], lr=step.lr, momentum=step.momentum, dampening=step.dampening,
-                                weight_decay=step.weight_decay, nesterov=step.nesterov)
-    buffer, mean = None, torch.empty(numel)
-    for index in range(3):
-        rows = [torch.randn(numel, generator=generator) * 10.0 ** worker for worker in range(workers)]
-        DataPlane(None).mean_rows(mean, rows, workers)
-        theirs.grad = mean.clone()
-        with torch.no_grad():
-            optimizer.step()
-        if index == 0:
-            ours.copy_(theirs.detach())
-            buffer = optimizer.state[theirs].get("momentum_buffer")
-            buffer = buffer.clone() if buffer is not None else None
-            continue
-        snapshot = torch.empty(numel)
-        plane.sgd_step(ours, rows, workers, step, buffer, snapshot)
-        kept = optimizer.state[theirs].get("momentum_buffer")
-        if not (_same(ours, theirs.detach()) and _same(snapshot, ours) and
-                (buffer is None or (kept is not None and _same(buffer, kept)))):
-            return False
-    return True
-
-
 @dataclasses.dataclass(frozen=True)
 class AdamStep:
     """The hyperparameters of one step of ``torch.optim.Adam`` or ``AdamW`` that the native step can take."""
@@ -258,33 +225,56 @@ def adam_step(plane: DataPlane, param: torch.Tensor, rows: Sequence[torch.Tensor
     return finite
 
 
+def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool:
+    """Whether the native step gives torch.optim.SGD's bits for ``variant`` (:func:`_probe`)."""
+    decay, momentum, dampening, nesterov = variant
+    step = SgdStep(0.0137, 0.9 if momentum else 0.0, 0.3 if dampening else 0.0, 0.011 if decay else 0.0,
+                   nesterov and momentum)
+    theirs = torch.nn.Parameter(torch.randn(PROBE_NUMEL, generator=torch.Generator().manual_seed(46)))
+    optimizer = torch.optim.SGD([theirs], lr=step.lr, momentum=step.momentum, dampening=step.dampening,
+                                weight_decay=step.weight_decay, nesterov=step.nesterov)
+    return _probe(optimizer, theirs, ("momentum_buffer",) if momentum else (),
+                  lambda ours, rows, state, snapshot: plane.sgd_step(ours, rows, len(rows), step,
+                                                                     state.get("momentum_buffer"), snapshot))
+
+
 def _probe_adam(plane: DataPlane, variant: tuple[str, bool, bool, bool]) -> bool:
-    """Whether the native Adam step gives torch's bits for ``variant``: as :func:`_probe_sgd`, four steps."""
+    """Whether the native step gives torch.optim.Adam's (AdamW's) bits for ``variant`` (:func:`_probe`)."""
     _, decay, decoupled, small_weight = variant
-    generator = torch.Generator().manual_seed(47)
-    numel, workers = 4099, 3
     step = AdamStep(0.0031, 0.9 if small_weight else 0.3, 0.997, 1e-7, 0.013 if decay else 0.0, decoupled)
-    ours = torch.randn(numel, generator=generator)
-    theirs = torch.nn.Parameter(ours.clone())
+    theirs = torch.nn.Parameter(torch.randn(PROBE_NUMEL, generator=torch.Generator().manual_seed(47)))
     optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
         [theirs], lr=step.lr, betas=(step.beta1, step.beta2), eps=step.eps, weight_decay=step.weight_decay)
-    state: dict[str, torch.Tensor] = {}
-    mean = torch.empty(numel)
-    for index in range(4):
-        rows = [torch.randn(numel, generator=generator) * 10.0 ** (worker - 1) for worker in range(workers)]
+    return _probe(optimizer, theirs, ("exp_avg", "exp_avg_sq", "step"),
+                  lambda ours, rows, state, snapshot: adam_step(plane, ours, rows, len(rows), step, state, snapshot))
+
+
+NativeStep = Callable[[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor], torch.Tensor], object]
+PROBE_NUMEL = 4099  # every vector width's tail
+
+
+def _probe(optimizer: torch.optim.Optimizer, theirs: torch.nn.Parameter, names: tuple[str, ...],
+           native_step: NativeStep, steps: int = 4) -> bool:
+    """Torch's first step makes the optimizer's state; then ``steps - 1`` steps on the mean of 3 random rows,
+    by torch and by ``native_step(params, rows, state, snapshot)`` on copies, compared bit for bit: the
+    parameters, the snapshot, and the state ``names``."""
+    generator = torch.Generator().manual_seed(48)
+    ours, state, mean, workers = theirs.detach().clone(), {}, torch.empty(theirs.numel()), 3
+    for index in range(steps):
+        rows = [torch.randn(theirs.numel(), generator=generator) * 10.0 ** (w - 1) for w in range(workers)]
         DataPlane(None).mean_rows(mean, rows, workers)
         theirs.grad = mean.clone()
         with torch.no_grad():
             optimizer.step()
+        kept = optimizer.state[theirs]
         if index == 0:
             ours.copy_(theirs.detach())
-            state = {name: value.clone() for name, value in optimizer.state[theirs].items()}
+            state = {name: value.clone() for name, value in kept.items() if isinstance(value, torch.Tensor)}
             continue
-        snapshot = torch.empty(numel)
-        adam_step(plane, ours, rows, workers, step, state, snapshot)
-        kept = optimizer.state[theirs]
+        snapshot = torch.empty(theirs.numel())
+        native_step(ours, rows, state, snapshot)
         if not (_same(ours, theirs.detach()) and _same(snapshot, ours) and
-                all(_same(state[name], kept[name]) for name in ("exp_avg", "exp_avg_sq", "step"))):
+                all(name in kept and _same(state[name], kept[name]) for name in names)):
             return False
     return True
 
