@@ -27,12 +27,12 @@ def test_the_package_type_checks_strictly(tree):
 
 
 def test_a_deliberate_type_error_fails_the_check(tree):
-    """Shard.pull annotated as returning the raw frames (tuple[int, list[bytes]]) while it returns a Snapshot: the
+    """Shard.fetch annotated as returning the raw frames (tuple[int, list[bytes]]) while it returns a Snapshot: the
     annotation this check was made to catch."""
     folder, cache = tree
     state = folder / "imerge/ps/state.py"
     source = state.read_text()
-    correct = "generation: int = 0) -> tuple[int, Snapshot]:\n        \"\"\"Wait until every worker pushed"
+    correct = "generation: int = 0) -> tuple[int, Snapshot]:\n        self.check_generation(generation, f\"fetch of"
     assert correct in source
     state.write_text(source.replace(correct, correct.replace("tuple[int, Snapshot]", "tuple[int, list[bytes]]")))
     try:
