@@ -307,7 +307,7 @@ class BlockState:
                         self.plane.sgd_step(piece, piece_rows, self.meta.num_workers, step,
                                             state.get("momentum_buffer"), snapshot[start:end])
 
-        with metrics.optimizer_step.time():
+        with metrics.aggregation.time():  # the round's one pass: the sum, the step and the snapshot
             return buffers.written(write)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
