@@ -1,10 +1,12 @@
 """The shard's data channel: pushes and pulls as frames (:mod:`imerge.wire.datapath`) on TCP connections.
 
-A thread per connection reads its frames; a push's payload is read with
-``recv_into`` straight into the worker's gradient row (or a compressed
-payload's buffer), which releases the GIL, so connections receive in parallel.
+A thread per connection reads its frames; a push's payload is read by the
+data plane (:mod:`imerge.core.native`: the C extension, or ``recv_into``)
+straight into the worker's gradient row (or a compressed payload's buffer),
+checked for NaN and infinity as it lands, with the GIL released, so
+connections receive in parallel.
 What a frame asks of the shard runs on the shard's event loop as the gRPC
-path's calls do (:meth:`Shard.push_header`, :meth:`Shard.pull_result`), with
+path's calls do (:meth:`Shard.push_header`, :meth:`Shard.pull_blocks`), with
 every check made before the payload is read: the connection hands its socket
 to that coroutine for the payload (:class:`Handoff`).
 
