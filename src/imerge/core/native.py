@@ -23,6 +23,7 @@ from types import ModuleType
 
 import torch
 
+from imerge.core.compression import all_finite
 from imerge.core.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class DataPlane:
         for row in rows[2:]:
             out.add_(row)
         out.div_(divisor)
-        return _finite(out)
+        return all_finite(out)
 
 
     def fused_step(self, step: "SgdStep | AdamStep") -> bool:
@@ -290,10 +291,6 @@ def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
-def _finite(values: torch.Tensor) -> bool:
-    return math.isfinite(float(values.sum(dtype=torch.float32))) or bool(torch.isfinite(values).all())
-
-
 def _recv_into_python(sock: socket.socket, target: memoryview, start: int,
                       check_finite: bool) -> tuple[int, bool, int]:
     """One ``recv`` (the GIL released while it waits), then the finite check of the elements it completed."""
@@ -307,7 +304,8 @@ def _recv_into_python(sock: socket.socket, target: memoryview, start: int,
         return 0, True, RECV_CLOSED
     end = start + count
     first, last = start - start % 4, end - end % 4
-    finite = not check_finite or last <= first or _finite(torch.frombuffer(target[first:last], dtype=torch.float32))
+    finite = not check_finite or last <= first or \
+        all_finite(torch.frombuffer(target[first:last], dtype=torch.float32))
     return count, finite, RECV_DONE if end == len(target) else RECV_PAUSED
 
 
