@@ -328,6 +328,13 @@ def test_the_job_id_defaults_to_the_release_name_so_two_releases_never_share_one
                    ("tune", "team-a"): ("tune", "team-a/tune")}  # the dashboards tell the first two apart by namespace
     docs = documents(render_manifests({"job": {"id": "resnet-sweep.3"}}))
     assert env_of(pod_specs(docs)["Job/imerge-worker"]["containers"][0])["IMERGE_JOB"] == "resnet-sweep.3"
+    for layout in ({}, {"jobset": {"enabled": True}}):  # pod-annotation scraping maps the pods' labels to targets'
+        scraped = {}
+        for workload in workloads(documents(render_manifests({"job": {"id": "resnet-sweep.3"}, **layout}))):
+            metadata = workload["spec"]["template"]["metadata"]
+            if metadata.get("annotations", {}).get("prometheus.io/scrape") == "true":
+                scraped[metadata["labels"]["app.kubernetes.io/component"]] = metadata["labels"].get("imerge_job")
+        assert scraped == {"coordinator": "resnet-sweep.3", "ps": "resnet-sweep.3", "worker": "resnet-sweep.3"}
 
 
 CONVENTIONS = {  # what helm create gives every chart, for every component

@@ -41,7 +41,7 @@ class _CoordinatorCollector(Collector):
                                       "the job drifted from its schedule's expected time", value=counts[0])
             yield CounterMetricFamily("imerge_schedule_switches", "Times online re-tuning switched the schedule",
                                       value=counts[1])
-        yield self._expected(plan)
+        yield from self._expected(plan)
         yield GaugeMetricFamily("imerge_coordinator_generation", "The job generation (recoveries so far)",
                                 value=self.generation())
         try:
@@ -53,19 +53,18 @@ class _CoordinatorCollector(Collector):
             return
         for name in FLAG_STATS:
             yield CounterMetricFamily(f"imerge_coordinator_flags_{name}", FLAG_HELP[name], value=stats[name])
-        members = GaugeMetricFamily("imerge_coordinator_live_members", "Workers with a live heartbeat and "
-                                    "registered shards", labels=["role"])
-        members.add_metric(["worker"], live_workers)
-        members.add_metric(["shard"], shards)
-        yield members
+        yield GaugeMetricFamily("imerge_coordinator_live_workers", "Workers with a live heartbeat",
+                                value=live_workers)
+        yield GaugeMetricFamily("imerge_coordinator_live_shards", "Shards registered in the store", value=shards)
 
-    def _expected(self, plan: Plan | None) -> GaugeMetricFamily:
-        """The members the job needs, the alerts' reference for imerge_coordinator_live_members and ``up``."""
-        expected = GaugeMetricFamily("imerge_coordinator_expected_members", "Workers and shards the job's plan "
-                                     "has (before the first plan: --num-workers and --num-shards)", labels=["role"])
-        expected.add_metric(["worker"], plan.num_workers if plan else self.num_workers)
-        expected.add_metric(["shard"], len(plan.shard_addresses) if plan else self.num_shards)
-        return expected
+    def _expected(self, plan: Plan | None) -> Iterator[GaugeMetricFamily]:
+        """The members the job needs, the alerts' reference. The role is in the name, not in a label: every
+        scrape configuration that ships sets a target label ``role``, which would shadow a metric's own."""
+        yield GaugeMetricFamily("imerge_coordinator_expected_workers", "Workers the job's plan has (before the "
+                                "first plan: --num-workers)", value=plan.num_workers if plan else self.num_workers)
+        yield GaugeMetricFamily("imerge_coordinator_expected_shards", "PS shards the job's plan has (before the "
+                                "first plan: --num-shards)",
+                                value=len(plan.shard_addresses) if plan else self.num_shards)
 
 
 def coordinator_registry(store: StoreBase, members: tuple[int, int], link_mbps: float, plan: Callable[[], Plan | None],

@@ -64,8 +64,9 @@ OVERVIEW = [
     Panel("Plan version", "stat", "none",
           [(f"max by (namespace, imerge_job) (imerge_coordinator_plan_version{{{JOB}}})", "plan")],
           "The plan the coordinator published last (a cost plan replaces the first one after profiling)."),
-    Panel("Live members", "stat", "none", [(f"imerge_coordinator_live_members{{{JOB}}}", "{{role}}")],
-          "Shards and workers whose heartbeat the coordinator sees.", ({"color": "red", "value": None},
+    Panel("Live members", "stat", "none", [(f"imerge_coordinator_live_workers{{{JOB}}}", "workers"),
+                                           (f"imerge_coordinator_live_shards{{{JOB}}}", "shards")],
+          "Workers whose heartbeat the coordinator sees, and shards registered with it.", ({"color": "red", "value": None},
                                                                        {"color": "green", "value": 1})),
 ]
 SHARDS = [

@@ -162,7 +162,8 @@ def worker_table(frame: Frame) -> Table:
 def job_line(frame: Frame, shard_bytes_per_s: dict[str, float], down: list[str]) -> str:
     after = frame.after
     plan = next((v for (m, _), v in after.items() if m == "imerge_coordinator_plan_version"), None)
-    members = _by(after, "imerge_coordinator_live_members", "role")
+    members = {role: next((v for (m, _), v in after.items() if m == f"imerge_coordinator_live_{role}s"), 0.0)
+               for role in ("worker", "shard")}
     flags = {k: next((v for (m, _), v in after.items() if m == f"imerge_coordinator_flags_{k}_total"), None)
              for k in ("granted", "contended", "expired")}
     iteration = [v for v in frame.mean("imerge_worker_iteration_seconds", "worker").values() if v]

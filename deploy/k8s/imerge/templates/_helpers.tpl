@@ -45,6 +45,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "imerge.componentLabels" -}}
 {{ include "imerge.labels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- /* The job id as Prometheus' pod-annotation scraping (labelmap of the pod's labels) names it: the alerts and
+  dashboards tell jobs apart by imerge_job. */}}
+imerge_job: {{ include "imerge.jobId" .root | quote }}
 {{- end }}
 
 {{- define "imerge.componentSelector" -}}
