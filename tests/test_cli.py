@@ -1,6 +1,7 @@
 """Command-line mistakes get one line naming the option, never a traceback or a page of usage."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -51,6 +52,20 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_option(busy_port):
     (["worker", "--data-path", "rdma"], "--data-path"),
     (["ps", "--data-port", "-2"], "--data-port: must be 0..65535, or -1 for none"),
     (["ps", "--threads", "-1"], "--threads: must be >= 0"),
+    # flags only as spelled in full: argparse's prefix matching would take --worker for --workers
+    (["launch", "--worker", "2"], "unrecognized arguments: --worker 2"),
+    (["launch", "--work", "2"], "unrecognized arguments: --work 2"),
+    # a command without --: refused with the line that runs it
+    (["launch", "python", "x.py"], "the command to run goes after --: imerge launch -- python x.py"),
+    (["launch", "--workers", "1", "python3", "train.py", "--lr", "3"],
+     "the command to run goes after --: imerge launch --workers 1 -- python3 train.py --lr 3"),
+    (["worker", "./train.sh"], "the command to run goes after --: imerge worker -- ./train.sh"),
+    # torchrun's spellings: ours under another name, or what to do instead
+    (["worker", "--nproc_per_node", "0"], "--nproc-per-node"),
+    (["launch", "--max_restarts=500"], "--max-restarts"),
+    (["launch", "--standalone"], "--standalone is torchrun's: imerge launch always runs its job on this host"),
+    (["worker", "--nnodes", "2"], "--nnodes is torchrun's"),
+    (["launch", "--master_port", "29500"], "--master_port is torchrun's: the job meets through its coordinator"),
 ])
 def test_command_line_mistakes_are_one_line(args, message, monkeypatch, capsys):
     from helpers import run_cli
@@ -135,3 +150,36 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra(args, missing, 
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1 and message in lines[0], result.stderr
     assert not list(tmp_path.glob("runs/*")), "a run started before the missing package was said"
+
+
+def test_version_names_imerge_and_torch():
+    import importlib.metadata
+
+    result = subprocess.run(IMERGE + ["--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith(f"imerge {importlib.metadata.version('imerge')} "), \
+        result.stdout + result.stderr
+    assert f"torch {importlib.metadata.version('torch')}" in result.stdout
+
+
+def test_python_after_the_separator_is_the_launchers_own_interpreter(tmp_path):
+    """torchrun's habit: '-- python train.py' runs on the interpreter imerge runs on, whatever PATH's python is
+    (here one that fails); a path is run as given."""
+    elsewhere = tmp_path / "bin"
+    elsewhere.mkdir()
+    (elsewhere / "python").write_text("#!/bin/sh\necho 'not the launcher python' >&2\nexit 42\n")
+    (elsewhere / "python").chmod(0o755)
+    seen = tmp_path / "seen.txt"
+    script = f"import sys; open({str(seen)!r}, 'w').write(sys.executable); sys.exit(3)"
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("IMERGE_")},
+           "PATH": f"{elsewhere}:{os.environ['PATH']}"}
+    for python, ran in (("python", sys.executable), (str(elsewhere / "python"), None)):
+        seen.unlink(missing_ok=True)
+        result = subprocess.run(IMERGE + ["launch", "--shards", "1", "--workers", "1", "--max-restarts", "0",
+                                          "--log-dir", str(tmp_path / "logs"), "--", python, "-c", script],
+                                env=env, capture_output=True, text=True, timeout=120)
+        said = " ".join((result.stdout + result.stderr).split())
+        assert result.returncode == 1, said
+        if ran:  # the script ran, on the launcher's interpreter
+            assert seen.read_text() == ran and "exited with code 3" in said, said
+        else:  # the path given ran
+            assert not seen.exists() and "exited with code 42" in said, said

@@ -48,7 +48,7 @@ def alive(pid: int) -> bool:
 def test_launch_two_shards_two_workers_completes(tmp_path):
     summary = tmp_path / "summary.json"
     run = launch(tmp_path, "--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
-                 "--iters", "25", "--summary-json", str(summary), "--trace", str(tmp_path / "trace"),
+                 "--iters", "25", "--summary-json", str(summary), "--trace-dir", str(tmp_path / "trace"),
                  "--fusion", "size", "--slots", "ack", "--slot-width", "1", "--interleave-period", "2")
     output, _ = run.communicate(timeout=240)
     assert run.returncode == 0, output

@@ -20,6 +20,7 @@ from typing import Any
 from imerge.core.config import (LAUNCH_FLAGS_ENV, add_options, env_name, explicit_fields, flag_name, from_namespace,
                                 given_options, setup_logging, to_env)
 from imerge.core.errors import EXIT_FATAL, EXIT_REJOIN, ConfigError, IMergeError, Rejoin
+from imerge.ops import commandline
 
 log = logging.getLogger("imerge.cli")
 
@@ -277,15 +278,28 @@ EXAMPLES = {
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, whose mistakes (an unknown flag, a value not among the choices) are one line, not a page of
-    usage before it."""
+    usage before it; a flag is taken only as spelled in full (``--worker 2`` is not ``--workers 2``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D102 - argparse's
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
+def version_line() -> str:
+    """``imerge --version``: IMerge's release and the torch it runs on (read without importing torch)."""
+    from imerge.telemetry.metrics import build_versions
+
+    versions = build_versions()
+    return f"imerge {versions['version']} (torch {versions['torch_version']}, Python {sys.version.split()[0]})"
+
+
 def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command line; with ``only``, the other roles' options are left out (they are listed by name)."""
     parser = OneLineParser(prog="imerge", description="IMerge: communication-scheduled PS training")
+    parser.add_argument("--version", action="version", version=version_line())
     roles = parser.add_subparsers(dest="role", required=True, metavar="ROLE", parser_class=OneLineParser)
     subparsers: dict[str, argparse.ArgumentParser] = {}
     for name, (help_text, runner) in ROLES.items():
@@ -323,17 +337,27 @@ def main(argv: list[str] | None = None) -> int:
     split_given = "--" in argv
     if split_given:
         split = argv.index("--")
-        argv, command = argv[:split], argv[split + 1:]
+        argv, command = argv[:split], commandline.own_python(argv[split + 1:])
     if argv and argv[0] in ("launch", "testbed", "bench", "worker"):  # IMerge's processes that never compile
         from imerge.core.optim import check_without_dynamo
 
         check_without_dynamo()
     try:
         parser, subparsers = build_parser(argv[0] if argv and argv[0] in ROLES else "")
-        args = parser.parse_args(argv)
     except ConfigError as exc:  # a bad IMERGE_* value while building the defaults
         print(f"imerge: error: {exc}", file=sys.stderr)
         return 2
+    role = argv[0] if argv and argv[0] in subparsers else ""
+    if role:
+        known = [flag for action in subparsers[role]._actions for flag in action.option_strings]
+        argv = [role, *commandline.dashed(argv[1:], known)]  # torchrun's --nproc_per_node: our --nproc-per-node
+        if why := commandline.torchrun_only(argv[1:], known):
+            return _usage_error(role, why)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        if why := commandline.without_separator(args.role, argv, extras):
+            return _usage_error(args.role, why)
+        subparsers[args.role].error(f"unrecognized arguments: {' '.join(extras)}")
     if command and args.role not in ("launch", "testbed", "worker"):
         return _usage_error(args.role, "a command after -- is only accepted by 'imerge launch', 'imerge testbed' "
                                        "and 'imerge worker'")

@@ -172,7 +172,7 @@ def scaling_markdown(report: ScalingReport) -> str:
 
 
 def write_scaling_report(report: ScalingReport, out: Path) -> None:
-    plt = pyplot("imerge bench --scaling")
+    plt = pyplot("imerge bench B4")
 
     (out / "results.md").write_text(scaling_markdown(report))
     sizes = report.sizes
