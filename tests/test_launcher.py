@@ -45,6 +45,10 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+STAGES = ("waiting for the shards", "waiting for the workers", "waiting for the coordinator's plan", "worker 0 creates",
+          "waiting for the first iteration", "profiling", "training")
+
+
 def test_launch_two_shards_two_workers_completes(tmp_path):
     summary = tmp_path / "summary.json"
     run = launch(tmp_path, "--shards", "2", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
@@ -56,6 +60,10 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
     assert result["iterations"] == 25 and result["shards"] == 2 and result["workers"] == 2
     assert result["final_loss"] < 2.35 and result["test_accuracy"] is not None
     assert "finished" in output
+    stages = [line.strip() for line in output.splitlines() if line.startswith(STAGES)]  # what startup waits for
+    assert stages[0] == "waiting for the shards to serve (0/2 registered)" and stages[-1] == "training", output
+    order = [next(i for i, stage in enumerate(STAGES) if line.startswith(stage)) for line in stages]
+    assert order == sorted(order), stages
     logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
     assert logs == ["checkpoints", "coordinator.log", "ports", "prometheus.yml", "ps0.log", "ps1.log", "roles.json",
                     "state.safetensors", "worker0.log", "worker1.log"]  # state.safetensors: for --resume
@@ -75,6 +83,29 @@ def test_launch_two_shards_two_workers_completes(tmp_path):
         categories = {e.get("cat") for e in trace["traceEvents"]}
         assert {"compute", "push", "pull", "flag-wait"} <= categories
         assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+def test_a_profiling_start_says_so_until_the_plan_is_chosen(tmp_path):
+    run = launch(tmp_path, "--shards", "1", "--workers", "2", "--model", "digits-cnn", "--data", "digits",
+                 "--iters", "8", "--fusion", "cost", "--profile-iters", "3")
+    output, _ = run.communicate(timeout=240)
+    assert run.returncode == 0, output
+    stages = [line.strip() for line in output.splitlines() if line.startswith(STAGES)]
+    assert stages[0] == "waiting for the shards to serve (0/1 registered)", output
+    assert stages[-2:] == ["profiling until iteration 3, then choosing the plan", "training"], output
+
+
+def test_startup_line_follows_the_jobs_order():
+    from imerge.ops.startup import Startup, stage_line, waiting_for
+
+    assert waiting_for(Startup(1, 2, 0, 2, 0, False)) == "waiting for the shards to serve (1/2 registered)"
+    assert waiting_for(Startup(2, 2, 1, 2, 0, False)) == "waiting for the workers to join (1/2)"
+    assert waiting_for(Startup(2, 2, 2, 2, 0, False)) == "waiting for the coordinator's plan"
+    assert waiting_for(Startup(2, 2, 2, 2, 1, False)) == "worker 0 creates the blocks on the shards"
+    assert waiting_for(Startup(2, 2, 2, 2, 1, True)) == "waiting for the first iteration"
+    assert stage_line({"event": "stage", "stage": "profiling", "until": 5}) == \
+        "profiling until iteration 5, then choosing the plan"
+    assert stage_line({"event": "stage", "stage": "training"}) == "training"
 
 
 def test_sigint_mid_run_leaves_no_process(tmp_path):

@@ -143,6 +143,8 @@ class SyncEngine:
         group's push); --tune's keep the job's schedule, so that tuning never changes the result."""
         self.state.profiler = Profiler(len(self.plan.units), plans=switches)
         self.state.schedule.profiling = switches and self.config.fusion == "cost"
+        if switches and self.config.rank == 0 and progress.connected():  # imerge launch's line says so
+            progress.report("stage", stage="profiling", until=self.config.profile_iters)
         self.comm.on_push = self.state.profiler.push
         self.state.after_backward = self._after_profiled_backward
 
@@ -170,6 +172,8 @@ class SyncEngine:
                          self.config.wait_timeout_s, self.comm.compression.estimate, self.generation)
         self._switch(plan, "chosen by --tune" if plan.knobs else "fusion cost", profiler.compute_s())
         self._stop_profiling(schedule_start=self.iteration)
+        if self.config.rank == 0 and progress.connected():
+            progress.report("stage", stage="training")
         self._start_retuning()
 
     def _switch(self, plan: Plan, why: str, profile_compute_s: float = 0.0) -> None:

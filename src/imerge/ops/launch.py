@@ -46,6 +46,7 @@ from imerge.core.ports import bind_problem
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
 from imerge.ops.redis_server import RedisServer, find_redis_server, free_port
+from imerge.ops.startup import Startup, stage_line, waiting_for
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -472,23 +473,62 @@ class Launcher:
                 log.warning("ignored a malformed progress line: %r", line[:200])
         return events
 
-    def _supervise(self, read_fd: int) -> None:
-        columns = [TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+    def _startup_store(self, redis_url: str) -> Any:
+        """The store the startup line is read from (None where the launcher cannot reach the job's Redis: the
+        testbed's, which only its namespaces reach by name, or the DDP baseline's job without one)."""
+        if self.quiet or self.workers_only or not self.hosts.reports_ports:
+            return None
+        from imerge.control.store import Store
+
+        return Store(redis_url, self.job)
+
+    def _startup(self, store: Any) -> str:
+        """What the starting job waits for, as its store says ('' if the store cannot say now)."""
+        try:
+            return waiting_for(Startup(store.registered_shards(), self.config.shards,
+                                       len(store.layouts(self.config.workers)), self.config.workers,
+                                       store.latest_version(), store.job_running()))
+        except IMergeError:
+            return ""
+
+    def _supervise(self, read_fd: int, redis_url: str = "") -> None:
+        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[itime]} s/it"),
                    TimeElapsedColumn()]
         buffer: list[str] = []
+        store = self._startup_store(redis_url)
         with os.fdopen(read_fd, "rb", buffering=0) as stream, \
                 Progress(*columns, console=self.console, disable=self.quiet or not self.console.is_terminal) as bar:
-            task = bar.add_task("train", total=None, loss="-", itime="-")
-            last_note = 0.0
+            task = bar.add_task("starting", total=None, loss="-", itime="-")
+            stage, staged, polled, last_note = "starting", "", 0.0, 0.0
+
+            def show(line: str) -> None:  # on the bar's line; without a terminal, a line of its own per change
+                nonlocal stage
+                if line and line != stage:
+                    stage = line
+                    bar.update(task, description=line)
+                    if not (self.quiet or self.console.is_terminal):
+                        self.console.print(line)
+
             while not self._check_children():
                 self._collect_ports()
                 self._show_errors()
+                if store is not None and time.monotonic() - polled >= 1.0:  # until the first iteration
+                    polled = time.monotonic()
+                    show(self._startup(store))
                 for event in self._read_events(stream, buffer, 0.2):
                     event["received"] = time.time()
                     self.events.append(event)
                     if event.get("event") == "schedule" and not self.quiet:
                         self._say("bold", schedule_line(event))
+                    if event.get("event") == "stage":  # worker 0 profiles, then trains: from its first iteration
+                        staged = stage_line(event)
+                        if store is None:
+                            show(staged)
+                    if event.get("event") == "iteration" and store is not None:  # the job started
+                        store.close()
+                        store = None
+                        show(staged or "training")
                     if event.get("event") == "iteration":
                         loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
                         bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),
@@ -499,6 +539,8 @@ class Launcher:
                                                f"loss {loss} {itime} s/it")
             for event in self._read_events(stream, buffer, 0.0):
                 self.events.append(event)
+            if store is not None:
+                store.close()
 
     def _say(self, style: str, text: str) -> None:
         """One line on the console in ``style``; the text (a role's log, an error) is never read as markup."""
@@ -541,7 +583,7 @@ class Launcher:
             self._start_roles(redis_url, write_fd)
             if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
                 self._write_prometheus_config()
-            self._supervise(read_fd)
+            self._supervise(read_fd, redis_url)
             if not self.workers_only and self.hosts.reports_ports:  # not the DDP baseline's workers, nor a
                 self._check_done(redis_url)  # testbed's Redis, which only its namespaces reach by name
             self._collect_ports()  # a job too short for the loop to have seen them all
