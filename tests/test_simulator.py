@@ -223,6 +223,38 @@ def test_a_thousand_workers_of_resnet50_simulate_in_seconds():
     assert result.simulated_in_s < 10
 
 
+def test_a_strategy_past_the_budget_is_named_with_its_estimate_and_the_rest_answer(tmp_path, capsys):
+    from imerge.cli import main
+
+    assert main(["simulate", "--model", "resnet18-like", "--workers", "16", "--shards", "4", "--iters", "5",
+                 "--strategies", "imerge-group,ddp,wfbp", "--budget-s", "0.01", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert list(report["strategies"]) == ["ddp", "wfbp"]  # the cheap ones ran (worker classes: 0 and 1)
+    why = report["skipped"]["imerge-group"]
+    assert why.startswith("not simulated: 16 worker classes, about ") and "--budget-s 0 simulates it" in why
+    assert f"* imerge-group: {why}" in captured.out and f"imerge-group: {why}" in captured.err
+    assert main(["simulate", "--model", "resnet18-like", "--workers", "16", "--shards", "4", "--iters", "5",
+                 "--strategies", "imerge-group,wfbp", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    assert list(json.loads((tmp_path / "results.json").read_text())["strategies"]) == ["imerge-group", "wfbp"]
+    assert main(["simulate", "--budget-s", "-1"]) == 2
+    assert "--budget-s: must be >= 0" in capsys.readouterr().err
+
+
+def test_a_long_simulation_says_what_it_runs_every_few_seconds():
+    import time
+
+    from imerge.sim.budget import ticking, within_budget
+
+    said: list[str] = []
+    with ticking(said.append, "simulating x", every_s=0.05):
+        time.sleep(0.2)
+    assert said and set(said) == {"  still simulating x: 0 s so far"} and len(said) <= 4
+    said.clear()
+    results, skipped = within_budget(["a", "b"], lambda name: 1, lambda name: name.upper(), 0.0, said.append)
+    assert results == {"a": "A", "b": "B"} and not skipped and not said  # quick: nothing to say
+
+
 def test_profiles_are_checked_and_round_trip(tmp_path):
     profile = synthetic("transformer-like", 8, 20.0)
     path = tmp_path / "p.json"

@@ -36,7 +36,7 @@ def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callab
         report, text = _explain(config, base, pinned, say)
     elif target == "job":
         job = simulate(config.load_profile(), config.cluster(), config.constants(), config.chosen(), config.iters,
-                       base)
+                       base, budget_s=config.budget_s, say=say)
         report, text = job, markdown(job)
     elif target == "calibrate":
         calibration, text = _calibrate(config, say)
@@ -56,7 +56,9 @@ def run_target(target: str, config: SimConfig, base: ScheduleConfig, say: Callab
         comparison = simulate_scenario(target, names, config.constants(testbed_constants()), config.iters, base,
                                        config.measured, (config.workers,) if config.workers != 8 else ())
         report, text = comparison, comparison_markdown(comparison)
-        plot_comparison(comparison, out / "comparison.png")
+        if plot_comparison(comparison, out / "comparison.png") is None:
+            say(f"no figure: comparison.png plots the simulation against a measurement; give --measured with the "
+                f"results.json of imerge bench {target} to draw it")
     (out / "results.json").write_text(json.dumps(report.to_json(), indent=1, default=_plain))
     (out / "results.md").write_text(text)
     say(f"results in {out}/ (results.json, results.md)")
@@ -69,7 +71,7 @@ def _explain(config: SimConfig, base: ScheduleConfig, pinned: frozenset[str], sa
     profile, cluster, constants = config.load_profile(), config.cluster(), config.constants()
     tuning = tune(profile, cluster, constants, base, set(pinned), progress=say)
     job = simulate(profile, cluster, constants, config.chosen(), config.iters, base,
-                   {"auto": chosen_schedule(tuning, base)})
+                   {"auto": chosen_schedule(tuning, base)}, config.budget_s, say)
     return ExplainReport(tuning, job), explain_markdown(tuning) + "\n" + markdown(job)
 
 

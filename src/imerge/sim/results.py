@@ -42,6 +42,7 @@ class SimReport(JsonReport):
     constants: Constants
     iters: int
     strategies: dict[str, SimRun]
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # strategy -> why it was not simulated
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,8 @@ class SimConfig:
                                   "flag pins), print what was chosen, the runner-up and every candidate, and the "
                                   "chosen schedule beside the strategies as 'auto'")
     out: str = option("", "output folder (default: runs/simulate-<target>-<time>)")
+    budget_s: float = option(60.0, "job: seconds the simulations may take; a strategy whose estimated simulation "
+                                   "would take the run past them is left out, and the report says so (0: no limit)")
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", "must be at least 1")
@@ -72,6 +75,7 @@ class SimConfig:
         require(0 <= self.shard_cores <= 4096, "shard_cores", "must lie in 0..4096 (0: not counted)")
         require(0 <= self.worker_cores <= 4096, "worker_cores", "must lie in 0..4096 (0: not counted)")
         require(self.iters >= 3, "iters", "must be at least 3")
+        require(self.budget_s >= 0, "budget_s", "must be >= 0 (0: no limit)")
         require(not self.profile or Path(self.profile).is_file(), "profile", f"{self.profile}: no such file")
         require(not self.calibration or Path(self.calibration).is_file(), "calibration",
                 f"{self.calibration}: no such file")
@@ -159,20 +163,34 @@ def bounds(profile: ModelProfile, cluster: Cluster, compute_s: float | None = No
 
 
 def simulate(profile: ModelProfile, cluster: Cluster, constants: Constants, names: list[str], iters: int,
-             base: ScheduleConfig = ScheduleConfig(), schedules: dict[str, ScheduleConfig] | None = None
-             ) -> SimReport:
+             base: ScheduleConfig = ScheduleConfig(), schedules: dict[str, ScheduleConfig] | None = None,
+             budget_s: float = 0.0, say: Callable[[str], None] = lambda line: None) -> SimReport:
     """Every strategy in ``names`` (and each of ``schedules``, by its name) on one cluster, with the bound and the
-    ratio to DDP."""
-    results = {name: simulate_one(name, profile, cluster, constants, iters, base) for name in names}
-    for name, schedule in (schedules or {}).items():
-        results[name] = simulate_one(name, profile, cluster, constants, iters, base, schedule)
+    ratio to DDP; within ``budget_s`` seconds (0: no limit), the strategies left out named in the report
+    (:mod:`.budget`); progress through ``say``."""
+    from .budget import within_budget
+    from .psjob import lane_positions
+    from .tuning import BUDGET_CPU_S
+
+    chosen = {name: schedules[name] if schedules and name in schedules else None
+              for name in [*names, *(schedules or {})]}
+
+    def classes(name: str) -> int:
+        if name == "ddp":
+            return 0
+        schedule = chosen[name] or (base if name == "auto" else strategy_schedule(name, base))
+        return len(lane_positions(schedule, cluster))
+
+    results, skipped = within_budget(
+        list(chosen), classes, lambda name: simulate_one(name, profile, cluster, constants, iters, base, chosen[name]),
+        budget_s, say, lambda name: BUDGET_CPU_S if name == "auto" and chosen[name] is None else 0.0)
     ps_bound, ddp_bound = bounds(profile, cluster)
     ddp_s = results["ddp"].mean_iteration_s if "ddp" in results else None
     for name, result in results.items():
         bound = ddp_bound if name == "ddp" else ps_bound
         results[name] = dataclasses.replace(result, bound_s=bound, ratio_to_bound=result.mean_iteration_s / bound,
                                             ratio_to_ddp=result.mean_iteration_s / ddp_s if ddp_s else None)
-    return SimReport(profile.name, profile.nbytes, profile.compute_s, cluster, constants, iters, results)
+    return SimReport(profile.name, profile.nbytes, profile.compute_s, cluster, constants, iters, results, skipped)
 
 
 COLUMNS = [("mean_iteration_s", "mean s/it", "{:.3f}"), ("median_iteration_s", "median s/it", "{:.3f}"), ("exposed_comm_s", "exposed comm s", "{:.3f}"),
@@ -197,4 +215,6 @@ def markdown(report: SimReport) -> str:
              "| strategy | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for name, result in report.strategies.items():
         lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, k), f, k) for k, _, f in COLUMNS) + " |")
+    if report.skipped:
+        lines += ["", *[f"* {name}: {why}" for name, why in report.skipped.items()]]
     return "\n".join(lines) + "\n"
