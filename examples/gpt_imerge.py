@@ -57,7 +57,7 @@ def learning_rate(iteration: int, iterations: int, peak: float = 3e-3, warmup: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--out", default="model.pt")
     parser.add_argument("--losses", default="")
     parser.add_argument("--accumulate", type=int, default=2)

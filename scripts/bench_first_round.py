@@ -67,7 +67,7 @@ def run(redis_url: str, strategy: str, width: int, iterations: int) -> list[floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--width", type=int, default=1024, help="hidden width (1024: 2.4 M parameters, 9.6 MB)")
     parser.add_argument("--iterations", type=int, default=8)

@@ -34,7 +34,7 @@ def small_resnet() -> nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="ImageNet-shaped training")
+    parser = argparse.ArgumentParser(description="ImageNet-shaped training", allow_abbrev=False)
     parser.add_argument("--epochs", default=2, type=int)
     parser.add_argument("-b", "--batch-size", default=16, type=int)
     parser.add_argument("--lr", "--learning-rate", default=0.05, type=float, dest="lr")

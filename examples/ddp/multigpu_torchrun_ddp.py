@@ -109,7 +109,7 @@ def main(save_every: int, total_epochs: int, batch_size: int, snapshot_path: str
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser = argparse.ArgumentParser(description="simple distributed training job", allow_abbrev=False)
     parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=int, help="How often to save a snapshot")
     parser.add_argument("--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)")

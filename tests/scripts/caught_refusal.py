@@ -37,7 +37,7 @@ def main(refusal: str) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--refusal", choices=["backward-twice", "lr"], required=True)
     parser.add_argument("--handling", choices=["exit1", "swallow"], required=True)
     args = parser.parse_args()

@@ -20,7 +20,7 @@ import imerge
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--loader-workers", type=int, default=0)
     parser.add_argument("--context", choices=["fork", "spawn"], default="fork")
     parser.add_argument("--persistent", action="store_true")

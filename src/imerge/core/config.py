@@ -107,7 +107,7 @@ def _declared_by(cls: type, name: str) -> type:
 
 def given_options(argv: list[str], *classes: type) -> set[str]:
     """The fields of ``classes`` whose flags ``argv`` gives explicitly (not from a default or the environment)."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for cls in classes:
         add_options(parser, cls, suppress_defaults=True)
     return set(vars(parser.parse_known_args(argv)[0]))

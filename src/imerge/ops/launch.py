@@ -46,7 +46,7 @@ from imerge.core.ports import bind_problem
 from imerge.telemetry.metrics import prometheus_config, rules_file
 from imerge.telemetry.progress import PROGRESS_FD_ENV
 from imerge.ops.redis_server import RedisServer, find_redis_server, free_port
-from imerge.ops.startup import Startup, stage_line, waiting_for
+from imerge.ops.startup import TRAINING, Startup, stage_line, waiting_for
 from imerge.workloads.job import STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -513,22 +513,25 @@ class Launcher:
             while not self._check_children():
                 self._collect_ports()
                 self._show_errors()
-                if store is not None and time.monotonic() - polled >= 1.0:  # until the first iteration
+                if store is not None and time.monotonic() - polled >= 1.0:  # until the job trains
                     polled = time.monotonic()
-                    show(self._startup(store))
+                    if (line := self._startup(store)) == TRAINING:
+                        store.close()
+                        store = None
+                    show(staged or line if line == TRAINING else line)
                 for event in self._read_events(stream, buffer, 0.2):
                     event["received"] = time.time()
                     self.events.append(event)
                     if event.get("event") == "schedule" and not self.quiet:
                         self._say("bold", schedule_line(event))
-                    if event.get("event") == "stage":  # worker 0 profiles, then trains: from its first iteration
+                    if event.get("event") == "stage":  # worker 0 profiles, then trains: said once the job trains
                         staged = stage_line(event)
                         if store is None:
                             show(staged)
-                    if event.get("event") == "iteration" and store is not None:  # the job started
+                    if event.get("event") == "iteration" and store is not None:  # the job trains
                         store.close()
                         store = None
-                        show(staged or "training")
+                        show(staged or TRAINING)
                     if event.get("event") == "iteration":
                         loss, itime = _figure(event, "loss", 4), _figure(event, "seconds", 3)
                         bar.update(task, completed=event.get("iteration", 0), total=event.get("total"),

@@ -1,15 +1,16 @@
-"""What a starting job waits for, in one line (``imerge launch`` shows it until the first iteration). Pure.
+"""What a starting job waits for, in one line (``imerge launch`` shows it until the job trains). Pure.
 
 A job starts in this order: its Redis (the launcher's own, or ``--redis-url``),
 the shards (each registers its address once it serves), the workers (each
 submits its layout when it joins), the coordinator's first plan (once every
-layout is in), worker 0 creating the plan's blocks on the shards, the first
-iteration; then, where the job profiles (``--fusion cost``, ``--tune``), the
+layout is in), worker 0 creating the plan's blocks on the shards; then, where the job profiles (``--fusion cost``, ``--tune``), the
 profiled iterations until the plan that is chosen from them.
 """
 from __future__ import annotations
 
 import dataclasses
+
+TRAINING = "training"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,7 @@ def waiting_for(state: Startup) -> str:
         return "waiting for the coordinator's plan"
     if not state.blocks_ready:
         return "worker 0 creates the blocks on the shards"
-    return "waiting for the first iteration"
+    return TRAINING  # the blocks are in place: the workers train (a script need not report its iterations)
 
 
 def stage_line(event: dict[str, object]) -> str:
@@ -42,4 +43,4 @@ def stage_line(event: dict[str, object]) -> str:
     stage = str(event.get("stage", ""))
     if stage == "profiling":
         return f"profiling until iteration {event.get('until', '?')}, then choosing the plan"
-    return "training" if stage == "training" else stage
+    return TRAINING if stage == TRAINING else stage

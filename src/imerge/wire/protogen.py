@@ -43,7 +43,7 @@ def generate(output_root: Path = OUTPUT_ROOT, proto_root: Path = PROTO_ROOT) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--out", type=Path, default=OUTPUT_ROOT, help="output root (default: src/)")
     args = parser.parse_args(argv)
     for path in generate(args.out):
