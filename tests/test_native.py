@@ -253,7 +253,7 @@ def test_a_blocks_native_step_gives_torchs_bits(name, hypers):
     from imerge.core.optim import OptimizerSpec, hyper_delta
     from imerge.ps.block import BlockMeta, BlockState
     from imerge.ps.metrics import ShardCounters, ShardMetrics
-    from imerge.ps.rounds import RoundOptions
+    from imerge.core.rounds import RoundOptions
 
     if not native.native_available():
         pytest.skip(native.why_unavailable())

@@ -41,7 +41,7 @@ from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage
 from .metrics import ShardMetrics
-from .rounds import RoundOptions
+from imerge.core.rounds import RoundOptions
 from .streams import Row
 
 

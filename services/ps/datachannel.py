@@ -42,7 +42,7 @@ from imerge.core.identity import certificate_names, require_worker
 from imerge.core.limits import check_block_ids, clip
 from imerge.wire.datapath import (READ_CHUNK_BYTES, ChannelClosed, Kind, channel_token, error_meta, expect,
                                   read_header, read_meta, send_frame, skip)
-from imerge.wire.encoding import tensor_meta
+from imerge.wire.encoding import push_of, tensor_meta
 from imerge.wire.rpc import ps_pb2
 
 from .admission import Admission, AdmissionLimits
@@ -442,7 +442,7 @@ class Connection:
         handoff = Handoff(self.channel.loop)
         payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
         source = f"data connection from {self.peer[0]}:{self.peer[1]}"
-        future = self._run(self.shard.push_header(header, payload, self.stream, source))
+        future = self._run(self.shard.push(push_of(header), payload, self.stream, source))
         duplicate, pushed = handoff.serve(future, self.stream, what)
         send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                                    pushed=pushed))

@@ -35,7 +35,7 @@ from imerge.core.ports import bind_problem
 from imerge.core.optim import OptimizerSpec
 from imerge.telemetry.metrics import MetricsServer, report_port
 from imerge.wire.channel import SERVER_OPTIONS, SERVICE_NAME
-from imerge.wire.encoding import dtype_name, tensor_meta
+from imerge.wire.encoding import dtype_name, push_of, tensor_meta
 from imerge.wire.frames import serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import status_of
@@ -259,8 +259,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             while (header := await segments.next_header()) is not None:
                 what = f"push of block {header.block_id} by worker {header.worker}"
                 self._check_identity(context, header.worker, what)
-                duplicate, pushed = await self.shard.push_header(header, ChunkStream(segments.data(), stream), stream,
-                                                                  context.peer())
+                duplicate, pushed = await self.shard.push(push_of(header), ChunkStream(segments.data(), stream),
+                                                           stream, context.peer())
                 results.append(ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                       pushed=pushed))
         except IMergeError:  # refused: let the client finish writing, so that it reads this refusal

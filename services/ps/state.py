@@ -33,19 +33,19 @@ from imerge.control.messages import RoundScalars
 from imerge.core.blockstate import block_state_bytes, parse_block_state, state_bytes_bound
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite
+from imerge.core.rounds import NO_OPTIONS, Push
 from imerge.core.modes import payload_bytes
 from imerge.core.native import DataPlane, data_plane
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
                                 InvalidArgument, NotFound, StaleGeneration, Unavailable)
 from imerge.core.limits import check_id, clip
-from imerge.wire.encoding import dtype_name, nnz_of
 
 from .block import BlockMeta, BlockState, Snapshot
 from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradient, same_payload
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .fencing import IssuedTokens
 from .metrics import ShardCounters, ShardMetrics
-from .rounds import Agreements, RoundOptions
+from .rounds import Agreements
 
 log = logging.getLogger(__name__)
 PulledBlock = tuple[str, int, Snapshot, tuple[bool, float]]  # (block id, new round, parameters, its result)
@@ -244,64 +244,71 @@ class Shard:
         return False, existing.round
 
     # -- push -----------------------------------------------------------------
-    async def push(self, block_id: str, worker: int, round_: int, dtype: str, numel: int,
-                   data: PayloadSource, generation: int = 0, fence: int = 0,
-                   lane: int = 0, options: RoundOptions = RoundOptions(),
-                   no_grad: Sequence[int] = (), nnz: int = -1, stream: Any = None,
-                   source: str = "") -> tuple[bool, int]:
+    async def push(self, push: Push, data: PayloadSource, stream: Any = None, source: str = "") -> tuple[bool, int]:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
-        Pushes of the same (block, worker) are serialized by a lock, so a malformed
-        push never blocks or spoils a good one; a repeat of a counted push is
-        acknowledged as a duplicate if it carries the same bytes (a retry), and refused with AlreadyExists if it
-        does not (a second writer: two clients push as one worker; ``source``, the client's address, names both).
-        ``dtype`` and ``nnz`` (-1: dense) are the payload's encoding,
-        which must be the one the block's compression mode makes (dense fp32 for an assignment). ``stream``
-        (a :class:`~.streams.Progressing`) is superseded when a newer push of the same worker comes for the row.
-        """
-        check_id(block_id, "Push")
-        what = f"push of block {block_id} by worker {worker} for round {round_}"
-        self.check_generation(generation, what)
-        block = self.block(block_id)
-        self._check_worker(block, worker)
-        if numel != block.meta.numel:
-            raise InvalidArgument(f"{what}: got {numel} elements, the block holds {block.meta.numel}")
-        check_encoding(block.meta, options.assign, dtype, nnz, what)
-        data.declare(payload_bytes(numel, dtype, nnz), what)  # a retry or a duplicate too: before it holds the row
-        async with block.rows[worker].held(round_, stream, what, lambda: block.round):
-            if round_ == block.round - 1 or (round_ == block.round and worker in block.pushed):
-                await self._check_retry(block, worker, round_, dtype, nnz, data, what, source)
+        Pushes of the same (block, worker) are serialized by a lock, so a malformed push never blocks or spoils a
+        good one; a repeat of a counted push is acknowledged as a duplicate if it carries the same bytes (a
+        retry), and refused with AlreadyExists if it does not (a second writer: two clients push as one worker;
+        ``source``, the client's address, names both). The payload's encoding must be the one the block's
+        compression mode makes (dense fp32 for an assignment). ``stream`` (a :class:`~.streams.Progressing`) is
+        superseded when a newer push of the same worker comes for the row."""
+        block, what = self._pushed_block(push), push.what
+        data.declare(payload_bytes(push.numel, push.dtype, push.nnz), what)  # a retry too: before it holds the row
+        async with block.rows[push.worker].held(push.round, stream, what, lambda: block.round):
+            if push.round == block.round - 1 or (push.round == block.round and push.worker in block.pushed):
+                await self._check_retry(block, push.worker, push.round, push.dtype, push.nnz, data, what, source)
                 self.counters.duplicate_pushes += 1
                 return True, len(block.pushed)
-            if round_ != block.round:
-                raise FailedPrecondition(f"{what}: the block's current round is {block.round}")
-            block.check_round_options(what, options, no_grad)
-            newest = block.fence.get(lane, 0)
-            if fence and fence < newest:
-                self.counters.fenced_pushes += 1
-                raise Fenced(f"{what}: fenced: its slot flag token {fence} is older than token "
-                             f"{newest} already seen in lane {lane} (the lease passed to another holder)")
-            clock_us = await self.issued_tokens.unissued(fence) \
-                if fence > newest and self.issued_tokens is not None else None
-            if clock_us is not None:
-                raise InvalidArgument(f"{what}: slot flag token {fence} is ahead of the store's clock ({clock_us} µs), "
-                                      "which issues every token: no flag gave it")
-            block.receiving.add(worker)
-            block.row_sources[worker] = None  # the row is overwritten: it no longer holds the round counted before
-            self.metrics.pushes_in_flight.inc()
-            try:
-                check = self.check_finite and not options.loss_scale
-                received, finite = await receive_gradient(block, worker, dtype, nnz, data, what, check)
-                if check and not (all_finite(received) if finite is None else finite):
-                    raise InvalidArgument(f"{what}: gradient holds NaN or infinity")
-            finally:
-                block.receiving.discard(worker)
-                self.metrics.pushes_in_flight.dec()
-            block.check_round_options(what, options, no_grad)  # another push may have counted meanwhile
-            block.count_round_options(options, no_grad)
-            block.fence[lane] = max(block.fence.get(lane, 0), fence)  # only a push that counts moves the fence
-            block.row_sources[worker] = (round_, source)
-            return False, self._count_push(block, worker, payload_bytes(numel, dtype, nnz))
+            await self._admit(block, push)
+            await self._receive(block, push, data)
+            block.check_round_options(what, push.options, push.no_grad)  # another push may have counted meanwhile
+            block.count_round_options(push.options, push.no_grad)
+            block.fence[push.lane] = max(block.fence.get(push.lane, 0), push.fence)  # only a counted push moves it
+            block.row_sources[push.worker] = (push.round, source)
+            return False, self._count_push(block, push.worker, payload_bytes(push.numel, push.dtype, push.nnz))
+
+    def _pushed_block(self, push: Push) -> BlockState:
+        """The block ``push`` is for, once the push's generation, worker, size and encoding are checked."""
+        check_id(push.block_id, "Push")
+        self.check_generation(push.generation, push.what)
+        block = self.block(push.block_id)
+        self._check_worker(block, push.worker)
+        if push.numel != block.meta.numel:
+            raise InvalidArgument(f"{push.what}: got {push.numel} elements, the block holds {block.meta.numel}")
+        check_encoding(block.meta, push.options.assign, push.dtype, push.nnz, push.what)
+        return block
+
+    async def _admit(self, block: BlockState, push: Push) -> None:
+        """A new push of the current round, with the round's options and a fencing token not older than seen."""
+        if push.round != block.round:
+            raise FailedPrecondition(f"{push.what}: the block's current round is {block.round}")
+        block.check_round_options(push.what, push.options, push.no_grad)
+        newest = block.fence.get(push.lane, 0)
+        if push.fence and push.fence < newest:
+            self.counters.fenced_pushes += 1
+            raise Fenced(f"{push.what}: fenced: its slot flag token {push.fence} is older than token {newest} "
+                         f"already seen in lane {push.lane} (the lease passed to another holder)")
+        clock_us = await self.issued_tokens.unissued(push.fence) \
+            if push.fence > newest and self.issued_tokens is not None else None
+        if clock_us is not None:
+            raise InvalidArgument(f"{push.what}: slot flag token {push.fence} is ahead of the store's clock "
+                                  f"({clock_us} µs), which issues every token: no flag gave it")
+
+    async def _receive(self, block: BlockState, push: Push, data: PayloadSource) -> None:
+        """The payload into the worker's row (the row no longer holds the round counted before), checked finite."""
+        block.receiving.add(push.worker)
+        block.row_sources[push.worker] = None
+        self.metrics.pushes_in_flight.inc()
+        try:
+            check = self.check_finite and not push.options.loss_scale
+            received, finite = await receive_gradient(block, push.worker, push.dtype, push.nnz, data, push.what,
+                                                      check)
+            if check and not (all_finite(received) if finite is None else finite):
+                raise InvalidArgument(f"{push.what}: gradient holds NaN or infinity")
+        finally:
+            block.receiving.discard(push.worker)
+            self.metrics.pushes_in_flight.dec()
 
     async def _check_retry(self, block: BlockState, worker: int, round_: int, dtype: str, nnz: int,
                            data: PayloadSource, what: str, source: str) -> None:
@@ -319,16 +326,6 @@ class Shard:
         log.error("shard %d: second writer: %s", self.index, message)
         raise AlreadyExists(message)
 
-    async def push_header(self, header: Any, data: PayloadSource, stream: Any = None,
-                          source: str = "") -> tuple[bool, int]:
-        """:meth:`push` of what a ``PushHeader`` message says."""
-        what = f"push of block {header.block_id} by worker {header.worker}"
-        return await self.push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what),
-                               header.numel, data, header.generation, header.fence, header.lane,
-                               RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm,
-                                            header.clip_value),
-                               list(header.no_grad), nnz_of(header), stream, source)
-
     def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
         """Count a complete push; start the aggregation when it was the last one."""
         block.pushed.add(worker)
@@ -341,7 +338,7 @@ class Shard:
         return len(block.pushed)
 
     async def _aggregate(self, block: BlockState) -> None:
-        options, no_grad = block.round_options or RoundOptions(), block.round_no_grad or set()
+        options, no_grad = block.round_options or NO_OPTIONS, block.round_no_grad or set()
         loop = asyncio.get_running_loop()
         total = RoundScalars()
         try:

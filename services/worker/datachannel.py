@@ -28,11 +28,10 @@ from typing import Any
 import torch
 
 from imerge.core.codec import tensor_view
-from imerge.core.compression import Payload
 from imerge.core.errors import Busy, DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, read_exact, read_header, read_meta,
                                   send_frame)
-from imerge.wire.encoding import DTYPE_ENUM, encoding_fields
+from imerge.wire.encoding import push_header
 from imerge.wire.rpc import ps_pb2
 
 from .items import PushItem
@@ -92,16 +91,6 @@ class PooledConnection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
-
-
-def push_header(block_id: str, payload: Payload, round_: int, options: Any, worker: int, generation: int,
-                fence: int, lane: int) -> ps_pb2.PushHeader:
-    return ps_pb2.PushHeader(block_id=block_id, worker=worker, round=round_, dtype=DTYPE_ENUM[payload.dtype],
-                             numel=payload.numel, generation=generation, fence=fence, lane=lane,
-                             hypers=options.hypers, no_grad=options.no_grad, assign=options.assign,
-                             loss_scale=options.loss_scale, max_norm=options.max_norm,
-                             clip_value=options.clip_value,
-                             **encoding_fields(payload.nnz if payload.sparse else -1))
 
 
 class SocketDataPath:
@@ -230,8 +219,7 @@ class SocketDataPath:
         frames = []
         for item in blocks:
             payload = item.payload
-            frames.append((push_header(item.block_id, payload, item.round, item.options, worker, generation, fence,
-                                       lane), payload.parts()))
+            frames.append((push_header(item.push(worker, generation, fence, lane)), payload.parts()))
         on_written = (lambda: loop.call_soon_threadsafe(written.set)) if written is not None else None
         results = await self._call(worker, generation, timeout_s, self._push, frames, on_written)
         return ps_pb2.PushReply(results=results)

@@ -20,9 +20,9 @@ import torch
 
 from imerge.core.errors import IMergeError
 from imerge.core.planning import BYTES_PER_ELEMENT, Block, Group, Plan
+from imerge.core.rounds import RoundOptions
 
 from .buffers import FlatParams
-from .items import PushOptions
 from .staging import DONE, Ready
 
 
@@ -43,7 +43,8 @@ class Sync:
     group: GroupRuntime
     round: int
     iteration: int  # counted from the schedule's start (the timeline's label)
-    options: dict[str, PushOptions]  # block id -> what its push says besides the data
+    options: dict[str, RoundOptions]  # block id -> its round's options (its param group's hyperparameters)
+    no_grad: dict[str, tuple[int, ...]]  # block id -> its pieces this worker gave no gradient since the last sync
     ready: Ready = DONE  # when the group's gradients may be read for the wire (a device copy's event)
     pushed: threading.Event = dataclasses.field(default_factory=threading.Event)
     future: concurrent.futures.Future[int] = dataclasses.field(default_factory=concurrent.futures.Future)

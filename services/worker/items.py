@@ -9,21 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from imerge.core.compression import Payload
-
-
-@dataclasses.dataclass(frozen=True)
-class PushOptions:
-    """What a push of one block says about its round besides the gradient."""
-
-    hypers: str = ""                # the param group's hyperparameters that differ from the initial ones (JSON)
-    no_grad: tuple[int, ...] = ()   # the block's pieces this worker gave no gradient
-    assign: bool = False            # the data are parameters to assign (load_state_dict), not a gradient
-    loss_scale: float = 0.0         # the gradient is scaled by this (grad scaler); 0: not
-    max_norm: float = 0.0           # clip the round's averaged gradient to this global norm; 0: no clipping
-    clip_value: float = 0.0         # clamp the round's averaged gradient's elements to +-this first; 0: not
-
-
-NO_OPTIONS = PushOptions()
+from imerge.core.rounds import NO_OPTIONS, Push, RoundOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +20,18 @@ class PushItem:
     block_id: str
     grad: torch.Tensor | Payload
     round: int
-    options: PushOptions = NO_OPTIONS
+    options: RoundOptions = NO_OPTIONS
+    no_grad: tuple[int, ...] = ()   # the block's pieces this worker gave no gradient since its last sync
 
     @property
     def payload(self) -> Payload:
         return self.grad if isinstance(self.grad, Payload) else Payload(self.grad)
+
+    def push(self, worker: int, generation: int, fence: int, lane: int) -> Push:
+        """The push of this block by ``worker``, as its header says it (:func:`imerge.wire.encoding.push_header`)."""
+        payload = self.payload
+        return Push(self.block_id, worker, self.round, payload.dtype, payload.numel,
+                    payload.nnz if payload.sparse else -1, generation, fence, lane, self.options, self.no_grad)
 
 
 BlockArrived = Callable[[str, int, Any], None]  # (block id, its new round, its meta), as soon as it is in place

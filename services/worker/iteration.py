@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from imerge.core.errors import UnsupportedUse
+from imerge.core.rounds import RoundOptions
 from imerge.core.schedule import syncs
 
-from .items import PushOptions
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,13 +44,12 @@ class RoundContext:
     max_norm: float = 0.0
     clip_value: float = 0.0
 
-    def options(self, param_group: int, no_grad: tuple[int, ...], assign: bool = False) -> PushOptions:
-        """A block's push options: its param group's hyperparameters, the pieces without a gradient; an
-        assignment (load_state_dict) carries parameters, so no scaling."""
+    def options(self, param_group: int, assign: bool = False) -> RoundOptions:
+        """A block's round options: its param group's hyperparameters; an assignment (load_state_dict) carries
+        parameters, so no scaling."""
         if assign:
-            return PushOptions(self.hypers[param_group], no_grad, True)
-        return PushOptions(self.hypers[param_group], no_grad, False, self.loss_scale, self.max_norm,
-                           self.clip_value)
+            return RoundOptions(self.hypers[param_group], True)
+        return RoundOptions(self.hypers[param_group], False, self.loss_scale, self.max_norm, self.clip_value)
 
 
 class SyncSchedule:

@@ -23,13 +23,14 @@ from imerge.control.messages import PORT, Flag
 from imerge.core.compression import Payload
 from imerge.core.errors import Fenced
 from imerge.core.planning import BYTES_PER_ELEMENT, Block
+from imerge.core.rounds import NO_OPTIONS
 from imerge.core.sending import SendPolicy, Senders, Stream
 from imerge.core.slots import NoSlots
 from imerge.telemetry.timeline import Timeline
 
 from .buffers import FlatParams
 from .groups import Sync
-from .items import NO_OPTIONS, PushItem
+from .items import PushItem
 from .metrics import WorkerMetrics
 from .staging import HostStaging, Ready
 from .transport import ShardClient
@@ -191,13 +192,12 @@ class Pusher:
     def _item(self, sync: Sync, block: Block) -> PushItem:
         """What a push stream carries of one block, compressed once per sync."""
         grad = self.staging.wire_grads(block.offset, block.numel)
-        options = sync.options.get(block.block_id, NO_OPTIONS)
+        options, no_grad = sync.options.get(block.block_id, NO_OPTIONS), sync.no_grad.get(block.block_id, ())
         payload = grad if options.assign else self.compression.compress(block, grad, options.loss_scale > 0)
-        if isinstance(payload, Payload) and options.no_grad:
-            options = dataclasses.replace(options, no_grad=self.compression.still_without_grad(
-                block, payload, options.no_grad, self.flat))
+        if isinstance(payload, Payload) and no_grad:
+            no_grad = self.compression.still_without_grad(block, payload, no_grad, self.flat)
         self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT, payload_nbytes(payload))
-        return PushItem(block.block_id, payload, sync.round, options)
+        return PushItem(block.block_id, payload, sync.round, options, no_grad)
 
     async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
         """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns

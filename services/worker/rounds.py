@@ -27,15 +27,14 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     ``iteration``: the one whose backward completed the group (default: the current one)."""
     table = state.table
     units = table.plan.units
-    options = {b.block_id: context.options(units[b.unit].group,
-                                           tuple(i for i, pid in enumerate(table.pieces_of[b.block_id])
-                                                 if pid not in group.given), assign)
+    options = {b.block_id: context.options(units[b.unit].group, assign) for b in group.blocks}
+    no_grad = {b.block_id: tuple(i for i, pid in enumerate(table.pieces_of[b.block_id]) if pid not in group.given)
                for b in group.blocks}
     group.given.clear()
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
     completed_in = state.loop.iteration if iteration is None else iteration
-    sync = Sync(group, group.round, state.schedule.relative(completed_in), options, ready)
+    sync = Sync(group, group.round, state.schedule.relative(completed_in), options, no_grad, ready)
     group.latest, group.round = sync, group.round + 1  # the round this sync completes
     comm.enqueue(sync)
     group.unsettled = {b.block_id for b in group.blocks}

@@ -21,12 +21,13 @@ from imerge.core.config import TlsConfig
 from imerge.core.errors import InvalidArgument
 from imerge.core.optim import OptimizerSpec
 from imerge.wire.channel import CHANNEL_OPTIONS, SERVICE_NAME
+from imerge.wire.encoding import push_header
 from imerge.wire.frames import data_frames, deserializer, serialize
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.wire.status import error_from
 from imerge.wire.tls import channel_credentials, client_ssl_context
 
-from .datachannel import SocketDataPath, push_header
+from .datachannel import SocketDataPath
 from .items import BlockArrived, DataPath, PushItem
 from .pulled import PulledBlocks, apply_payload
 
@@ -112,8 +113,7 @@ class GrpcDataPath:
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
             for item in blocks:
                 payload = item.payload
-                yield ps_pb2.PushChunk(header=push_header(item.block_id, payload, item.round, item.options, worker,
-                                                          generation, fence, lane))
+                yield ps_pb2.PushChunk(header=push_header(item.push(worker, generation, fence, lane)))
                 for part in payload.parts():
                     for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
                         yield frame

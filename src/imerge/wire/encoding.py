@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from imerge.core.errors import InvalidArgument
+from imerge.core.rounds import Push, RoundOptions
 from imerge.wire.rpc import ps_pb2
 
 DTYPE_ENUM = {"float32": ps_pb2.FLOAT32, "float16": ps_pb2.FLOAT16, "bfloat16": ps_pb2.BFLOAT16}
@@ -37,3 +38,22 @@ def tensor_meta(block_id: str, round_: int, dtype: str, numel: int, nnz: int, re
     skipped, grad_norm = result
     return ps_pb2.TensorMeta(block_id=block_id, dtype=DTYPE_ENUM[dtype], numel=numel, round=round_,
                              skipped=skipped, grad_norm=grad_norm, **encoding_fields(nnz))
+
+
+def push_of(header: ps_pb2.PushHeader) -> Push:
+    """The push a ``PushHeader`` describes (the gRPC stream's and the data channel's): parsed here, once."""
+    what = f"push of block {header.block_id} by worker {header.worker}"
+    return Push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what), header.numel,
+                nnz_of(header), header.generation, header.fence, header.lane,
+                RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm, header.clip_value),
+                tuple(header.no_grad))
+
+
+def push_header(push: Push) -> ps_pb2.PushHeader:
+    """The ``PushHeader`` of ``push``: encoded here, once."""
+    options = push.options
+    return ps_pb2.PushHeader(block_id=push.block_id, worker=push.worker, round=push.round,
+                             dtype=DTYPE_ENUM[push.dtype], numel=push.numel, generation=push.generation,
+                             fence=push.fence, lane=push.lane, hypers=options.hypers, no_grad=push.no_grad,
+                             assign=options.assign, loss_scale=options.loss_scale, max_norm=options.max_norm,
+                             clip_value=options.clip_value, **encoding_fields(push.nnz))
