@@ -257,7 +257,7 @@ class Shard:
         data.declare(payload_bytes(push.numel, push.dtype, push.nnz), what)  # a retry too: before it holds the row
         async with block.rows[push.worker].held(push.round, stream, what, lambda: block.round):
             if push.round == block.round - 1 or (push.round == block.round and push.worker in block.pushed):
-                await self._check_retry(block, push.worker, push.round, push.dtype, push.nnz, data, what, source)
+                await self._check_retry(block, push, data, source)
                 self.counters.duplicate_pushes += 1
                 return True, len(block.pushed)
             await self._admit(block, push)
@@ -310,14 +310,14 @@ class Shard:
             block.receiving.discard(push.worker)
             self.metrics.pushes_in_flight.dec()
 
-    async def _check_retry(self, block: BlockState, worker: int, round_: int, dtype: str, nnz: int,
-                           data: PayloadSource, what: str, source: str) -> None:
+    async def _check_retry(self, block: BlockState, push: Push, data: PayloadSource, source: str) -> None:
         """A push of a row already counted: a retry must carry the bytes that were counted."""
+        worker, what = push.worker, push.what
         counted_round, counted_source = block.row_sources[worker] or (-1, "")
-        if counted_round != round_:  # the row no longer holds that round (restored since): nothing to compare
+        if counted_round != push.round:  # the row no longer holds that round (restored since): nothing to compare
             await data.skip()
             return
-        if same_payload(block, worker, await receive_copy(block, dtype, nnz, data, what)):
+        if same_payload(block, worker, await receive_copy(block, push.dtype, push.nnz, data, what)):
             return
         self.counters.second_writers += 1
         message = (f"{what} from {source or 'a client'}: worker {worker}'s row of that round already holds "

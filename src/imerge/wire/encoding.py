@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from imerge.core.errors import InvalidArgument
+from imerge.core.limits import clip
 from imerge.core.rounds import Push, RoundOptions
 from imerge.wire.rpc import ps_pb2
 
@@ -42,7 +43,7 @@ def tensor_meta(block_id: str, round_: int, dtype: str, numel: int, nnz: int, re
 
 def push_of(header: ps_pb2.PushHeader) -> Push:
     """The push a ``PushHeader`` describes (the gRPC stream's and the data channel's): parsed here, once."""
-    what = f"push of block {header.block_id} by worker {header.worker}"
+    what = f"push of block {clip(header.block_id)} by worker {header.worker}"
     return Push(header.block_id, header.worker, header.round, dtype_name(header.dtype, what), header.numel,
                 nnz_of(header), header.generation, header.fence, header.lane,
                 RoundOptions(header.hypers, header.assign, header.loss_scale, header.max_norm, header.clip_value),
