@@ -1,8 +1,8 @@
 """What a round of a block is besides its gradients: the options its pushes carry, and the scalars the shards
 agree on before they step (global-norm clipping, "found inf" under loss scaling).
 
-Every worker's push of a round carries the same
-:class:`~imerge.core.rounds.RoundOptions`; a push that disagrees is refused. A round that clips or unscales cannot step a block
+Every worker's push of a round carries the same :class:`~imerge.core.rounds.RoundOptions`
+(a push that disagrees is refused). A round that clips or unscales cannot step a block
 until every block of the job has averaged its gradient: each block reports
 its :class:`RoundScalars`, the shard sums its blocks' (:class:`Agreements`),
 the shards exchange their sums, and every block steps with the same totals
@@ -18,7 +18,6 @@ from imerge.control.messages import RoundScalars
 from imerge.core.errors import FailedPrecondition
 from imerge.core.rounds import RoundOptions
 
-__all__ = ["Agreements", "Exchange", "RoundOptions"]
 
 
 Exchange = Callable[[int, RoundScalars], Awaitable[RoundScalars]]

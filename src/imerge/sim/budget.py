@@ -48,9 +48,10 @@ def within_budget(names: list[str], classes: Callable[[str], int], run: Callable
     started, per_class = time.monotonic(), 0.0
     results: dict[str, R] = {}
     skipped: dict[str, str] = {}
-    order = sorted(names, key=classes)  # the cheap ones first: as many answers as the budget allows
+    counts = {name: classes(name) for name in names}
+    order = sorted(names, key=counts.__getitem__)  # the cheap ones first: as many answers as the budget allows
     for position, name in enumerate(order, 1):
-        count = max(classes(name), 1)
+        count = max(counts[name], 1)
         estimate = per_class * count + extra_s(name)
         elapsed = time.monotonic() - started
         if budget_s and per_class and elapsed + estimate > budget_s:
@@ -65,6 +66,6 @@ def within_budget(names: list[str], classes: Callable[[str], int], run: Callable
         with ticking(say, f"simulating {name}"):
             results[name] = run(name)
         seconds = time.monotonic() - began
-        if classes(name) > 0:  # DDP's ring (0 classes) tells nothing of a PS simulation's cost
+        if counts[name] > 0:  # DDP's ring (0 classes) tells nothing of a PS simulation's cost
             per_class = max(per_class, (seconds - extra_s(name)) / count)
     return {name: results[name] for name in names if name in results}, skipped
