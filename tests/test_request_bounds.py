@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from imerge.core.limits import STALLED_S
 from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 
 NUMEL = 1000
@@ -245,8 +246,8 @@ def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_noth
     """Three times during a job, two push streams (worker 0's and worker 1's row of a block, its current round)
     send a header and then nothing (or 4 bytes every 0.3 s: never silent, far below the minimum rate). Each is
     superseded by the real push within a second: the job runs through without a recovery, its parameters
-    bit-identical to an undisturbed run, at most one idle deadline (10 s) slower. Before, a dripping pair froze
-    the job until a recovery."""
+    bit-identical to an undisturbed run, at most one idle deadline (10 s) and a look per stall slower. Before, a
+    dripping pair froze the job until a recovery."""
     import torch
 
     import test_equivalence as eq
@@ -306,4 +307,7 @@ def test_stalled_push_streams_during_a_live_job_cost_no_recovery_and_change_noth
     for mine, theirs in zip(disturbed, undisturbed):
         for name, value in theirs.items():
             assert torch.equal(mine[name], value), name
-    assert disturbed_s < undisturbed_s + 10, f"{disturbed_s:.1f}s against {undisturbed_s:.1f}s undisturbed"
+    # each of the 3 stalls costs up to a look of STALLED_S (2-4 s in all on this machine), and one idle deadline
+    # (10 s) at most is allowed for: a stall that froze the job until a recovery costs far more
+    allowed_s = 10 + 3 * (STALLED_S + 0.5)
+    assert disturbed_s < undisturbed_s + allowed_s, f"{disturbed_s:.1f}s against {undisturbed_s:.1f}s undisturbed"

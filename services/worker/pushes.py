@@ -185,9 +185,10 @@ class Pusher:
             shard = stream.shard
             items = [self._item(sync, b) for _, b in stream.items]
             nbytes = sum(payload_nbytes(item.grad) for item in items)
-            span = await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
-                                       lambda fence: self._timed_push(shard, items, nbytes, fence))
-            self._record_push(shard, span, nbytes, group=group.index, iteration=sync.iteration)
+            await self._in_slot(Flag(self.plan_version, group.index, shard, self.lane), nbytes,
+                                lambda fence: self._timed_push(shard, items, nbytes, fence),
+                                lambda span: self._record_push(shard, span, nbytes, group=group.index,
+                                                               iteration=sync.iteration))
 
     def _item(self, sync: Sync, block: Block) -> PushItem:
         """What a push stream carries of one block, compressed once per sync."""
@@ -199,9 +200,12 @@ class Pusher:
         self.metrics.moved(sync.group.index, "push", block.numel * BYTES_PER_ELEMENT, payload_nbytes(payload))
         return PushItem(block.block_id, payload, sync.round, options, no_grad)
 
-    async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]]) -> tuple[float, float]:
+    async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]],
+                       acknowledged: Callable[[tuple[float, float]], None] = lambda span: None) -> tuple[float, float]:
         """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
-        when the push started (its slot granted) and when the shard acknowledged it (wall clock)."""
+        when the push started (its slot granted) and when the shard acknowledged it (wall clock), which
+        ``acknowledged`` gets at once, before the slot's release (the round may complete, and the job end, before
+        the release's round trip to the store returns)."""
         for attempt in range(FENCED_RETRIES + 1):
             try:
                 async with self.slots.hold(flag, nbytes) as slot:
@@ -209,9 +213,10 @@ class Pusher:
                                          group=flag.group, shard=flag.shard, contended=slot.contended)
                     self.metrics.flag_wait.observe(slot.waited_s)
                     await push(slot.fence)
-                    acknowledged = time.time()
+                    span = slot.acquired, time.time()
+                    acknowledged(span)
                 self.metrics.flag_held(flag.group, slot.held_s)
-                return slot.acquired, acknowledged
+                return span
             except Fenced as exc:
                 if attempt == FENCED_RETRIES:
                     raise
