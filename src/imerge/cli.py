@@ -15,7 +15,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from imerge.core.config import (LAUNCH_FLAGS_ENV, add_options, env_name, explicit_fields, flag_name, from_namespace,
                                 given_options, setup_logging, to_env)
@@ -227,7 +227,8 @@ def _configs(role: str) -> tuple[type, ...]:
                  for module, name in (spec.split(":") for spec in ROLE_CONFIGS[role]))
 
 
-ROLES = {  # role (subcommand) -> (its help, its runner)
+Runner = Callable[[argparse.Namespace], int]  # a role's runner: the process's exit code
+ROLES: dict[str, tuple[str, Runner]] = {  # role (subcommand) -> (its help, its runner)
     "ps": ("run one PS shard", _run_ps),
     "coordinator": ("run the coordinator", _run_coordinator),
     "worker": ("run one worker of the built-in job", _run_worker),
@@ -245,7 +246,7 @@ ROLES = {  # role (subcommand) -> (its help, its runner)
 }
 
 
-def role_specs() -> dict[str, tuple[str, tuple[type, ...], Callable]]:
+def role_specs() -> dict[str, tuple[str, tuple[type, ...], Runner]]:
     """Each role (subcommand): its help, the config classes its flags and IMERGE_* variables come from, its runner."""
     return {role: (help_text, _configs(role), runner) for role, (help_text, runner) in ROLES.items()}
 
@@ -284,7 +285,7 @@ class OneLineParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str):  # noqa: D102 - argparse's
+    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse's
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
@@ -369,8 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                                        "or the path of an executable file)")
     args.command = command
     args.given = given_options(argv[argv.index(args.role) + 1:], *_configs(args.role))
+    run: Runner = args.run
     try:
-        return args.run(args)
+        return run(args)
     except ConfigError as exc:  # one line naming the option (a bad value, a port that cannot be bound)
         return _usage_error(args.role, str(exc))
     except IMergeError as exc:
@@ -381,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 def _runnable(program: str) -> bool:

@@ -29,11 +29,11 @@ class ProbeResult:
     gb_per_s: float  # wall
 
 
-def _receive(conn: socket.socket, frame_bytes: int, frames: int, out: dict) -> None:
+def _receive(conn: socket.socket, frame_bytes: int, frames: int, out: dict[str, float]) -> None:
     started = time.thread_time()
     frame = torch.empty(frame_bytes // 4)
     total = torch.zeros(frame_bytes // 4)
-    view = memoryview(frame.numpy()).cast("B")
+    view = memoryview(frame.numpy().data).cast("B")
     for _ in range(frames):
         received = 0
         while received < frame_bytes:
@@ -71,9 +71,9 @@ def probe(frame_bytes: int = 4 * MIB, total_bytes: int = 1 << 30,
     receiver.settimeout(60)
     if tls is not None:
         receiver, sender = _handshake(receiver, sender, tls)
-    received: dict = {}
+    received: dict[str, float] = {}
     thread = threading.Thread(target=_receive, args=(receiver, frame_bytes, frames, received), daemon=True)
-    payload = memoryview(torch.ones(frame_bytes // 4).numpy()).cast("B")
+    payload = memoryview(torch.ones(frame_bytes // 4).numpy().data).cast("B")
     try:
         wall = time.perf_counter()
         thread.start()

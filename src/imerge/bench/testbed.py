@@ -176,7 +176,7 @@ class Testbed:
         hosts = list(self.subnet.hosts())
         self.address = {host: str(hosts[i]) for i, host in enumerate(self.links)}
         self.log_sink = log_sink or (lambda line: sys.stderr.write(line + "\n"))
-        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.processes: list[tuple[str, subprocess.Popen[bytes]]] = []
         self._threads: list[threading.Thread] = []
         self._marker = MARKERS / f"{self.tag}.json"
         self._up = False
@@ -249,7 +249,7 @@ class Testbed:
         return ["ip", "netns", "exec", self.namespace[host]]
 
     def spawn(self, host: str, argv: Sequence[str], env: dict[str, str] | None = None,
-              stream_logs: bool = True) -> subprocess.Popen:
+              stream_logs: bool = True) -> subprocess.Popen[bytes]:
         """Start ``argv`` on ``host``; its output goes to the log sink, each line prefixed with the host."""
         process = proc.spawn(self.exec_prefix(host) + list(argv), env=env,
                              stdout=subprocess.PIPE if stream_logs else subprocess.DEVNULL)
@@ -260,7 +260,8 @@ class Testbed:
             self._threads.append(thread)
         return process
 
-    def _stream(self, host: str, process: subprocess.Popen) -> None:
+    def _stream(self, host: str, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None, "spawned with its output piped"
         for raw in process.stdout:
             self.log_sink(f"[{host}] {raw.decode(errors='replace').rstrip()}")
 

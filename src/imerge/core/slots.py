@@ -121,24 +121,42 @@ class AckSlots(NoSlots):
         """What the holder does between the push's acknowledgement and the release: nothing."""
 
 
-class FixedSlots(AckSlots):
-    """Hold the flag for the group's slot time, ``nbytes / bandwidth``, even if the push ended earlier."""
+class SlotClock:
+    """How long a fixed slot lasts: ``nbytes / bandwidth``, the bandwidth given or (0) measured online as a moving
+    average of the pushes observed. The worker's :class:`FixedSlots` and the simulator's worker hold one each."""
 
-    name = "fixed"
-
-    def __init__(self, store: FlagStore, *, bandwidth_bps: float = 0.0, **options: Any):
-        super().__init__(store, **options)
+    def __init__(self, bandwidth_bps: float = 0.0):
         self.measured = bandwidth_bps == 0
         self.bandwidth_bps = bandwidth_bps
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        """Measured bandwidth: a moving average of the pushes observed."""
         if self.measured and seconds > 0:
             observed = nbytes / seconds
             self.bandwidth_bps = observed if self.bandwidth_bps == 0 else 0.8 * self.bandwidth_bps + 0.2 * observed
 
     def slot_time(self, nbytes: int) -> float:
         return nbytes / self.bandwidth_bps if self.bandwidth_bps > 0 else 0.0
+
+
+class FixedSlots(AckSlots):
+    """Hold the flag for the group's slot time (:class:`SlotClock`), even if the push ended earlier."""
+
+    name = "fixed"
+
+    def __init__(self, store: FlagStore, *, bandwidth_bps: float = 0.0, **options: Any):
+        super().__init__(store, **options)
+        self.clock = SlotClock(bandwidth_bps)
+
+    @property
+    def bandwidth_bps(self) -> float:
+        return self.clock.bandwidth_bps
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Measured bandwidth: a moving average of the pushes observed."""
+        self.clock.observe(nbytes, seconds)
+
+    def slot_time(self, nbytes: int) -> float:
+        return self.clock.slot_time(nbytes)
 
     async def _after_push(self, slot: Slot, nbytes: int) -> None:
         await asyncio.sleep(max(0.0, slot.granted_at + self.slot_time(nbytes) - time.monotonic()))

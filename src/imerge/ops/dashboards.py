@@ -32,7 +32,7 @@ class Panel:
     unit: str
     queries: list[tuple[str, str]]       # (PromQL, legend)
     description: str
-    thresholds: tuple[dict, ...] = (GREEN,)
+    thresholds: tuple[dict[str, Any], ...] = (GREEN,)
 
 
 def p90(metric: str, by: str, selector: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from imerge.ops.chartdoc import readme_with_params, values_schema
 from imerge.ops.dashboards import render as render_dashboards
@@ -35,7 +36,7 @@ MANIFEST_HEADER = """\
 """
 
 
-def render_manifests(values: dict | None = None, name: str = "imerge", namespace: str = "default") -> dict[str, str]:
+def render_manifests(values: dict[str, Any] | None = None, name: str = "imerge", namespace: str = "default") -> dict[str, str]:
     """Template path -> rendered manifest of the Helm chart (offline)."""
     import helm_python
 

@@ -138,7 +138,8 @@ class TestbedHosts:
         self.testbed = testbed
 
     def prefix(self, role: str) -> list[str]:
-        return self.testbed.exec_prefix(role)
+        prefix: list[str] = self.testbed.exec_prefix(role)
+        return prefix
 
     def shard_env(self, index: int) -> dict[str, str]:
         return {"IMERGE_HOST": "0.0.0.0", "IMERGE_PORT": str(self.SHARD_PORT),
@@ -314,7 +315,8 @@ class Launcher:
     def _collect_ports(self) -> None:
         """Read the ports the children bound (their ports files); (re)write prometheus.yml once every role's
         metrics port is known, and whenever a restarted role bound another."""
-        if not self.hosts.reports_ports:
+        hosts = self.hosts
+        if not isinstance(hosts, LocalHosts):  # a testbed's roles bind fixed ports in their namespaces
             return
         changed = False
         for child in self.children:
@@ -325,7 +327,7 @@ class Launcher:
             except (OSError, ValueError):
                 continue
             if "grpc" in ports and child.shard is not None:
-                self.hosts.shard_ports.setdefault(child.shard, ports["grpc"])
+                hosts.shard_ports.setdefault(child.shard, ports["grpc"])
             if "metrics" in ports:
                 self.metrics_targets[child.role] = f"127.0.0.1:{ports['metrics']}"
                 changed = True
@@ -382,7 +384,7 @@ class Launcher:
             if not self.command or self.workers_only:
                 if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
                     extra["IMERGE_TORCH_THREADS"] = threads
-            fds = ()
+            fds: tuple[int, ...] = ()
             if rank == 0:
                 extra[PROGRESS_FD_ENV] = str(progress_fd)
                 fds = (progress_fd,)
@@ -652,7 +654,7 @@ class Launcher:
         iterations = [e for e in self.events if e.get("event") == "iteration"]
         times = [e["seconds"] for e in iterations if "seconds" in e]
         steady = times[1:] or times
-        final = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
+        final: dict[str, Any] = next((e for e in reversed(self.events) if e.get("event") == "summary"), {})
         last = iterations[-1] if iterations else {}  # after a recovery, the iterations redone are reported again
         self.summary = {"job": self.job, "workers": self.config.workers, "shards": self.config.shards,
                         "iterations": final.get("iterations", last.get("iteration", len(iterations))),

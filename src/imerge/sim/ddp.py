@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
 
 import simpy
 
 from imerge.core.planning import BYTES_PER_ELEMENT, fuse_size, make_units
 
 from .cluster import GBIT, Cluster, Constants
-from .fluid import Fabric, Link, data_path
+from .fluid import Fabric, Link, Process, data_path
 from .profiles import ModelProfile
 from .results import SimRun
 
@@ -60,7 +59,7 @@ class DDPJob:
     def _compute(self, seconds: float) -> simpy.Event:
         return self.fabric.compute(seconds, count=self.cluster.workers, cores=self.k.compute_cores)
 
-    def _train(self) -> Iterator:
+    def _train(self) -> Process:
         forward_s = sum(u.forward_s for u in self.profile.units)
         for _ in range(self.iters):
             self.starts.append(self.env.now)
@@ -76,7 +75,7 @@ class DDPJob:
                 yield self._compute(step_s)
         self.starts.append(self.env.now)
 
-    def _allreduce(self, nbytes: int, previous: simpy.Event | None) -> Iterator:
+    def _allreduce(self, nbytes: int, previous: simpy.Event | None) -> Process:
         if previous is not None:
             yield previous
         workers = self.cluster.workers

@@ -36,12 +36,14 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
 
 import numpy as np
 import simpy
 
 EPS = 1e-9  # what is left of a segment below this fraction of it is through
+Process = Generator[simpy.Event, Any, Any]  # a SimPy process: the events it waits for, one after another
 
 
 @dataclasses.dataclass(eq=False)

@@ -10,6 +10,8 @@ from imerge.core.errors import IMergeError
 from .profiles import SYNTHETIC
 from .results import ComparisonReport, ProjectionReport, ProjectionRow
 
+Lines = Callable[[str], list[tuple[str, list[ProjectionRow], str]]]  # a model's lines: (label, rows, key plotted)
+
 
 def pyplot(command: str) -> Any:
     """matplotlib's pyplot, headless; a one-line error naming the extra that brings it where it is missing."""
@@ -36,7 +38,7 @@ def _save(figure: Any, path: Path, plt: Any) -> str:
     return path.name
 
 
-def _by_model(plt: Any, lines: Callable[[str], list[tuple[str, list[ProjectionRow], str]]], ylabel: str, title: str,
+def _by_model(plt: Any, lines: Lines, ylabel: str, title: str,
               path: Path, log_y: bool = False, legend_size: int = 8) -> str:
     """One panel per synthetic model, workers on a log2 axis; ``lines(model)`` gives each line's (label, rows, the
     rows' key plotted)."""
@@ -77,7 +79,7 @@ def plot_projections(report: ProjectionReport, out: Path) -> list[str]:
         axes[-1].legend(fontsize=8)
         figure.suptitle(f"Simulated: {model}, where each strategy sits against its bound")
         written.append(_save(figure, out / f"scaling-bound-{model}.png", plt))
-    plots = {
+    plots: dict[str, tuple[Lines, str, str, str, dict[str, Any]]] = {
         "bound": (lambda model: [(label, [r for r in _series(rows, sweep="bound", model=model, link_gbit=25.0,
                                                              strategy="imerge")
                                           if r.shards == max(1, r.workers // fraction)], "ratio_to_bound")
@@ -94,9 +96,9 @@ def plot_projections(report: ProjectionReport, out: Path) -> list[str]:
                    "mean s/it", "Simulated: imerge, S = W/2, 25 Gbit/s: the interleave period T trades staleness "
                                 "for time", "scaling-period.png", dict(legend_size=7)),
     }
-    for sweep, (series, ylabel, title, name, options) in plots.items():
+    for sweep, (lines, ylabel, title, name, options) in plots.items():
         if sweep in swept:
-            written.append(_by_model(plt, series, ylabel, title, out / name, **options))
+            written.append(_by_model(plt, lines, ylabel, title, out / name, **options))
     return written
 
 

@@ -8,7 +8,7 @@ worker does); the comm queue is :class:`imerge.core.queue.CommQueue`, the
 push streams are the sending kernel's (:mod:`imerge.core.sending`); a group syncs when
 :func:`imerge.core.schedule.syncs` says; the slot width and whether flags are
 taken come from :mod:`imerge.core.slots`, fixed slots hold for
-:meth:`FixedSlots.slot_time`; wire bytes from :mod:`imerge.core.compression`.
+:meth:`SlotClock.slot_time`; wire bytes from :mod:`imerge.core.compression`.
 
 What the worker does, step by step (``services/worker``): a module's forward
 waits for its blocks' latest pull; backward produces the units' gradients in
@@ -36,6 +36,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Iterator
+from typing import Any
 
 import simpy
 
@@ -46,10 +47,10 @@ from imerge.core.queue import STOP, CommQueue
 from imerge.core.sending import SendPolicy, Senders, Stream
 from imerge.core.schedule import syncs
 from imerge.core.schedule_config import ScheduleConfig
-from imerge.core.slots import FixedSlots, effective_policy, resolve_width
+from imerge.core.slots import SlotClock, effective_policy, resolve_width
 
 from .cluster import GBIT, Cluster, Constants
-from .fluid import Fabric, Link, data_path
+from .fluid import Fabric, Link, Process, data_path
 from .profiles import ModelProfile
 from .results import SimRun
 
@@ -79,8 +80,8 @@ class ShardClass:
     downlink: Link
     cpu: tuple[Link, ...]  # its data path's cores (on real hosts), one link or none
     arrivals: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
-    waiting: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
-    answers: dict[int, list] = dataclasses.field(default_factory=dict)  # worker class -> blocks to send, in order
+    waiting: dict[tuple[int, int], list[tuple[WorkerClass, Sync]]] = dataclasses.field(default_factory=dict)
+    answers: dict[int, list[tuple[Sync, int]]] = dataclasses.field(default_factory=dict)  # worker class -> blocks to send, in order
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,14 +94,14 @@ class WorkerClass:
     cpu: tuple[Link, ...]
     queue: CommQueue
     wake: simpy.Event
-    plan: Plan | None = None
+    plan: Plan
     latest: dict[int, Sync] = dataclasses.field(default_factory=dict)    # group -> its latest sync
     block_round: dict[int, int] = dataclasses.field(default_factory=dict)
     starts: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward start
     waited: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward waits
     ready: list[list[float]] = dataclasses.field(default_factory=list)   # profiled: each unit's gradient ready
     pushes: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # profiled: (bytes, seconds)
-    fixed: FixedSlots | None = None
+    fixed: SlotClock | None = None
     moved_before: tuple[float, float] = (0.0, 0.0)  # its links' bytes when counting began
 
 
@@ -145,11 +146,11 @@ class PSJob:
         self.modes = block_modes(schedule.compression_spec(), self.first_plan)
         self.shard_classes, self.class_of_shard = self._shard_classes(self.first_plan)
         self.workers = self._worker_classes()
-        self.flags: dict[tuple, simpy.Resource] = {}
+        self.flags: dict[tuple[object, ...], simpy.Resource] = {}
         self.unit_fwd = [u.forward_s for u in profile.units]
         self.unit_bwd = [u.backward_s for u in profile.units]
         self.published: Plan | None = None  # the plan the simulated coordinator published last
-        self.submitted_profile: dict | None = None  # what the simulated worker 0 submitted for it
+        self.submitted_profile: dict[str, Any] | None = None  # what the simulated worker 0 submitted for it
         self.result: SimRun | None = None
         self._unit_blocks: dict[int, list[list[int]]] = {}   # plan version -> each unit's blocks
         self._group_of_unit: dict[int, dict[int, int]] = {}  # plan version -> unit -> group
@@ -165,7 +166,7 @@ class PSJob:
             for index in group.blocks:
                 block = plan.blocks[index]
                 vectors[block.shard][group.index] += block.numel
-        members: dict[tuple, list[int]] = {}
+        members: dict[tuple[int, ...], list[int]] = {}
         for shard, vector in enumerate(vectors):
             members.setdefault(tuple(vector), []).append(shard)
         quantum = 1.01
@@ -175,14 +176,15 @@ class PSJob:
                 total = sum(vector)
                 members.setdefault((round(math.log(total) / math.log(quantum)) if total else -1,), []).append(shard)
             quantum = 1 + (quantum - 1) * 1.5
-        classes, class_of = [], [0] * shards
+        classes: list[ShardClass] = []
+        class_of = [0] * shards
         rate = self.cluster.shard_gbit * GBIT
-        for index, group in enumerate(members.values()):
-            rep = max(group, key=lambda s: (sum(vectors[s]), -s))  # the busiest: the iteration waits for it
-            classes.append(ShardClass(index, group, rep, self._link(f"ps{rep}.up", rate),
+        for index, alike in enumerate(members.values()):
+            rep = max(alike, key=lambda s: (sum(vectors[s]), -s))  # the busiest: the iteration waits for it
+            classes.append(ShardClass(index, alike, rep, self._link(f"ps{rep}.up", rate),
                                       self._link(f"ps{rep}.down", rate, incast=True),
                                       data_path(f"ps{rep}.cpu", self.cluster.shard_cores, self.shard_cpu)))
-            for shard in group:
+            for shard in alike:
                 class_of[shard] = index
         return classes, class_of
 
@@ -194,8 +196,7 @@ class PSJob:
         rate = self.cluster.worker_gbit * GBIT
         classes = []
         for index, (rank, count) in enumerate(lane_positions(self.schedule, self.cluster)):
-            fixed = FixedSlots(None, bandwidth_bps=self.schedule.slot_bandwidth_mbps * 1e6 / 8, owner=f"w{rank}",
-                               lease_s=1.0, timeout_s=1.0, generation=0) if self.policy == "fixed" else None
+            fixed = SlotClock(self.schedule.slot_bandwidth_mbps * 1e6 / 8) if self.policy == "fixed" else None
             classes.append(WorkerClass(index, rank, count, self._link(f"w{rank}.up", rate),
                                        self._link(f"w{rank}.down", rate),
                                        data_path(f"w{rank}.cpu", self.cluster.worker_cores, self.worker_cpu),
@@ -216,7 +217,7 @@ class PSJob:
             return 0.0
         return self.first_plan.blocks[block_index].numel * BYTES_PER_ELEMENT * self.k.topk_cpu_per_byte
 
-    def _cpu_per_byte(self, batch: list, sizes: list[int]) -> float:
+    def _cpu_per_byte(self, batch: list[tuple[Sync, int]], sizes: list[int]) -> float:
         """The CPU per wire byte of a push or pull of ``batch``: the cost per wire byte, and the cost per byte of the
         fp32 blocks they stand for (casting, summing, copying into place) spread over the wire bytes."""
         wire = sum(sizes)
@@ -283,7 +284,7 @@ class PSJob:
     def _compute(self, worker: WorkerClass, seconds: float) -> simpy.Event:
         return self.fabric.compute(seconds, count=worker.count, cores=self.k.compute_cores)
 
-    def _train(self, worker: WorkerClass) -> Iterator:
+    def _train(self, worker: WorkerClass) -> Process:
         profiling = self.cost_plan is not None
         for iteration in range(self.iters):
             worker.starts.append(self.env.now)
@@ -301,7 +302,7 @@ class PSJob:
             yield from self._wait_all(worker)
         self._stop_consumer(worker)
 
-    def _forward(self, worker: WorkerClass) -> Iterator:
+    def _forward(self, worker: WorkerClass) -> Process:
         pending, waited = 0.0, 0.0
         for unit in reversed(range(len(self.unit_fwd))):
             events = [e for e in self._needs(worker, unit) if not e.triggered]
@@ -323,10 +324,11 @@ class PSJob:
         start = self.schedule.profile_iters if self.cost_plan is not None else 0
         return syncs(group, iteration - start, self.schedule.interleave_period)
 
-    def _backward(self, worker: WorkerClass, iteration: int, profiling: bool) -> Iterator:
+    def _backward(self, worker: WorkerClass, iteration: int, profiling: bool) -> Process:
         plan, started, pending = worker.plan, self.env.now, 0.0
         ready = [0.0] * len(plan.units)
-        local_bytes, syncing = 0, []
+        local_bytes = 0
+        syncing: list[int] = []
         overlap = self.schedule.overlap
         for group in plan.groups:
             previous = worker.latest.get(group.index)
@@ -352,20 +354,22 @@ class PSJob:
         if profiling:
             worker.ready.append(ready)
         if not overlap:  # the naive PS: everything after backward, then wait
-            for group in syncing:
-                self._enqueue(worker, group, iteration)
+            for index in syncing:
+                self._enqueue(worker, index, iteration)
             started = self.env.now
             yield simpy.AllOf(self.env, [worker.latest[g].pull_done for g in syncing])
             return self.env.now - started
         return 0.0
 
-    def _wait_all(self, worker: WorkerClass) -> Iterator:
+    def _wait_all(self, worker: WorkerClass) -> Process:
         events = [s.pull_done for s in worker.latest.values() if not s.pull_done.triggered]
         if events:
             yield simpy.AllOf(self.env, events)
 
-    def _switch_to_cost_plan(self, worker: WorkerClass) -> Iterator:
+    def _switch_to_cost_plan(self, worker: WorkerClass) -> Process:
         """After the profiled iterations: every worker synchronizes; worker 0's profile makes the cost plan."""
+        cost_plan = self.cost_plan
+        assert cost_plan is not None, "the cost plan is switched to only when it was asked for"
         yield from self._wait_all(worker)
         if worker.index == 0:
             measured = worker.ready[1:] or worker.ready
@@ -385,8 +389,8 @@ class PSJob:
                              blocks_of=self.first_plan.blocks)
             self.published = plan
             self._index_plan(plan)
-            self.cost_plan.succeed(plan)
-        plan = yield self.cost_plan
+            cost_plan.succeed(plan)
+        plan = yield cost_plan
         worker.plan = plan
         worker.latest = {}
 
@@ -421,7 +425,7 @@ class PSJob:
         policy = SendPolicy(self.schedule.priority, self.policy != "off", self.schedule.slot_scope, worker.rank)
         return Senders(policy, self.push_bytes, lambda index: self.first_plan.blocks[index].offset)
 
-    def _consume(self, worker: WorkerClass) -> Iterator:
+    def _consume(self, worker: WorkerClass) -> Process:
         """The worker's comm loop: a group's sync off the queue starts its pull, then its pushes (the kernel's)."""
         senders = self.senders_for(worker)
         while True:
@@ -456,7 +460,7 @@ class PSJob:
         for stream in streams:
             self.env.process(self._stream(worker, senders, stream))
 
-    def _stream(self, worker: WorkerClass, senders: Senders[Sync, int], stream: Stream[Sync, int]) -> Iterator:
+    def _stream(self, worker: WorkerClass, senders: Senders[Sync, int], stream: Stream[Sync, int]) -> Process:
         """One push stream: the shard's next may start once its data is written, and one fewer is in flight once
         it is answered (as the worker's)."""
         written = self.env.event()
@@ -467,8 +471,8 @@ class PSJob:
         yield push
         self._start_streams(worker, senders, senders.answered(stream))
 
-    def _push(self, worker: WorkerClass, shard: ShardClass, batch: list[tuple[Sync, int]], flag_key: tuple,
-              written: simpy.Event | None = None) -> Iterator:
+    def _push(self, worker: WorkerClass, shard: ShardClass, batch: list[tuple[Sync, int]], flag_key: tuple[object, ...],
+              written: simpy.Event | None = None) -> Process:
         """One push stream: (with flags) take the flag, send the blocks, get the reply, release the flag."""
         nbytes = sum(self.push_bytes(i) for _, i in batch)
         compress_s = sum(self.topk_s(i) for _, i in batch)  # the payloads are made before the slot is taken
@@ -506,6 +510,7 @@ class PSJob:
                 if hold > 0:
                     yield self.env.timeout(hold)
             yield self.env.timeout(self.k.flag_rtt_s / 2)
+            assert request is not None
             flag.release(request)
         for sync, _ in batch:
             sync.pushes_left -= 1
@@ -515,7 +520,8 @@ class PSJob:
     @staticmethod
     def _cpu_links(worker: WorkerClass, shard: ShardClass) -> list[tuple[Link, float]]:
         """The data paths a push or pull between the two crosses, weighted as their links are."""
-        return [(link, len(shard.shards)) for link in worker.cpu] + [(link, worker.count) for link in shard.cpu]
+        return ([(link, float(len(shard.shards))) for link in worker.cpu]
+                + [(link, float(worker.count)) for link in shard.cpu])
 
     # -- the shards -----------------------------------------------------------------------------------------
     def _expect_pull(self, shard: ShardClass, worker: WorkerClass, sync: Sync, index: int) -> None:
@@ -529,7 +535,7 @@ class PSJob:
             del shard.arrivals[key]
             self.env.process(self._complete(shard, index, round_))
 
-    def _complete(self, shard: ShardClass, index: int, round_: int) -> Iterator:
+    def _complete(self, shard: ShardClass, index: int, round_: int) -> Process:
         yield self.env.timeout(self.k.latency_s)
         step_s = self.first_plan.blocks[index].numel * BYTES_PER_ELEMENT * self.k.step_s_per_byte
         step_s += self.topk_s(index, pull=True)
@@ -541,7 +547,7 @@ class PSJob:
             if len(channel) == 1:  # the connection to this worker was idle
                 self.env.process(self._answer(shard, worker, channel))
 
-    def _answer(self, shard: ShardClass, worker: WorkerClass, channel: list) -> Iterator:
+    def _answer(self, shard: ShardClass, worker: WorkerClass, channel: list[tuple[Sync, int]]) -> Process:
         """Send the completed blocks to one worker class over its connection, in the order they completed: the
         blocks queued meanwhile go in the next flow."""
         while channel:
@@ -558,7 +564,7 @@ class PSJob:
                                        cpu_per_byte=self._cpu_per_byte(batch, sizes), on_segment=arrived)
             del channel[:len(batch)]
 
-    def _arrived(self, sync: Sync, index: int) -> Iterator:
+    def _arrived(self, sync: Sync, index: int) -> Process:
         yield self.env.timeout(self.k.latency_s)
         sync.arrived[index].succeed()
         k = self.class_of_shard[self.first_plan.blocks[index].shard]
