@@ -64,10 +64,28 @@ def test_each_test_gets_the_tier_of_what_it_starts():
     modules = ["tests/test_slot_units.py", "tests/test_launcher.py", "tests/test_deploy.py",
                "tests/test_hostile_clients.py", "tests/test_request_bounds.py", "tests/test_recovery.py"]
 
+    # one collection (each costs seconds of imports): a plugin, after conftest's hook, prints each test's tiers
+    plugin = """
+import pytest, sys
+class Tiers:
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            tiers = sorted({m.name for m in item.iter_markers()} & {"unit", "cluster", "e2e"})
+            print("TIER", item.nodeid.split("[")[0], ",".join(tiers))
+sys.exit(pytest.main(["--collect-only", "-q", *sys.argv[1:]], plugins=[Tiers()]))
+"""
+    out = subprocess.run([sys.executable, "-c", plugin, *modules], capture_output=True, text=True,
+                         timeout=120).stdout
+    tiers: dict[str, set[str]] = {}
+    for line in out.splitlines():
+        if line.startswith("TIER "):
+            _, name, marks = line.split(" ", 2)
+            tiers.setdefault(name, set()).update(filter(None, marks.split(",")))
+    assert tiers and all(len(marks) == 1 for marks in tiers.values()), tiers  # exactly one tier each
+
     def collected(marker: str) -> set[str]:
-        out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker, *modules],
-                             capture_output=True, text=True, timeout=120).stdout
-        return {line.split("[")[0] for line in out.splitlines() if "::" in line}
+        return {name for name, marks in tiers.items() if marker in marks}
 
     unit, cluster, e2e = collected("unit"), collected("cluster"), collected("e2e")
     assert not unit & cluster and not unit & e2e and not cluster & e2e

@@ -22,8 +22,10 @@ LOADERS = {  # name -> the script's DataLoader options
     "no loader workers": [],
     "2 forked": ["--loader-workers", "2"],
     "4 forked, persistent": ["--loader-workers", "4", "--persistent"],
-    "2 spawned": ["--loader-workers", "2", "--context", "spawn"],
-    "4 spawned, persistent": ["--loader-workers", "4", "--context", "spawn", "--persistent"],
+    # a spawned loader worker imports torch and the script (2 s of CPU each): one per epoch and rank, or two for
+    # the whole run, show what four would
+    "1 spawned": ["--loader-workers", "1", "--context", "spawn"],
+    "2 spawned, persistent": ["--loader-workers", "2", "--context", "spawn", "--persistent"],
 }
 
 

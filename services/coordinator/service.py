@@ -36,7 +36,8 @@ from .retuning import RetuneContext, Retuner, decide_logged
 
 log = logging.getLogger(__name__)
 REDIS_STALL_S = 1.0  # a Redis call this much slower than asked means Redis stalled: heartbeats are no evidence
-MEMBERS_EVERY_S = 0.5  # the members' heartbeats and the job's keys are checked this often while windows keep coming
+MEMBERS_EVERY_S = 0.5  # the members' heartbeats and the job's keys are checked this often
+REPORT_WAIT_S = 0.2  # one wait for a report: how soon a stop is seen (a report ends the wait at once)
 
 
 class JobFinished(JobFailed):
@@ -165,7 +166,7 @@ class Coordinator:
         deadline = time.monotonic() + self.config.wait_timeout_s
         generation = self.recovery.generation
         while not self._stop.is_set():
-            try:  # briefly: the reports (a failure) are taken in _step, which waits up to 0.5 s for one
+            try:  # briefly: the reports (a failure) are taken in _step, which waits up to REPORT_WAIT_S for one
                 return self.store.wait_profile(0.1)
             except WaitTimeout:
                 if self.recovery.generation != generation:  # profiling starts over in the new generation
@@ -210,8 +211,8 @@ class Coordinator:
         cfg = self.config
         try:
             asked = time.monotonic()
-            report = self.store.pop_report(0.5)
-            if self._store_failing_since is not None or time.monotonic() - asked > 0.5 + REDIS_STALL_S:
+            report = self.store.pop_report(REPORT_WAIT_S)
+            if self._store_failing_since is not None or time.monotonic() - asked > REPORT_WAIT_S + REDIS_STALL_S:
                 self._redis_back_at = time.monotonic()  # Redis was away: heartbeats lapsed through no fault
             self._store_failing_since = None
             if isinstance(report, Malformed):
@@ -228,10 +229,11 @@ class Coordinator:
             elif report is not None:
                 self.handle_failure(report)
             due = time.monotonic() - self._members_checked_at >= MEMBERS_EVERY_S
-            if report is None or (isinstance(report, Window) and due):
-                # worker 0's windows, however fast they come, must not starve the checks; a window is taken only
-                # when no failure or done report waits (pop_report's order), so checking after one is as safe as
-                # after none (a worker that left is counted done only once its done report is taken)
+            if (report is None or isinstance(report, Window)) and due:
+                # every MEMBERS_EVERY_S, whatever the waits for reports; worker 0's windows, however fast they come,
+                # must not starve the checks; a window is taken only when no failure or done report waits
+                # (pop_report's order), so checking after one is as safe as after none (a worker that left is
+                # counted done only once its done report is taken)
                 self._members_checked_at = time.monotonic()
                 self._confirm_done(done)
                 self._check_members(done)

@@ -25,6 +25,7 @@ from .state import Shard
 
 log = logging.getLogger(__name__)
 RESTORE_TIMEOUT_S = 300.0
+WATCH_WAIT_S = 0.2  # one wait for the next generation: how soon a stop is seen (an event ends the wait at once)
 
 
 class ShardMembership:
@@ -127,7 +128,7 @@ class ShardMembership:
         while not self._stop.is_set():
             target = max(self.shard.generation, self._handled) + 1
             try:
-                event = self.store.wait_generation(target, 0.5, f"generation {target}")
+                event = self.store.wait_generation(target, WATCH_WAIT_S, f"generation {target}")
                 latest = self.store.generation() or target
                 if latest > target:  # several recoveries meanwhile: go to the newest
                     target, event = latest, self.store.generation_event(latest) or GenerationEvent(latest)

@@ -7,10 +7,14 @@ labels (``shard``, ``worker``, ``group``, ``interface``).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,10 +130,22 @@ class MetricsServer:
         report_port(ports_file, "metrics", self.port)
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        """Stop serving; returns at once (the serving loop looks for a shutdown only every half second, or when
+        a connection comes: it is poked with empty connections until it has stopped)."""
+        if self._server is None:
+            return
+        server, self._server = self._server, None
+        stopping = threading.Thread(target=server.shutdown, name="imerge-metrics-shutdown", daemon=True)
+        stopping.start()
+        host, port = server.server_address[:2]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+        deadline = time.monotonic() + 5
+        while stopping.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+                pass
+            stopping.join(0.01)
+        stopping.join(5)
+        server.server_close()
 
 
 def rules_file() -> Path | None:
