@@ -12,7 +12,7 @@ would do nothing, or step this worker alone with its local gradients), one
 built once the job runs, or a spec passed beside a torch optimizer.
 
 The watch is a wrapper of ``torch.optim.Optimizer.__init__`` (installed the
-first time a model is distributed) that tells every watching model of a new
+first time a model is distributed, :mod:`.torch_patches`) that tells every watching model of a new
 optimizer over its parameters, and keeps every live optimizer in a weak set;
 the optimizers built before that are found among the live objects once, when
 the wrapper is installed (a scan of every object: the process's first
@@ -53,7 +53,6 @@ class OptimizerWatch:
         self.given = given
         self.joined = False
         self._built: list[weakref.ref[torch.optim.Optimizer]] = []
-        _install()
         for optimizer in self._existing():
             self._add(optimizer)
         with _lock:
@@ -112,10 +111,15 @@ def _is_proxy(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(type(optimizer), "imerge_proxy", False)
 
 
-def _install() -> None:
+_original_init: list[Any] = []  # torch's Optimizer.__init__, while the watch replaces it
+
+
+def install() -> None:
+    """Wrap ``torch.optim.Optimizer.__init__`` in the watch (once; see :mod:`.torch_patches`)."""
     original = torch.optim.Optimizer.__init__
     if getattr(original, "imerge_watch", False):
         return
+    _original_init[:] = [original]
 
     @functools.wraps(original)
     def __init__(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
@@ -132,6 +136,12 @@ def _install() -> None:
     with _lock:  # the optimizers built before the wrapper: found once among every live object
         _live.update(o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer) and not _is_proxy(o))
         torch.optim.Optimizer.__init__ = __init__  # type: ignore[method-assign]  # the watch (see the module)
+
+
+def remove() -> None:
+    """torch's own ``Optimizer.__init__`` back (the optimizers built meanwhile stay in the live set)."""
+    if _original_init:
+        torch.optim.Optimizer.__init__ = _original_init.pop()  # type: ignore[method-assign]
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:

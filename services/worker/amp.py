@@ -16,7 +16,7 @@ The work moves to where the gradients are:
 
 For a scaler over any other optimizer, torch's methods run as they are.
 :func:`install` puts these methods on ``torch.amp.GradScaler`` once, when the
-first model is distributed (an instance made before keeps working: methods
+first model is distributed (:mod:`.torch_patches`) (an instance made before keeps working: methods
 are looked up on the class).
 """
 from __future__ import annotations
@@ -108,12 +108,22 @@ def _step(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
+_originals: dict[str, Callable[..., Any]] = {}  # method name -> torch's own, while replaced
+
+
 def install() -> None:
-    """Put the shards' way on torch.amp.GradScaler (once)."""
+    """Put the shards' way on torch.amp.GradScaler (once; see :mod:`.torch_patches`)."""
     cls = torch.amp.GradScaler
-    if getattr(cls, "imerge_installed", False):
+    if _originals:
         return
+    _originals.update(scale=cls.scale, unscale_=cls.unscale_, step=cls.step)
     cls.scale = _scale(cls.scale)  # type: ignore[method-assign]
     cls.unscale_ = _unscale(cls.unscale_)  # type: ignore[method-assign]
     cls.step = _step(cls.step)  # type: ignore[method-assign]
-    cls.imerge_installed = True  # type: ignore[attr-defined]
+
+
+def remove() -> None:
+    """torch's own GradScaler methods back."""
+    for name, original in _originals.items():
+        setattr(torch.amp.GradScaler, name, original)
+    _originals.clear()

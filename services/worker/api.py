@@ -38,7 +38,7 @@ from .adoption import OptimizerWatch, take_loaded_state
 from .config import ScheduleConfig, WorkerConfig, torchrun_identity
 from .engine import JOIN_STATE, SyncEngine
 from .iteration import LoopSettings
-from . import amp, exiting, guards
+from . import exiting, guards, torch_patches
 from .idioms import DDPIdioms
 from .lease import RankLease
 from .joining import Heartbeat, latest_plan, rejoin_point, wait_plan
@@ -63,6 +63,7 @@ class DistributedModel(DDPIdioms):
         super().__init__()
         self.module = module
         self.config = config
+        torch_patches.install()  # torch's clipping, optimizers, GradScaler and the exit hooks, the PS way
         self._watch = OptimizerWatch(module, optimizer)
         self._optimizer: ShardOptimizer | None = None
         self._store = WorkerStore(config.redis_url, config.job)
@@ -182,6 +183,14 @@ class DistributedModel(DDPIdioms):
 
     @property
     def engine(self) -> SyncEngine:
+        """The job's engine of this worker; reading it joins the job first if this model has not (see
+        :meth:`joined`)."""
+        return self.joined()
+
+    def joined(self) -> SyncEngine:
+        """The engine, joining the job first if this model has not yet (a model joins at its first forward, or at
+        the first use that needs the job: its optimizer, a save, a close). Raises the job's fatal error if it
+        failed, and IMergeError once the model is closed or in a forked child."""
         self._refuse_in_child("using an IMerge model")
         if self.fatal is not None:  # the job failed with it (the script caught it): nothing more to do here
             raise self.fatal
@@ -203,7 +212,7 @@ class DistributedModel(DDPIdioms):
         """The shards' optimizer as the loop sees it: a torch.optim.Optimizer whose param_groups each round's
         pushes carry (attach any torch.optim.lr_scheduler to it); step() and zero_grad() have nothing to do.
         Reading it joins the job (with the optimizer built so far, or the default)."""
-        self.engine
+        self.joined()
         if self._optimizer is None:  # made by the join, with the engine
             raise IMergeError("this DistributedModel has no optimizer: its join did not complete")
         return self._optimizer
@@ -214,7 +223,7 @@ class DistributedModel(DDPIdioms):
         return self._metrics.port if self._metrics is not None else -1
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine  # fail loudly once closed
+        self.joined()  # fail loudly once closed
         self._lease.check()
         with self._reporting():
             return self.module(*args, **kwargs)
@@ -287,9 +296,9 @@ class DistributedModel(DDPIdioms):
             self.abort()
             raise self.fatal
         try:
-            self.engine
+            engine = self.joined()
             with self._reporting():
-                self.engine.finish()  # every worker ends with the same parameters and buffers
+                engine.finish()  # every worker ends with the same parameters and buffers
             self._store.mark_done(self.config.rank)
             self._done = True
         finally:
@@ -318,8 +327,6 @@ def distribute(module: torch.nn.Module, optimizer: OptimizerSpec | torch.optim.O
     """
     from imerge.core.config import explicit_fields, from_env
 
-    exiting.install()
-    amp.install()
     if config is None:  # --tune auto: the knobs neither a keyword nor an IMERGE_* variable gives
         config = from_env(WorkerConfig, **{**torchrun_identity(os.environ), **options})
         config = config.tuned(explicit_fields(ScheduleConfig, set(options)))

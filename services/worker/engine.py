@@ -63,7 +63,7 @@ class SyncEngine:
         self.config = config
         self.generation = generation
         self.optimizer = optimizer
-        self.loads = 0  # imerge.load calls: each is one barrier between worker 0 and the others
+        self._loads = 0  # imerge.load calls: each is one barrier between worker 0 and the others
         self.store = store
         self.timeline = Timeline(config.rank)
         self.metrics = WorkerMetrics(config.rank, config.link_mbps)
@@ -325,6 +325,11 @@ class SyncEngine:
         rounds.flush(self.state)
         self.synchronize()
         self.state.buffer_sync.apply()
+
+    def next_load(self) -> int:
+        """The sequence number of this imerge.load call (1, 2, ...): the barrier worker 0 and the others meet at."""
+        self._loads += 1
+        return self._loads
 
     # -- waits and closing -------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -43,6 +43,8 @@ NO_THREADS_AT_EXIT = (" (Python 3.12.0 to 3.12.2 start no thread once the interp
 live: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()  # every model not closed yet, for the exit hook
 uncaught: list[BaseException] = []  # the exception ending the script, if one does
 _installed_in: list[int] = []  # the pid of the process whose models the hooks serve (empty: not installed)
+_previous_excepthook: list[Callable[..., Any]] = []  # the excepthook ours wraps, while ours is installed
+_registered: list[bool] = []  # the exit and fork hooks are registered (once per process: neither can be undone)
 
 
 def _exit_code(error: BaseException) -> int:
@@ -134,16 +136,26 @@ def _exit_codes(previous: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Install the excepthook and the exit hook (once per process). The exit hook is one of threading's (as
-    concurrent.futures' is): it runs when the main thread ends, before the interpreter joins its threads, where
-    Python 3.12.3 and later (CPython gh-113964) still start the threads that leaving the job takes; from an
-    atexit hook, Python 3.12 and later refuse them."""
+    """Install the excepthook, the exit hook and the fork hook (see :mod:`.torch_patches`). The exit hook is one
+    of threading's (as concurrent.futures' is): it runs when the main thread ends, before the interpreter joins its
+    threads, where Python 3.12.3 and later (CPython gh-113964) still start the threads that leaving the job
+    takes; from an atexit hook, Python 3.12 and later refuse them. Neither it nor the fork hook can be taken back:
+    they are registered once per process and do nothing while the hooks are removed."""
     if not getattr(sys.excepthook, "imerge", False):
+        _previous_excepthook[:] = [sys.excepthook]
         sys.excepthook = _exit_codes(sys.excepthook)
+    if not _registered:
         getattr(threading, "_register_atexit", atexit.register)(leave_at_exit)
-    if not _installed_in:
         os.register_at_fork(after_in_child=_disown_in_child)
+        _registered.append(True)
     _installed_in[:] = [os.getpid()]
+
+
+def remove() -> None:
+    """The excepthook the process had before; the exit and fork hooks do nothing from now on."""
+    if getattr(sys.excepthook, "imerge", False) and _previous_excepthook:
+        sys.excepthook = _previous_excepthook.pop()
+    _installed_in.clear()
 
 
 def _disown_in_child() -> None:

@@ -7,7 +7,7 @@ hand a call over the model's parameters to its engine, which has the shards
 clip that round (:mod:`.clipping`) and returns what torch returns: the total
 norm of the averaged gradient (``clip_grad_norm_``), nothing
 (``clip_grad_value_``). For any other tensors they are torch's own. They are
-installed when the first model is distributed. A script that bound torch's
+installed when the first model is distributed (:mod:`.torch_patches`). A script that bound torch's
 function itself before (``from torch.nn.utils import clip_grad_norm_`` at its
 top) keeps torch's own, which would clip only this worker's ``.grad``: the
 helpers torch's functions call (looked up in their module at each call) refuse
@@ -37,6 +37,7 @@ GUARDED = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
 HELPERS = ("_get_total_norm", "_group_tensors_by_device_and_dtype")  # what torch's own clipping functions call
 _distributed: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[SyncEngine]]] = {}  # id(param) -> it, its engine
 _accumulators: dict[int, weakref.ref[SyncEngine]] = {}  # data_ptr of an engine's gradient accumulator -> the engine
+_originals: dict[tuple[str, str], Callable[..., Any]] = {}  # (module, name) -> torch's function, while replaced
 
 
 def _has_model_grads(tensors: Any) -> bool:
@@ -122,17 +123,32 @@ def _distributed_clip(original: Callable[..., Any], name: str) -> Callable[..., 
     return clip
 
 
-def guard(engine: SyncEngine) -> None:
-    """Install the clipping functions once; the engine's parameters are clipped through it from now on."""
+def install() -> None:
+    """Put the distributed clipping functions and the refusing helpers in torch's modules (once; see
+    :mod:`.torch_patches`)."""
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         for name in GUARDED:
             original = getattr(module, name, None)
             if original is not None and not getattr(original, "imerge_guarded", False):
+                _originals[(module.__name__, name)] = original
                 setattr(module, name, _distributed_clip(original, name))
     for name in HELPERS:
         helper = getattr(torch.nn.utils.clip_grad, name, None)
         if helper is not None and not getattr(helper, "imerge_guarded", False):
+            _originals[(torch.nn.utils.clip_grad.__name__, name)] = helper
             setattr(torch.nn.utils.clip_grad, name, _refusing_model_grads(helper))
+
+
+def remove() -> None:
+    """torch's own clipping functions and helpers back in its modules."""
+    modules = {module.__name__: module for module in (torch.nn.utils, torch.nn.utils.clip_grad)}
+    for (module, name), original in _originals.items():
+        setattr(modules[module], name, original)
+    _originals.clear()
+
+
+def guard(engine: SyncEngine) -> None:
+    """The engine's parameters are clipped through it from now on (the functions are installed)."""
     _distributed.update({id(p): (weakref.ref(p), weakref.ref(engine)) for p in engine.params})
     _accumulators[engine.flat.grads.untyped_storage().data_ptr()] = weakref.ref(engine)
 

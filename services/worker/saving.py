@@ -138,8 +138,7 @@ def check_optimizer_state(engine: SyncEngine, optim: dict[str, dict[str, torch.T
 def load_model(model: DistributedModel, path: str | os.PathLike[str]) -> dict[str, str]:
     engine, config = model.engine, model.config
     engine.synchronize()
-    engine.loads += 1
-    sequence = engine.loads
+    sequence = engine.next_load()
     if config.rank == 0:
         try:
             tensors, metadata = read_file(path)
