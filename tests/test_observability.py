@@ -354,3 +354,22 @@ def test_prometheus_scrapes_two_jobs_of_one_name_in_two_namespaces_keeps_them_ap
         if prometheus is not None:
             prometheus.terminate()
             prometheus.wait(30)
+
+
+def test_a_metrics_server_serves_until_closed_and_closes_at_once():
+    """close() returns without waiting out the serving loop's half-second poll (every role's close and every
+    worker's model.close() paid it: up to 0.5 s each), and the port serves nothing afterwards."""
+    from prometheus_client import CollectorRegistry
+
+    from imerge.telemetry.metrics import MetricsServer
+
+    for _ in range(3):  # the poll waited 0 to 0.5 s: three closes all under 0.2 s would be luck (1 in 16)
+        server = MetricsServer(CollectorRegistry(), 0, "test")
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as reply:
+            assert reply.status == 200
+        started = time.monotonic()
+        server.close()
+        assert time.monotonic() - started < 0.2
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=2)
+        server.close()  # twice: nothing more to do

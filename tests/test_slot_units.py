@@ -88,7 +88,7 @@ def test_a_release_after_the_lease_passed_is_logged(caplog):
 def test_fixed_holds_for_the_slot_time_even_when_the_push_ends_earlier():
     flags = FakeFlags()
     policy = make_slots("fixed", flags, bandwidth_mbps=8.0, **OPTIONS)  # 1 MB/s
-    assert isinstance(policy, FixedSlots) and policy.slot_time(200_000) == pytest.approx(0.2)
+    assert isinstance(policy, FixedSlots) and policy.clock.slot_time(200_000) == pytest.approx(0.2)
     slot, ran = held(policy, "1:0", 200_000, body_s=0.01)
     freed = flags.calls[1][3]
     assert freed - flags.calls[0][3] >= 0.2 - 0.01  # the slot time, not the 10 ms push
@@ -97,14 +97,14 @@ def test_fixed_holds_for_the_slot_time_even_when_the_push_ends_earlier():
 
 def test_fixed_measures_the_bandwidth_from_the_pushes_when_none_is_given():
     policy = make_slots("fixed", FakeFlags(), **OPTIONS)
-    assert policy.slot_time(1_000_000) == 0.0  # nothing measured yet: no wait beyond the push
+    assert policy.clock.slot_time(1_000_000) == 0.0  # nothing measured yet: no wait beyond the push
     policy.observe(1_000_000, 1.0)
-    assert policy.bandwidth_bps == 1_000_000
+    assert policy.clock.bandwidth_bps == 1_000_000
     policy.observe(1_000_000, 0.5)
-    assert policy.bandwidth_bps == pytest.approx(0.8 * 1e6 + 0.2 * 2e6)
+    assert policy.clock.bandwidth_bps == pytest.approx(0.8 * 1e6 + 0.2 * 2e6)
     given = make_slots("fixed", FakeFlags(), bandwidth_mbps=8.0, **OPTIONS)
     given.observe(1_000_000, 0.1)
-    assert given.bandwidth_bps == 1e6  # a given bandwidth is kept
+    assert given.clock.bandwidth_bps == 1e6  # a given bandwidth is kept
 
 
 def test_an_unknown_policy_is_refused():

@@ -12,8 +12,9 @@ would do nothing, or step this worker alone with its local gradients), one
 built once the job runs, or a spec passed beside a torch optimizer.
 
 The watch is a wrapper of ``torch.optim.Optimizer.__init__`` (installed the
-first time a model is distributed, :mod:`.torch_patches`) that tells every watching model of a new
-optimizer over its parameters, and keeps every live optimizer in a weak set;
+first time a model is distributed, :mod:`.torch_patches`) that tells every
+watching model of a new optimizer over its parameters, and keeps every live
+optimizer in a weak set;
 the optimizers built before that are found among the live objects once, when
 the wrapper is installed (a scan of every object: the process's first
 ``imerge.distribute`` pays it, the next ones read the set).

@@ -16,8 +16,8 @@ The work moves to where the gradients are:
 
 For a scaler over any other optimizer, torch's methods run as they are.
 :func:`install` puts these methods on ``torch.amp.GradScaler`` once, when the
-first model is distributed (:mod:`.torch_patches`) (an instance made before keeps working: methods
-are looked up on the class).
+first model is distributed, with IMerge's other patches (:mod:`.torch_patches`);
+an instance made before keeps working, since methods are looked up on the class.
 """
 from __future__ import annotations
 

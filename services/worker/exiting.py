@@ -60,9 +60,7 @@ def leave_at_exit() -> None:
     nothing: the models are the parent's."""
     if not _installed_in or _installed_in[0] != os.getpid():
         return
-    for model in list(live):
-        if model._closed:
-            continue
+    for model in open_models():
         if model.fatal is not None:
             model.abort()
             log.error("worker %d ends with exit code %d: the job failed with %s: %s (the script went on after it; "
@@ -102,12 +100,17 @@ def reaching_the_script(function: F) -> F:
     return entry  # type: ignore[return-value]
 
 
+def open_models() -> list[DistributedModel]:
+    """The models of this process not closed yet."""
+    return [model for model in list(live) if not model._closed]
+
+
 def trained_here() -> list[DistributedModel]:
     """The models this thread trains (the script's one, usually), in this process."""
     if _installed_in != [os.getpid()]:
         return []
     thread = threading.get_ident()
-    return [model for model in list(live) if model.training_thread == thread and not model._closed]
+    return [model for model in open_models() if model.training_thread == thread]
 
 
 def refused(error: IMergeError) -> None:

@@ -7,8 +7,8 @@ hand a call over the model's parameters to its engine, which has the shards
 clip that round (:mod:`.clipping`) and returns what torch returns: the total
 norm of the averaged gradient (``clip_grad_norm_``), nothing
 (``clip_grad_value_``). For any other tensors they are torch's own. They are
-installed when the first model is distributed (:mod:`.torch_patches`). A script that bound torch's
-function itself before (``from torch.nn.utils import clip_grad_norm_`` at its
+installed when the first model is distributed (:mod:`.torch_patches`). A
+script that bound torch's function itself before (``from torch.nn.utils import clip_grad_norm_`` at its
 top) keeps torch's own, which would clip only this worker's ``.grad``: the
 helpers torch's functions call (looked up in their module at each call) refuse
 the model's gradients, naming the fix.
@@ -20,6 +20,7 @@ import inspect
 import math
 import weakref
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,7 +38,7 @@ GUARDED = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
 HELPERS = ("_get_total_norm", "_group_tensors_by_device_and_dtype")  # what torch's own clipping functions call
 _distributed: dict[int, tuple[weakref.ref[torch.nn.Parameter], weakref.ref[SyncEngine]]] = {}  # id(param) -> it, its engine
 _accumulators: dict[int, weakref.ref[SyncEngine]] = {}  # data_ptr of an engine's gradient accumulator -> the engine
-_originals: dict[tuple[str, str], Callable[..., Any]] = {}  # (module, name) -> torch's function, while replaced
+_originals: dict[tuple[ModuleType, str], Callable[..., Any]] = {}  # (module, name) -> torch's, while replaced
 
 
 def _has_model_grads(tensors: Any) -> bool:
@@ -130,20 +131,19 @@ def install() -> None:
         for name in GUARDED:
             original = getattr(module, name, None)
             if original is not None and not getattr(original, "imerge_guarded", False):
-                _originals[(module.__name__, name)] = original
+                _originals[(module, name)] = original
                 setattr(module, name, _distributed_clip(original, name))
     for name in HELPERS:
         helper = getattr(torch.nn.utils.clip_grad, name, None)
         if helper is not None and not getattr(helper, "imerge_guarded", False):
-            _originals[(torch.nn.utils.clip_grad.__name__, name)] = helper
+            _originals[(torch.nn.utils.clip_grad, name)] = helper
             setattr(torch.nn.utils.clip_grad, name, _refusing_model_grads(helper))
 
 
 def remove() -> None:
     """torch's own clipping functions and helpers back in its modules."""
-    modules = {module.__name__: module for module in (torch.nn.utils, torch.nn.utils.clip_grad)}
     for (module, name), original in _originals.items():
-        setattr(modules[module], name, original)
+        setattr(module, name, original)
     _originals.clear()
 
 

@@ -148,24 +148,27 @@ class Pusher:
                 await wait_ready(sync.ready)
             items = [self._item(p.sync, b) for p, b in batch]
             nbytes = sum(payload_nbytes(item.grad) for item in items)
+
+            def acknowledged(span: tuple[float, float]) -> None:  # a timeline entry per group the stream carried
+                per_sync: dict[int, tuple[ShardPushes, int]] = {}
+                for (pending, _), item in zip(batch, items):
+                    previous = per_sync.get(id(pending), (pending, 0))[1]
+                    per_sync[id(pending)] = pending, previous + payload_nbytes(item.grad)
+                for pending, sync_bytes in per_sync.values():
+                    self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
+                                      iteration=pending.sync.iteration)
+
             if self.slots.holds_flags:
-                span = await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
-                                           lambda fence: self._timed_push(shard, items, nbytes, fence, written))
+                await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
+                                    lambda fence: self._timed_push(shard, items, nbytes, fence, written), acknowledged)
             else:
                 started = time.time()
                 await self._timed_push(shard, items, nbytes, 0, written)
-                span = started, time.time()
+                acknowledged((started, time.time()))
         except Exception as exc:
             for pending, _ in batch:
                 pending.fail(exc)
             return
-        per_sync: dict[int, tuple[ShardPushes, int]] = {}
-        for (pending, _), item in zip(batch, items):
-            previous = per_sync.get(id(pending), (pending, 0))[1]
-            per_sync[id(pending)] = pending, previous + payload_nbytes(item.grad)
-        for pending, sync_bytes in per_sync.values():
-            self._record_push(shard, span, sync_bytes, group=pending.sync.group.index,
-                              iteration=pending.sync.iteration)
         for pending, _ in batch:
             pending.block_pushed()
 
@@ -201,11 +204,11 @@ class Pusher:
         return PushItem(block.block_id, payload, sync.round, options, no_grad)
 
     async def _in_slot(self, flag: Flag, nbytes: int, push: Callable[[int], Awaitable[None]],
-                       acknowledged: Callable[[tuple[float, float]], None] = lambda span: None) -> tuple[float, float]:
-        """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off. Returns
-        when the push started (its slot granted) and when the shard acknowledged it (wall clock), which
-        ``acknowledged`` gets at once, before the slot's release (the round may complete, and the job end, before
-        the release's round trip to the store returns)."""
+                       acknowledged: Callable[[tuple[float, float]], None]) -> None:
+        """Make ``push(fence)`` holding the slot ``flag``; take the flag again and retry when fenced off.
+        ``acknowledged`` gets when the push started (its slot granted) and when the shard acknowledged it (wall
+        clock) at once, before the slot's release: the round may complete, and the job end, before the release's
+        round trip to the store returns."""
         for attempt in range(FENCED_RETRIES + 1):
             try:
                 async with self.slots.hold(flag, nbytes) as slot:
@@ -213,15 +216,14 @@ class Pusher:
                                          group=flag.group, shard=flag.shard, contended=slot.contended)
                     self.metrics.flag_wait.observe(slot.waited_s)
                     await push(slot.fence)
-                    span = slot.acquired, time.time()
-                    acknowledged(span)
+                    acknowledged((slot.acquired, time.time()))
                 self.metrics.flag_held(flag.group, slot.held_s)
-                return span
+                return
             except Fenced as exc:
                 if attempt == FENCED_RETRIES:
                     raise
                 log.warning("worker %d: %s; taking the flag again", self.rank, exc)
-        raise AssertionError("unreachable: the last attempt re-raises")
+        raise AssertionError("unreachable: the last attempt re-raises or returns")
 
     async def _timed_push(self, shard: int, items: list[PushItem], nbytes: int, fence: int,
                           written: asyncio.Event | None = None) -> None:

@@ -63,9 +63,9 @@ def install() -> None:
 def remove() -> None:
     """torch's own functions and the interpreter's hooks back; IMergeError while a model of this process is open
     (its loop would silently lose what the patches do for it)."""
-    open_models = [model for model in list(exiting.live) if not model._closed]
-    if open_models:
-        raise IMergeError(f"{len(open_models)} IMerge model(s) of this process are still open: close them before "
+    still_open = exiting.open_models()
+    if still_open:
+        raise IMergeError(f"{len(still_open)} IMerge model(s) of this process are still open: close them before "
                           "removing IMerge's patches of torch")
     for patch in reversed(_PATCHES):
         patch.remove()

@@ -147,19 +147,11 @@ class FixedSlots(AckSlots):
         super().__init__(store, **options)
         self.clock = SlotClock(bandwidth_bps)
 
-    @property
-    def bandwidth_bps(self) -> float:
-        return self.clock.bandwidth_bps
-
     def observe(self, nbytes: int, seconds: float) -> None:
-        """Measured bandwidth: a moving average of the pushes observed."""
         self.clock.observe(nbytes, seconds)
 
-    def slot_time(self, nbytes: int) -> float:
-        return self.clock.slot_time(nbytes)
-
     async def _after_push(self, slot: Slot, nbytes: int) -> None:
-        await asyncio.sleep(max(0.0, slot.granted_at + self.slot_time(nbytes) - time.monotonic()))
+        await asyncio.sleep(max(0.0, slot.granted_at + self.clock.slot_time(nbytes) - time.monotonic()))
 
 
 def resolve_width(scope: str, width: int, num_shards: int) -> int:
