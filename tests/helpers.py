@@ -68,6 +68,36 @@ class LocalCluster:
                 future.result()
 
 
+def trained(model: Any, rank: int, iterations: int, features: int) -> tuple[Any, Any]:
+    """Train ``model`` (taking ``features`` inputs) for ``iterations`` on random data seeded by ``rank``, wait for its
+    last round and close it: (its plan, its config)."""
+    import torch
+
+    torch.manual_seed(rank)
+    for _ in range(iterations):
+        model(torch.randn(4, features)).square().mean().backward()
+    model.synchronize()
+    plan, config = model.engine.plan, model.engine.config
+    model.close()
+    return plan, config
+
+
+def simulated_like(plan: Any, config: Any, iterations: int, **options: Any) -> Any:
+    """The simulator's job for a real job's plan and schedule (each unit timed alike; 2 workers, 2 shards)."""
+    import dataclasses
+
+    from imerge.core.schedule_config import ScheduleConfig
+    from imerge.sim.cluster import Cluster, Constants
+    from imerge.sim.profiles import from_measurement
+    from imerge.sim.psjob import PSJob
+
+    profile = from_measurement("layers", [(u.module, u.numel, u.group) for u in plan.units],
+                               [1e-3] * len(plan.units), [2e-3] * len(plan.units))
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(ScheduleConfig)}
+    return PSJob(profile, Cluster(2, 2), Constants(), ScheduleConfig(**fields), iters=iterations, warmup=1,
+                 **options)
+
+
 def raw_push(address: str, block_id: str, numel: int, worker: int, round_: int, generation: int,
              fence: int) -> tuple[str, str]:
     """Push a gradient of ones with plain gRPC; return (status code name, details)."""

@@ -116,9 +116,9 @@ def test_no_checkpoint_follows_a_final_one(tmp_path):
         shard.expected = {"b"}
         shard.create_block(BlockMeta("b", "float32", 4, 1, SGD), torch.zeros(4))  # round 0: periodic
         block = shard.blocks["b"]
-        block.round = 3  # the blocks reached round 3 when SIGTERM came
+        block.rounds.round = 3  # the blocks reached round 3 when SIGTERM came
         assert await shard.final_checkpoint() == 3
-        block.round = 4  # a round completed during the grace period: due, but not written
+        block.rounds.round = 4  # a round completed during the grace period: due, but not written
         assert shard.maybe_checkpoint() is None
         shard.close()
         return shard.checkpoints.rounds()

@@ -99,7 +99,7 @@ def test_a_push_refused_while_the_client_still_writes_answers_the_refusal(shard)
     errors = call(refused())
     assert [type(e).__name__ for e in errors] == ["InvalidArgument"] * len(errors), [str(e) for e in errors]
     assert all("gradient holds NaN or infinity" in str(e) for e in errors)
-    assert not any(shard.shard.blocks[f"big{i}"].pushed for i in range(streams))
+    assert not any(shard.shard.blocks[f"big{i}"].rounds.pushed for i in range(streams))
 
 
 def test_an_unreachable_shard_is_recoverable():

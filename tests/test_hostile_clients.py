@@ -393,10 +393,10 @@ def test_a_fencing_token_ahead_of_the_stores_clock_is_refused_and_adopted_nowher
         model(torch.ones(3, 4)).sum().backward()
         model.synchronize()
         (block,) = c.shards[0].shard.blocks.values()
-        fence, round_ = dict(block.fence), block.round
+        fence, round_ = dict(block.rounds.fence), block.round
         code, details = raw_push(c.addresses[0], block.meta.block_id, block.meta.numel, 0, round_, 0, 2 ** 64 - 1)
         assert code == "INVALID_ARGUMENT" and "ahead of the store's clock" in details
-        assert (block.fence, block.round, block.pushed) == (fence, round_, set())
+        assert (block.rounds.fence, block.round, block.rounds.pushed) == (fence, round_, set())
         model(torch.ones(3, 4)).sum().backward()
         model.synchronize()
         assert block.round == round_ + 1
@@ -424,7 +424,7 @@ def test_every_refused_push_leaves_the_block_as_it_was(served):
 
     def state():
         c = shard.counters
-        return (block.round, set(block.pushed), dict(block.fence), list(block.row_sources),
+        return (block.round, set(block.rounds.pushed), dict(block.rounds.fence), list(block.rounds.sources),
                 block.grads[0].numpy().tobytes(), block.flat.numpy().tobytes(), repr(block.optimizer.state_dict()),
                 c.pushes, c.duplicate_pushes, c.bytes_received, c.rounds_completed)
 

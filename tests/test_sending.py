@@ -7,19 +7,15 @@ carrying the same blocks.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 import imerge
+from helpers import simulated_like
 from imerge.core.optim import OptimizerSpec
-from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.sending import PUSHES_IN_FLIGHT, SEND_CREDIT, SendPolicy, Senders, replay
-from imerge.sim.cluster import Cluster, Constants
-from imerge.sim.profiles import from_measurement
-from imerge.sim.psjob import PSJob
 
 MIB = 1 << 20
 
@@ -137,10 +133,7 @@ def test_the_simulator_makes_the_decisions_the_worker_made(cluster, schedule):
         if schedule != "group flags":
             assert any(e["event"] in ("written", "answered") and e["streams"] for e in trace)
 
-        profile = from_measurement("layers", [(u.module, u.numel, u.group) for u in plan.units],
-                                   [1e-3] * len(plan.units), [2e-3] * len(plan.units))
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(ScheduleConfig)}
-        job = PSJob(profile, Cluster(2, 2), Constants(), ScheduleConfig(**fields), iters=3, warmup=1)
+        job = simulated_like(plan, config, 3)
         assert [(b.offset, b.numel, b.shard) for b in job.first_plan.blocks] == \
             [(b.offset, b.numel, b.shard) for b in plan.blocks]
         index_at = {b.offset: i for i, b in enumerate(job.first_plan.blocks)}

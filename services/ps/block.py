@@ -26,7 +26,8 @@ import functools
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 
@@ -35,13 +36,14 @@ from imerge.core.codec import CHUNK_BYTES
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
 from imerge.core.native import MAX_FUSED_ROWS, AdamStep, DataPlane, SgdStep, adam_step, data_plane
-from imerge.core.errors import FailedPrecondition, Internal, InvalidArgument
+from imerge.core.errors import Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage
 from .metrics import ShardMetrics
-from imerge.core.rounds import RoundOptions
+from imerge.core.blockround import BlockRound
+from imerge.core.rounds import Push, RoundOptions
 from .streams import Row
 
 
@@ -141,8 +143,13 @@ class BlockMeta:
 
 
 class BlockState:
-    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str, plane: DataPlane | None = None):
+    """A block's data (parameters, optimizer, rows, snapshot) and its round (:class:`BlockRound`, whose actions the
+    shard carries out on this data)."""
+
+    def __init__(self, meta: BlockMeta, init: torch.Tensor, init_digest: str, plane: DataPlane | None = None,
+                 round_: int = 0, trace: list[dict[str, Any]] | None = None):
         self.meta = meta
+        self.rounds = BlockRound(meta.block_id, meta.num_workers, round_, trace)  # what a round is: its rules
         self.plane = plane or data_plane()  # sums the rows into the mean (native where built)
         self.init_digest = init_digest
         self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
@@ -155,20 +162,15 @@ class BlockState:
         self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
         self._mean: torch.Tensor | None = None   # the round's average of the rows (the steps' gradient)
         self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
-        self.round = 0
-        self.round_options: RoundOptions | None = None  # what the current round's pushes carry besides data
-        self.round_no_grad: set[int] | None = None  # pieces no worker gave a gradient this round (so far)
-        self.snapshot_result = (False, 0.0)  # of the round the snapshot is of: (step skipped, gradient norm)
-        self.failed = ""                     # why the current round cannot complete (its pulls fail with it)
-        self.pushed: set[int] = set()
-        self.receiving: set[int] = set()
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
-        self.row_sources: list[tuple[int, str] | None] = [None] * meta.num_workers  # (round, client) last counted
         self._buffers = None if self.sparse else SnapshotBuffers(meta.mode.cast, meta.numel)  # dense snapshots
         self.snapshot = snapshot_of(self.flat, meta.mode) if self.sparse else self.publish()  # top-k: the whole
         self.waiters: set[Callable[[], None]] = set()  # pulls waiting for the round (called on the event loop)
-        self.fence: dict[int, int] = {}  # slot lane -> newest slot-flag fencing token seen in a push
-        self.superseded = 0         # set to the new generation when a restore replaces this block
+
+    @property
+    def round(self) -> int:
+        """The block's completed rounds: the round its next pushes are of."""
+        return self.rounds.round
 
     def wake(self) -> None:
         """The round completed or failed, or a restore replaced the block: the waiting pulls look again."""
@@ -207,12 +209,12 @@ class BlockState:
         return self.publish()
 
     @classmethod
-    def from_image(cls, image: BlockImage, round_: int, plane: DataPlane | None = None) -> "BlockState":
+    def from_image(cls, image: BlockImage, round_: int, plane: DataPlane | None = None,
+                   trace: list[dict[str, Any]] | None = None) -> "BlockState":
         meta = BlockMeta(image.block_id, "float32", image.param.numel(), image.num_workers, image.optimizer,
                          image.segments, image.compression)
-        block = cls(meta, image.param.clone(), image.init_digest, plane)
+        block = cls(meta, image.param.clone(), image.init_digest, plane, round_, trace)
         block.load_state(image.state)
-        block.round = round_
         return block
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -231,9 +233,6 @@ class BlockState:
                  for name, value in self.optimizer.state.get(piece, {}).items() if isinstance(value, torch.Tensor)}
         return BlockImage(self.meta.block_id, self.meta.num_workers, self.meta.optimizer, self.init_digest,
                           self.flat.detach().clone(), state, self.meta.segments, self.meta.compression)
-
-    def missing_workers(self) -> list[int]:
-        return sorted(set(range(self.meta.num_workers)) - self.pushed)
 
     def average(self, metrics: ShardMetrics, options: RoundOptions) -> tuple[torch.Tensor | None, RoundScalars]:
         """The pushed gradients averaged in worker-id order (and unscaled), with what the round's agreement needs
@@ -265,7 +264,7 @@ class BlockState:
                 return mean, RoundScalars()
             return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
 
-    def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot:
+    def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: Collection[int]) -> Snapshot:
         """:meth:`average`, then :meth:`step`: a round that needs no agreement of the shards (runs off the event
         loop); SGD and Adam in native passes where the data plane gives torch's bits for them."""
         fused = self._fused_step(metrics, options, no_grad)
@@ -274,7 +273,7 @@ class BlockState:
         mean, scalars = self.average(metrics, options)
         return self.step(metrics, mean, options, no_grad, scalars)
 
-    def _fused_step(self, metrics: ShardMetrics, options: RoundOptions, no_grad: set[int]) -> Snapshot | None:
+    def _fused_step(self, metrics: ShardMetrics, options: RoundOptions, no_grad: Collection[int]) -> Snapshot | None:
         """The round's mean, optimizer step and float32 snapshot in native passes over each piece (SGD: one;
         Adam: two, and torch's square root); None where that does not apply: compressed or sparse blocks,
         options that change the mean, pieces without gradient, an optimizer other than single-tensor SGD, Adam
@@ -310,7 +309,7 @@ class BlockState:
         with metrics.aggregation.time():  # the round's one pass: the sum, the step and the snapshot
             return buffers.written(write)
 
-    def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: set[int],
+    def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: Collection[int],
              total: RoundScalars) -> Snapshot:
         """Step with the round's hyperparameters; a piece that no worker gave a gradient is skipped, as
         torch.optim skips a parameter whose grad is None. An assignment takes worker 0's data as the
@@ -336,22 +335,12 @@ class BlockState:
             piece.grad = None
         return self.publish()
 
-    def check_round_options(self, what: str, options: RoundOptions, no_grad: Sequence[int]) -> None:
-        """Refuse a push whose pieces without gradient do not exist, or whose options differ from those of the
-        round's other pushes."""
-        bad = [index for index in no_grad if not 0 <= index < len(self.pieces)]
+    def check_push(self, push: Push) -> None:
+        """Refuse a push whose pieces without gradient do not exist, or whose hyperparameters the block's optimizer
+        cannot take (before its round's rules: :meth:`BlockRound.offer`)."""
+        bad = [index for index in push.no_grad if not 0 <= index < len(self.pieces)]
         if bad:
-            raise InvalidArgument(f"{what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
-        options.check(what)
-        if self.round_options is None or options.hypers != self.round_options.hypers:  # else: checked already
-            self.meta.optimizer.check_hypers(self.hypers, options.hypers, what)
-        if self.round_options is None:
-            return
-        disagreement = options.disagreement(self.round_options)
-        if disagreement:
-            raise FailedPrecondition(f"{what}: it and another worker's push of this round carry {disagreement}")
-
-    def count_round_options(self, options: RoundOptions, no_grad: Sequence[int]) -> None:
-        self.round_options = options
-        pieces = set(no_grad)
-        self.round_no_grad = pieces if self.round_no_grad is None else self.round_no_grad & pieces
+            raise InvalidArgument(f"{push.what}: pieces without gradient {bad} outside 0..{len(self.pieces) - 1}")
+        counted = self.rounds.options
+        if counted is None or push.options.hypers != counted.hypers:  # else: checked already
+            self.meta.optimizer.check_hypers(self.hypers, push.options.hypers, push.what)

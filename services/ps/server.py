@@ -368,7 +368,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     async def Stats(self, request: ps_pb2.StatsRequest, context: Context) -> ps_pb2.StatsReply:
         c = self.shard.counters
         blocks = [ps_pb2.BlockStats(block_id=b.meta.block_id, numel=b.meta.numel, round=b.round,
-                                    pushed=len(b.pushed), num_workers=b.meta.num_workers)
+                                    pushed=len(b.rounds.pushed), num_workers=b.meta.num_workers)
                   for b in self.shard.blocks.values()]
         return ps_pb2.StatsReply(shard_index=self.shard.index, blocks=blocks, bytes_received=c.bytes_received,
                                  bytes_sent=c.bytes_sent, pushes=c.pushes, duplicate_pushes=c.duplicate_pushes,

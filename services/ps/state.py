@@ -33,11 +33,12 @@ from imerge.control.messages import RoundScalars
 from imerge.core.blockstate import block_state_bytes, parse_block_state, state_bytes_bound
 from imerge.core.codec import digest, tensor_view
 from imerge.core.compression import all_finite
-from imerge.core.rounds import NO_OPTIONS, Push
+from imerge.core.blockround import Action, Aggregate, Counted, Receive, Retry
+from imerge.core.rounds import Push
 from imerge.core.modes import payload_bytes
 from imerge.core.native import DataPlane, data_plane
 from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
-                                InvalidArgument, NotFound, StaleGeneration, Unavailable)
+                                InvalidArgument, NotFound, StaleGeneration)
 from imerge.core.limits import check_id, clip
 
 from .block import BlockMeta, BlockState, Snapshot
@@ -81,6 +82,14 @@ class Shard:
         self._final_written = False
         self.agreements = Agreements()  # rounds whose step waits for scalars of every block (the server exchanges)
         self.issued_tokens: IssuedTokens | None = None  # the store's clock, which bounds the fencing tokens
+        self.round_traces: dict[str, list[dict[str, Any]]] | None = None  # block id -> its rounds' trace, if asked
+
+    def _trace_of(self, block_id: str) -> list[dict[str, Any]] | None:
+        """A new trace of the block's rounds where traces are asked for (a test's view: core.blockround.replay)."""
+        if self.round_traces is None:
+            return None
+        self.round_traces[block_id] = []
+        return self.round_traces[block_id]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -174,7 +183,7 @@ class Shard:
             raise FailedPrecondition(f"checkpoint {checkpoint.path} holds blocks {sorted(checkpoint.blocks)}, "
                                      f"the mapping table gives shard {self.index} {sorted(self.expected)}")
         old = self.blocks
-        self.blocks = {block_id: BlockState.from_image(image, checkpoint.round, self.plane)
+        self.blocks = {block_id: BlockState.from_image(image, checkpoint.round, self.plane, self._trace_of(block_id))
                        for block_id, image in checkpoint.blocks.items()}
         self.agreements.reset()  # rounds of the old generation never complete
         self.generation = generation
@@ -182,7 +191,7 @@ class Shard:
         self.metrics.generation.set(generation)
         self.metrics.blocks.set(len(self.blocks))
         for block in old.values():
-            block.superseded = generation
+            block.rounds.supersede(generation)
             block.wake()
         log.info("shard %d: generation %d restored from round %d (%s)", self.index, generation, checkpoint.round,
                  checkpoint.path)
@@ -232,7 +241,8 @@ class Shard:
         init_digest = digest(tensor_view(init))
         existing = self.blocks.get(meta.block_id)
         if existing is None:
-            self.blocks[meta.block_id] = BlockState(meta, init, init_digest, self.plane)
+            self.blocks[meta.block_id] = BlockState(meta, init, init_digest, self.plane,
+                                                    trace=self._trace_of(meta.block_id))
             self.metrics.blocks.set(len(self.blocks))
             log.info("block %s: %d elements, %d workers, %s", meta.block_id, meta.numel,
                      meta.num_workers, meta.optimizer.name)
@@ -248,28 +258,28 @@ class Shard:
         """Receive one worker's gradient for a round; return (duplicate, workers pushed so far).
 
         Pushes of the same (block, worker) are serialized by a lock, so a malformed push never blocks or spoils a
-        good one; a repeat of a counted push is acknowledged as a duplicate if it carries the same bytes (a
-        retry), and refused with AlreadyExists if it does not (a second writer: two clients push as one worker;
-        ``source``, the client's address, names both). The payload's encoding must be the one the block's
-        compression mode makes (dense fp32 for an assignment). ``stream`` (a :class:`~.streams.Progressing`) is
-        superseded when a newer push of the same worker comes for the row."""
-        block, what = self._pushed_block(push), push.what
-        data.declare(payload_bytes(push.numel, push.dtype, push.nnz), what)  # a retry too: before it holds the row
-        async with block.rows[push.worker].held(push.round, stream, what, lambda: block.round):
-            if push.round == block.round - 1 or (push.round == block.round and push.worker in block.pushed):
-                await self._check_retry(block, push, data, source)
+        good one; the block's round decides what the push is (:meth:`BlockRound.offer`): a repeat of a counted push
+        is acknowledged as a duplicate if it carries the same bytes (a retry), and refused with AlreadyExists if it
+        does not (a second writer: two clients push as one worker; ``source``, the client's address, names both).
+        The payload's encoding must be the one the block's compression mode makes (dense fp32 for an assignment).
+        ``stream`` (a :class:`~.streams.Progressing`) is superseded when a newer push of the same worker comes for
+        the row."""
+        block, nbytes = self._pushed_block(push), payload_bytes(push.numel, push.dtype, push.nnz)
+        data.declare(nbytes, push.what)  # a retry too: before it holds the row
+        async with block.rows[push.worker].held(push.round, stream, push.what, lambda: block.round):
+            action = self._offer(block, push)
+            if isinstance(action, Retry):
+                await self._check_retry(block, push, action, data, source)
                 self.counters.duplicate_pushes += 1
-                return True, len(block.pushed)
-            await self._admit(block, push)
+                return True, len(block.rounds.pushed)
+            if action.new_token:
+                await self._check_token(push)
             await self._receive(block, push, data)
-            block.check_round_options(what, push.options, push.no_grad)  # another push may have counted meanwhile
-            block.count_round_options(push.options, push.no_grad)
-            block.fence[push.lane] = max(block.fence.get(push.lane, 0), push.fence)  # only a counted push moves it
-            block.row_sources[push.worker] = (push.round, source)
-            return False, self._count_push(block, push.worker, payload_bytes(push.numel, push.dtype, push.nnz))
+            return False, self._carry_out(block, block.rounds.counted(push, source), nbytes)
 
     def _pushed_block(self, push: Push) -> BlockState:
-        """The block ``push`` is for, once the push's generation, worker, size and encoding are checked."""
+        """The block ``push`` is for, once the push's generation, worker, size, encoding, pieces and hyperparameters
+        are checked."""
         check_id(push.block_id, "Push")
         self.check_generation(push.generation, push.what)
         block = self.block(push.block_id)
@@ -277,28 +287,26 @@ class Shard:
         if push.numel != block.meta.numel:
             raise InvalidArgument(f"{push.what}: got {push.numel} elements, the block holds {block.meta.numel}")
         check_encoding(block.meta, push.options.assign, push.dtype, push.nnz, push.what)
+        block.check_push(push)
         return block
 
-    async def _admit(self, block: BlockState, push: Push) -> None:
-        """A new push of the current round, with the round's options and a fencing token not older than seen."""
-        if push.round != block.round:
-            raise FailedPrecondition(f"{push.what}: the block's current round is {block.round}")
-        block.check_round_options(push.what, push.options, push.no_grad)
-        newest = block.fence.get(push.lane, 0)
-        if push.fence and push.fence < newest:
+    def _offer(self, block: BlockState, push: Push) -> Retry | Receive:
+        try:
+            return block.rounds.offer(push)
+        except Fenced:
             self.counters.fenced_pushes += 1
-            raise Fenced(f"{push.what}: fenced: its slot flag token {push.fence} is older than token {newest} "
-                         f"already seen in lane {push.lane} (the lease passed to another holder)")
-        clock_us = await self.issued_tokens.unissued(push.fence) \
-            if push.fence > newest and self.issued_tokens is not None else None
+            raise
+
+    async def _check_token(self, push: Push) -> None:
+        """A fencing token newer than any the block has seen must have been issued by the store's clock."""
+        clock_us = await self.issued_tokens.unissued(push.fence) if self.issued_tokens is not None else None
         if clock_us is not None:
             raise InvalidArgument(f"{push.what}: slot flag token {push.fence} is ahead of the store's clock "
                                   f"({clock_us} µs), which issues every token: no flag gave it")
 
     async def _receive(self, block: BlockState, push: Push, data: PayloadSource) -> None:
         """The payload into the worker's row (the row no longer holds the round counted before), checked finite."""
-        block.receiving.add(push.worker)
-        block.row_sources[push.worker] = None
+        block.rounds.receive_started(push)
         self.metrics.pushes_in_flight.inc()
         try:
             check = self.check_finite and not push.options.loss_scale
@@ -306,45 +314,51 @@ class Shard:
                                                       check)
             if check and not (all_finite(received) if finite is None else finite):
                 raise InvalidArgument(f"{push.what}: gradient holds NaN or infinity")
+        except BaseException:
+            block.rounds.abandoned(push)
+            raise
         finally:
-            block.receiving.discard(push.worker)
             self.metrics.pushes_in_flight.dec()
 
-    async def _check_retry(self, block: BlockState, push: Push, data: PayloadSource, source: str) -> None:
+    async def _check_retry(self, block: BlockState, push: Push, retry: Retry, data: PayloadSource,
+                           source: str) -> None:
         """A push of a row already counted: a retry must carry the bytes that were counted."""
         worker, what = push.worker, push.what
-        counted_round, counted_source = block.row_sources[worker] or (-1, "")
-        if counted_round != push.round:  # the row no longer holds that round (restored since): nothing to compare
+        if retry.counted_round != push.round:  # the row no longer holds that round (restored since): nothing to compare
             await data.skip()
             return
         if same_payload(block, worker, await receive_copy(block, push.dtype, push.nnz, data, what)):
             return
         self.counters.second_writers += 1
         message = (f"{what} from {source or 'a client'}: worker {worker}'s row of that round already holds "
-                   f"different data, pushed by {counted_source or 'another client'}: two clients push as worker "
-                   f"{worker} (a retry carries the same bytes); the push that came first was counted")
+                   f"different data, pushed by {retry.counted_source or 'another client'}: two clients push as "
+                   f"worker {worker} (a retry carries the same bytes); the push that came first was counted")
         log.error("shard %d: second writer: %s", self.index, message)
         raise AlreadyExists(message)
 
-    def _count_push(self, block: BlockState, worker: int, nbytes: int) -> int:
-        """Count a complete push; start the aggregation when it was the last one."""
-        block.pushed.add(worker)
-        self.counters.pushes += 1
-        self.counters.bytes_received += nbytes
-        if len(block.pushed) == block.meta.num_workers:
-            task = asyncio.get_running_loop().create_task(self._aggregate(block))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return len(block.pushed)
+    def _carry_out(self, block: BlockState, actions: list[Action], nbytes: int) -> int:
+        """A counted push's actions: count it; start the aggregation when it was the last one. The workers pushed
+        so far."""
+        pushed = 0
+        for action in actions:
+            if isinstance(action, Counted):
+                pushed = action.pushed
+                self.counters.pushes += 1
+                self.counters.bytes_received += nbytes
+            elif isinstance(action, Aggregate):
+                task = asyncio.get_running_loop().create_task(self._aggregate(block, action))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        return pushed
 
-    async def _aggregate(self, block: BlockState) -> None:
-        options, no_grad = block.round_options or NO_OPTIONS, block.round_no_grad or set()
+    async def _aggregate(self, block: BlockState, round_: Aggregate) -> None:
+        options, no_grad = round_.options, round_.no_grad
         loop = asyncio.get_running_loop()
         total = RoundScalars()
         try:
             if options.needs_agreement:  # every block of the job must have averaged before any steps
                 mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
-                total = await self.agreements.agree(block.round, block.meta.block_id, scalars,
+                total = await self.agreements.agree(round_.round, block.meta.block_id, scalars,
                                                     self.expected or set(self.blocks))
                 snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options,
                                                       no_grad, total)
@@ -352,16 +366,13 @@ class Shard:
                 snapshot = await loop.run_in_executor(self._executor, block.aggregate, self.metrics, options, no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id,
-                      block.round, exc)
-            block.failed = f"round {block.round} could not complete on shard {self.index}: {exc}"
+                      round_.round, exc)
+            block.rounds.failed(round_.round, f"round {round_.round} could not complete on shard {self.index}: {exc}")
             block.wake()
             return
         block.snapshot = snapshot
-        block.snapshot_result = (total.found_inf, total.grad_norm if options.needs_agreement else 0.0)
-        block.round += 1
-        block.pushed.clear()
+        block.rounds.completed(round_.round, (total.found_inf, total.grad_norm if options.needs_agreement else 0.0))
         self.counters.rounds_completed += 1
-        block.round_options, block.round_no_grad = None, None
         block.wake()
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
             self.maybe_checkpoint()
@@ -404,7 +415,7 @@ class Shard:
                         await wake
                 except TimeoutError:
                     block_id, block = waiting[0]
-                    missing = block.missing_workers()
+                    missing = block.rounds.missing()
                     reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
                     raise DeadlineExceeded(f"pull of block {block_id} by worker {worker} for round {round_}: timed "
                                            f"out after {timeout_s:g}s; {reason}") from None
@@ -418,23 +429,17 @@ class Shard:
         next."""
         block = self.block(block_id)
         self._check_worker(block, worker)
-        if round_ not in (block.round - 1, block.round):
-            raise FailedPrecondition(f"pull of block {block_id} by worker {worker} for round {round_}: the block's "
-                                     f"current round is {block.round}")
+        block.rounds.check_pull(worker, round_)
         return block
 
     def _pulled(self, block_id: str, block: BlockState, worker: int, round_: int) -> PulledBlock | None:
         """The block's parameters after ``round_`` once it completed (None while it has not)."""
-        if block.superseded:
+        try:
+            done = block.rounds.pulled(worker, round_)
+        except StaleGeneration:
             self.counters.stale_generation += 1
-            raise StaleGeneration(f"pull of block {block_id} by worker {worker} for round {round_}: the job moved "
-                                  f"to generation {block.superseded} while it waited (it recovered from a "
-                                  f"checkpoint): rejoin")
-        if block.round > round_:
-            return block_id, block.round, block.snapshot, block.snapshot_result
-        if block.failed:
-            raise Unavailable(f"pull of block {block_id} by worker {worker} for round {round_}: {block.failed}")
-        return None
+            raise
+        return None if done is None else (block_id, done[0], block.snapshot, done[1])
 
     def export_block(self, block_id: str, generation: int = 0) -> tuple[int, bytes]:
         """(round, the block's parameters and optimizer state as safetensors bytes)."""
@@ -457,8 +462,7 @@ class Shard:
             block = self.block(block_id)
             parsed[block_id] = parse_block_state(data, block.meta.numel, block.meta.pieces,
                                                  f"import of block {block_id}", block.state_layout)
-        busy = {block_id: sorted(self.blocks[block_id].pushed | self.blocks[block_id].receiving) for block_id in states
-                if self.blocks[block_id].pushed or self.blocks[block_id].receiving}
+        busy = {block_id: workers for block_id in states if (workers := self.blocks[block_id].rounds.busy())}
         if busy:
             raise FailedPrecondition(f"import: workers already pushed the current round of blocks {busy}: load at "
                                      "the same point of the loop on every worker")

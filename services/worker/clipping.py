@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def holds(state: HookState) -> bool:
     """At a round's backward start: whether its groups wait for the script's clipping (the first round)."""
     settings, loop = state.settings, state.loop
-    return not (settings.clipping_known or loop.accumulate or state.schedule.period > 1)
+    return not (settings.clipping_known or loop.accumulate or state.policy.schedule.period > 1)
 
 
 def release(state: HookState) -> None:
@@ -56,7 +56,7 @@ def _decide(state: HookState, max_norm: float) -> None:
     held, state.held = state.held, []
     for group in held:  # the backward that completed them has ended (it counted its iteration)
         rounds.enqueue(state, group, loop.round, iteration=loop.iteration - 1)
-    if not state.config.overlap:  # the naive PS: the round's communication right after its backward
+    if not state.policy.overlap:  # the naive PS: the round's communication right after its backward
         state.waits.all(state.table)
 
 

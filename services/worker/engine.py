@@ -28,9 +28,11 @@ import torch
 
 from imerge.control.messages import BlocksReady
 from imerge.control.store import WorkerStore
+from imerge.core.backward import BackwardPolicy
 from imerge.core.errors import IMergeError, JobFailed
 from imerge.core.knobs import apply, describe
 from imerge.core.planning import COST_PLAN, Plan
+from imerge.core.schedule import SyncSchedule
 from imerge.telemetry import progress
 from imerge.telemetry.timeline import Timeline
 
@@ -41,7 +43,7 @@ from .config import WorkerConfig
 from .grads import LocalGrads
 from .groups import GroupRuntime, GroupTable, RoundResult
 from .guarded import ParamGuard
-from .iteration import LoopSettings, LoopState, SyncSchedule
+from .iteration import LoopSettings, LoopState
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
@@ -100,7 +102,7 @@ class SyncEngine:
         # step needs each iteration's own gradient)
         return hooks.HookState(
             config, self.flat, self.comm, self.optimizer, self.metrics, self.timeline, buffer_sync, settings, table,
-            SyncSchedule(plan.period), guard, Waits(config.rank, wait_timeout_s, self.comm, self.timeline,
+            BackwardPolicy(len(plan.groups), config.overlap, SyncSchedule(plan.period)), guard, Waits(config.rank, wait_timeout_s, self.comm, self.timeline,
                                                     guard.in_flight),
             LoopState(config.rank), LocalGrads(self.flat, self.params, bucket_views=plan.period == 1),
             {name: p for name, p in model.named_parameters() if id(p) not in trained})
@@ -135,6 +137,7 @@ class SyncEngine:
         """Group the (unchanging) blocks as ``plan`` says, each group at its blocks' round."""
         rounds.settle_accumulator(self.state)
         self.state.table = GroupTable(plan, self.flat, self.params, block_rounds).handed_over(self.state.table)
+        self.state.policy.regrouped(len(plan.groups))
         self.comm.plan_version = plan.version
 
     def _start_profiling(self, switches: bool) -> None:
@@ -142,7 +145,7 @@ class SyncEngine:
         --profile-out. Fusion cost's profiled iterations sync every group, whatever T (its cost model prices every
         group's push); --tune's keep the job's schedule, so that tuning never changes the result."""
         self.state.profiler = Profiler(len(self.plan.units), plans=switches)
-        self.state.schedule.profiling = switches and self.config.fusion == "cost"
+        self.state.policy.profiling(switches and self.config.fusion == "cost")
         if switches and self.config.rank == 0 and progress.connected():  # imerge launch's line says so
             progress.report("stage", stage="profiling", until=self.config.profile_iters)
         self.comm.on_push = self.state.profiler.push
@@ -152,9 +155,11 @@ class SyncEngine:
         """Profiling is over; where the profiled iterations synced every group, the schedule counts from
         ``schedule_start``."""
         self.state.profiler = None
-        if schedule_start is not None and self.state.schedule.profiling:
-            self.state.schedule.restart(schedule_start, self.plan.period)
-        self.state.schedule.profiling = False
+        policy = self.state.policy
+        if schedule_start is not None and policy.schedule.profiling:
+            policy.restart(schedule_start, self.plan.period)
+        if policy.schedule.profiling:
+            policy.profiling(False)
         self.comm.on_push = None
         self.state.after_backward = None
 

@@ -75,7 +75,6 @@ class GroupRuntime:
             self.by_shard.setdefault(block.shard, []).append(block)
         self.seen: set[int] = set()  # parameters whose gradient arrived in this backward
         self.given: set[int] = set()  # parameters that got a gradient since the group's last sync
-        self.done_this_backward = False
         self.latest: Sync | None = None  # the latest sync queued
         self.unsettled: set[str] = set()  # blocks of the latest sync the training thread has not waited for yet
         self.dirty = False  # the accumulator's slice holds a pushed gradient (zeroed before the next one)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from imerge.core.backward import Action, BackwardPolicy, Enqueue, LocalStep, Unfinished, WaitAll, WaitPushed
 from imerge.core.errors import UnsupportedUse
 from imerge.telemetry.timeline import Timeline
 
@@ -37,7 +38,7 @@ from .config import WorkerConfig
 from .grads import LocalGrads
 from .groups import GroupRuntime, GroupTable
 from .guarded import ParamGuard, guard_params, internal
-from .iteration import LoopSettings, LoopState, RoundContext, SyncSchedule
+from .iteration import LoopSettings, LoopState, RoundContext
 from .metrics import WorkerMetrics
 from .model_buffers import BufferSync
 from .optimizer import ShardOptimizer
@@ -59,7 +60,7 @@ class HookState:
     buffer_sync: BufferSync
     settings: LoopSettings
     table: GroupTable
-    schedule: SyncSchedule
+    policy: BackwardPolicy  # what each backward does, group by group (the simulator runs the same kernel)
     guard: ParamGuard
     waits: Waits
     loop: LoopState
@@ -175,23 +176,26 @@ def _take_grad(state: HookState, param: torch.nn.Parameter) -> None:
     group = state.table.group_of[id(param)]
     if not state.loop.in_backward:
         _backward_started(state)
-    state.waits.pushed(group, "its previous push to finish")
+    actions = state.policy.gradient(group.index)
+    _carry_out(state, [action for action in actions if isinstance(action, WaitPushed)])
     grad = state.grads.take(param, group)
     group.given.add(id(param))
-    if state.loop.accumulate:  # no_sync(): summed locally, pushed with the next synced backward
+    if state.policy.accumulating:  # no_sync(): summed locally, pushed with the next synced backward
         return
-    if not state.schedule.syncs(group.index, state.loop.iteration):  # local SGD step between syncs
+    if any(isinstance(action, LocalStep) for action in actions):  # T > 1: a local SGD step between syncs
         with torch.no_grad():
             param.add_(grad, alpha=-state.optimizer.lr(state.table.param_group[id(param)]))
     if state.profiler is not None:
         state.profiler.unit_progress(state.table.unit_of[id(param)], time.monotonic())
     group.seen.add(id(param))
     if len(group.seen) == len(group.param_ids):
-        _group_complete(state, group)
+        group.seen.clear()
+        _carry_out(state, state.policy.complete(group.index))
 
 
 def _backward_started(state: HookState) -> None:
     state.loop.backward_starts()
+    state.policy.started(state.loop.iteration, state.loop.accumulate)
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
     settings = state.settings
     state.loop.round = RoundContext(tuple(state.optimizer.hypers()), settings.loss_scale, settings.max_norm,
@@ -200,11 +204,24 @@ def _backward_started(state: HookState) -> None:
     state.metrics.learning_rates([float(group.get("lr", 0.0)) for group in state.optimizer.param_groups])
 
 
-def _group_complete(state: HookState, group: GroupRuntime) -> None:
-    group.seen.clear()
-    group.done_this_backward = True
-    if state.config.overlap and state.schedule.syncs(group.index, state.loop.iteration):
-        _send(state, group)
+def _carry_out(state: HookState, actions: list[Action]) -> None:
+    """The backward policy's actions (core/backward.py) on this worker's groups."""
+    for action in actions:
+        if isinstance(action, WaitAll):
+            if not state.loop.holding:  # a held round waits once it leaves (clipping)
+                state.waits.all(state.table)
+            continue
+        group = state.table.groups[action.group]
+        if isinstance(action, WaitPushed):
+            state.waits.pushed(group, "its previous push to finish")
+        elif isinstance(action, Unfinished):  # the gradients that did not come count as zeros
+            group.seen.clear()
+            if group.dirty:  # none of its parameters got a gradient: its slice still holds the last push
+                state.waits.pushed(group, "its previous push to finish")
+                state.grads.clear(group)
+            state.grads.none_without_gradient(group)
+        elif isinstance(action, Enqueue):
+            _send(state, group)
 
 
 def _send(state: HookState, group: GroupRuntime) -> None:
@@ -224,21 +241,11 @@ def end_of_backward(state: HookState) -> None:
 
 def _finish_backward(state: HookState) -> None:
     loop = state.loop
+    actions = state.policy.ended()
     if loop.accumulate:  # a no_sync() micro-batch: not an iteration
         loop.backward_ended(counted=False)
         return
-    for group in state.table.groups:
-        if not group.done_this_backward:
-            if group.dirty:  # none of its parameters got a gradient: its slice still holds the last push
-                state.waits.pushed(group, "its previous push to finish")
-                state.grads.clear(group)
-            state.grads.none_without_gradient(group)
-            _group_complete(state, group)
-        group.done_this_backward = False
-        if not state.config.overlap and state.schedule.syncs(group.index, loop.iteration):
-            _send(state, group)
-    if not state.config.overlap and not loop.holding:  # the naive PS: all communication after backward
-        state.waits.all(state.table)
+    _carry_out(state, actions)
     _record_iteration(state)
     state.settings.loss_scale = 0.0  # a backward is scaled only if grad_scaler.scale() ran since the last one
     state.buffer_sync.published(loop.iteration)

@@ -7,9 +7,9 @@
 * :class:`RoundContext`: one backward's round, frozen when the backward starts:
   every push of that backward carries the same hyperparameters and scaling,
   whatever the script changes meanwhile.
-* :class:`SyncSchedule`: whether group g syncs in an iteration (the interleave
-  period, the iteration the plan's schedule counts from, the profiled
-  iterations that sync every group).
+* :class:`~imerge.core.schedule.SyncSchedule` (pure, in the core): whether group
+  g syncs in an iteration; :class:`~imerge.core.backward.BackwardPolicy`, what
+  each backward does group by group (the simulator runs the same kernel).
 * :class:`LoopState`: the training thread's counters, and the misuse its
   backward and ``optimizer.step()`` calls reveal.
 """
@@ -19,7 +19,6 @@ import dataclasses
 
 from imerge.core.errors import UnsupportedUse
 from imerge.core.rounds import RoundOptions
-from imerge.core.schedule import syncs
 
 
 
@@ -50,33 +49,6 @@ class RoundContext:
         if assign:
             return RoundOptions(self.hypers[param_group], True)
         return RoundOptions(self.hypers[param_group], False, self.loss_scale, self.max_norm, self.clip_value)
-
-
-class SyncSchedule:
-    """Whether a group syncs in an iteration: the interleave schedule of the plan, counted from ``start``."""
-
-    __slots__ = ("period", "start", "profiling")
-
-    def __init__(self, period: int, start: int = 0):
-        self.period = period     # the plan's interleave period T
-        self.start = start       # the iteration the plan's schedule counts from (a cost plan's first)
-        self.profiling = False   # fusion cost profiles the first iterations: every group syncs in each
-
-    def syncs(self, group: int, iteration: int) -> bool:
-        """Whether ``group`` syncs in ``iteration`` (counted from the job's start)."""
-        return syncs(group, iteration - self.start, 1 if self.profiling else self.period)
-
-    def synced_last(self, group: int, iteration: int) -> bool:
-        """Whether ``group`` synced in the iteration before ``iteration`` (the plan's schedule, for flush)."""
-        return syncs(group, iteration - 1 - self.start, self.period)
-
-    def relative(self, iteration: int) -> int:
-        """``iteration`` counted from the schedule's start (what the timeline labels)."""
-        return iteration - self.start
-
-    def restart(self, iteration: int, period: int) -> None:
-        """A new plan's schedule counts from ``iteration``."""
-        self.start, self.period, self.profiling = iteration, period, False
 
 
 @dataclasses.dataclass(slots=True)

@@ -34,7 +34,7 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
     completed_in = state.loop.iteration if iteration is None else iteration
-    sync = Sync(group, group.round, state.schedule.relative(completed_in), options, no_grad, ready)
+    sync = Sync(group, group.round, state.policy.schedule.relative(completed_in), options, no_grad, ready)
     group.latest, group.round = sync, group.round + 1  # the round this sync completes
     comm.enqueue(sync)
     group.unsettled = {b.block_id for b in group.blocks}
@@ -46,7 +46,7 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
 def flush(state: HookState) -> None:
     """With T > 1, sync every group that did not sync in the last iteration (it holds local SGD steps and
     the sum of its gradients since its last sync), so that every worker ends with the shards' parameters."""
-    schedule, iteration = state.schedule, state.loop.iteration
+    schedule, iteration = state.policy.schedule, state.loop.iteration
     if schedule.period == 1 or iteration == schedule.start:
         return
     context = RoundContext(tuple(state.optimizer.hypers()))

@@ -22,8 +22,10 @@ sending kernel (:mod:`imerge.core.sending`, the worker's own), which batches
 each shard's queued blocks into push streams up to its byte credit with a
 bounded number unanswered, or, with slots scoped to (group, shard), orders the
 group's shards in turn under their flags; this module only carries its
-streams out over the simulated links. A shard completes a block's round when
-every worker's push of it is in, steps it, and answers each waiting pull.
+streams out over the simulated links. A shard's block counts each push as the
+shard's own kernel of a block's rounds does (:mod:`imerge.core.blockround`, a
+worker class's push for each of its workers), completes the round when the
+kernel says every worker's push is in, steps it, and answers each waiting pull.
 
 Identical workers are simulated once per *class*: without flags every worker
 is alike (one class); with flags, the workers that share a lane take it in turn,
@@ -40,12 +42,15 @@ from typing import Any
 
 import simpy
 
+from imerge.core.backward import BackwardPolicy, Enqueue, LocalStep, WaitAll
+from imerge.core.blockround import Aggregate, BlockRound, Publish, Receive
 from imerge.core.errors import ConfigError
 from imerge.core.modes import block_modes, payload_bytes, topk_count
 from imerge.core.planning import BYTES_PER_ELEMENT, COST_PLAN, FIRST_PLAN, Plan, fit_cost, fuse_cost, make_plan
 from imerge.core.queue import STOP, CommQueue
+from imerge.core.rounds import Push
 from imerge.core.sending import SendPolicy, Senders, Stream
-from imerge.core.schedule import syncs
+from imerge.core.schedule import SyncSchedule
 from imerge.core.schedule_config import ScheduleConfig
 from imerge.core.slots import SlotClock, effective_policy, resolve_width
 
@@ -79,7 +84,7 @@ class ShardClass:
     uplink: Link
     downlink: Link
     cpu: tuple[Link, ...]  # its data path's cores (on real hosts), one link or none
-    arrivals: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    rounds: dict[int, BlockRound] = dataclasses.field(default_factory=dict)  # block -> its rounds (the shard's kernel)
     waiting: dict[tuple[int, int], list[tuple[WorkerClass, Sync]]] = dataclasses.field(default_factory=dict)
     answers: dict[int, list[tuple[Sync, int]]] = dataclasses.field(default_factory=dict)  # worker class -> blocks to send, in order
 
@@ -95,6 +100,7 @@ class WorkerClass:
     queue: CommQueue
     wake: simpy.Event
     plan: Plan
+    policy: BackwardPolicy  # what each backward does, group by group (the worker's own kernel)
     latest: dict[int, Sync] = dataclasses.field(default_factory=dict)    # group -> its latest sync
     block_round: dict[int, int] = dataclasses.field(default_factory=dict)
     starts: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward start
@@ -125,7 +131,7 @@ class PSJob:
     """Run with :meth:`run`; read :attr:`result`."""
 
     def __init__(self, profile: ModelProfile, cluster: Cluster, constants: Constants, schedule: ScheduleConfig,
-                 iters: int, warmup: int, max_shard_classes: int = 16):
+                 iters: int, warmup: int, max_shard_classes: int = 16, traced: bool = False):
         self.profile, self.cluster, self.k, self.schedule = profile, cluster, constants, schedule
         self.iters, self.warmup, self.max_shard_classes = iters, warmup, max_shard_classes
         # bytes are counted from the iteration before the first timed one: the first after a plan switch, when
@@ -145,6 +151,10 @@ class PSJob:
         self.cost_plan: simpy.Event | None = self.env.event() if schedule.fusion == "cost" else None
         self.modes = block_modes(schedule.compression_spec(), self.first_plan)
         self.shard_classes, self.class_of_shard = self._shard_classes(self.first_plan)
+        # with ``traced``, the kernels' traces (core.blockround.replay, core.backward.replay): block -> its rounds',
+        # worker class -> its backward passes'
+        self.round_traces: dict[int, list[dict[str, Any]]] | None = {} if traced else None
+        self.backward_traces: dict[int, list[dict[str, Any]]] | None = {} if traced else None
         self.workers = self._worker_classes()
         self.flags: dict[tuple[object, ...], simpy.Resource] = {}
         self.unit_fwd = [u.forward_s for u in profile.units]
@@ -197,11 +207,14 @@ class PSJob:
         classes = []
         for index, (rank, count) in enumerate(lane_positions(self.schedule, self.cluster)):
             fixed = SlotClock(self.schedule.slot_bandwidth_mbps * 1e6 / 8) if self.policy == "fixed" else None
+            trace = None if self.backward_traces is None else self.backward_traces.setdefault(index, [])
+            policy = BackwardPolicy(len(self.first_plan.groups), self.schedule.overlap,
+                                    SyncSchedule(self.first_plan.period), trace)
             classes.append(WorkerClass(index, rank, count, self._link(f"w{rank}.up", rate),
                                        self._link(f"w{rank}.down", rate),
                                        data_path(f"w{rank}.cpu", self.cluster.worker_cores, self.worker_cpu),
                                        CommQueue(self.schedule.priority),
-                                       self.env.event(), self.first_plan, fixed=fixed))
+                                       self.env.event(), self.first_plan, policy, fixed=fixed))
         return classes
 
     # -- wire bytes -----------------------------------------------------------------------------
@@ -286,6 +299,8 @@ class PSJob:
 
     def _train(self, worker: WorkerClass) -> Process:
         profiling = self.cost_plan is not None
+        if profiling:  # fusion cost's profiled iterations sync every group
+            worker.policy.profiling(True)
         for iteration in range(self.iters):
             worker.starts.append(self.env.now)
             if iteration == self._bytes_from:
@@ -318,34 +333,29 @@ class PSJob:
             yield self._compute(worker, pending)
         return waited
 
-    def _syncs(self, group: int, iteration: int, profiling: bool) -> bool:
-        if profiling:
-            return True
-        start = self.schedule.profile_iters if self.cost_plan is not None else 0
-        return syncs(group, iteration - start, self.schedule.interleave_period)
-
     def _backward(self, worker: WorkerClass, iteration: int, profiling: bool) -> Process:
-        plan, started, pending = worker.plan, self.env.now, 0.0
+        """The groups' gradients in backward order, as the worker's backward policy (core/backward.py) says: a
+        group's gradients wait for its previous push; a complete group that syncs is queued (with overlap), one
+        that does not steps locally; without overlap every sync is queued after backward and awaited."""
+        plan, policy, started, pending = worker.plan, worker.policy, self.env.now, 0.0
         ready = [0.0] * len(plan.units)
         local_bytes = 0
-        syncing: list[int] = []
-        overlap = self.schedule.overlap
+        policy.started(iteration)
         for group in plan.groups:
-            previous = worker.latest.get(group.index)
-            if previous is not None and not previous.push_done.triggered:
-                if pending:
-                    yield self._compute(worker, pending)
-                    pending = 0.0
-                yield previous.push_done
+            for action in policy.gradient(group.index):
+                previous = worker.latest.get(group.index)
+                if isinstance(action, LocalStep):
+                    local_bytes += group.numel * BYTES_PER_ELEMENT
+                elif previous is not None and not previous.push_done.triggered:  # WaitPushed
+                    if pending:
+                        yield self._compute(worker, pending)
+                        pending = 0.0
+                    yield previous.push_done
             pending += sum(self.unit_bwd[u] for u in group.units)
-            if self._syncs(group.index, iteration, profiling):
-                syncing.append(group.index)
-                if overlap:
-                    yield self._compute(worker, pending)
-                    pending = 0.0
-                    self._enqueue(worker, group.index, iteration)
-            else:
-                local_bytes += group.numel * BYTES_PER_ELEMENT
+            if policy.complete(group.index):  # Enqueue: with overlap, as soon as it is complete
+                yield self._compute(worker, pending)
+                pending = 0.0
+                self._enqueue(worker, group.index, iteration)
             for unit in group.units:
                 ready[unit] = self.env.now - started + pending
         local_s = local_bytes * self.k.step_s_per_byte
@@ -353,12 +363,15 @@ class PSJob:
             yield self._compute(worker, pending + local_s)
         if profiling:
             worker.ready.append(ready)
-        if not overlap:  # the naive PS: everything after backward, then wait
-            for index in syncing:
-                self._enqueue(worker, index, iteration)
-            started = self.env.now
-            yield simpy.AllOf(self.env, [worker.latest[g].pull_done for g in syncing])
-            return self.env.now - started
+        queued: list[int] = []
+        for action in policy.ended():  # without overlap (the naive PS): every sync now, then wait for them all
+            if isinstance(action, Enqueue):
+                self._enqueue(worker, action.group, iteration)
+                queued.append(action.group)
+            elif isinstance(action, WaitAll):
+                started = self.env.now
+                yield simpy.AllOf(self.env, [worker.latest[g].pull_done for g in queued])
+                return self.env.now - started
         return 0.0
 
     def _wait_all(self, worker: WorkerClass) -> Process:
@@ -392,6 +405,8 @@ class PSJob:
             cost_plan.succeed(plan)
         plan = yield cost_plan
         worker.plan = plan
+        worker.policy.regrouped(len(plan.groups))
+        worker.policy.restart(self.schedule.profile_iters, plan.period)
         worker.latest = {}
 
     # -- the comm loop -------------------------------------------------------------------------------
@@ -400,7 +415,7 @@ class PSJob:
         rounds = {}
         for blocks in by_class.values():
             for index in blocks:
-                rounds[index] = worker.block_round.get(index, 0) + 1
+                rounds[index] = worker.block_round.get(index, -1) + 1
                 worker.block_round[index] = rounds[index]
         env = self.env
         sync = Sync(group_index, iteration, rounds, {i: env.event() for i in rounds},
@@ -490,7 +505,7 @@ class PSJob:
 
         def arrived(segment: int) -> None:
             sync, index = batch[segment]
-            self._arrive(shard, index, sync.rounds[index])
+            self._arrive(shard, worker, index, sync.rounds[index])
 
         sizes = [self.push_bytes(i) for _, i in batch]
         yield self.fabric.transfer(sizes, [(worker.uplink, len(shard.shards)), (shard.downlink, worker.count),
@@ -528,12 +543,26 @@ class PSJob:
         key = (index, sync.rounds[index])
         shard.waiting.setdefault(key, []).append((worker, sync))
 
-    def _arrive(self, shard: ShardClass, index: int, round_: int) -> None:
-        key = (index, round_)
-        shard.arrivals[key] = shard.arrivals.get(key, 0) + 1
-        if shard.arrivals[key] == len(self.workers):
-            del shard.arrivals[key]
-            self.env.process(self._complete(shard, index, round_))
+    def block_round(self, shard: ShardClass, index: int) -> BlockRound:
+        """The kernel of block ``index``'s rounds on its shard (the shard's own: every worker's push counts, a worker
+        class's push for each of its workers)."""
+        machine = shard.rounds.get(index)
+        if machine is None:
+            trace = None if self.round_traces is None else self.round_traces.setdefault(index, [])
+            machine = shard.rounds[index] = BlockRound(self.first_plan.blocks[index].block_id, self.cluster.workers,
+                                                       trace=trace)
+        return machine
+
+    def _arrive(self, shard: ShardClass, worker: WorkerClass, index: int, round_: int) -> None:
+        """A worker class's push of the block arrived whole: the block's round counts it (the kernel's rules)."""
+        block, machine = self.first_plan.blocks[index], self.block_round(shard, index)
+        push = Push(block.block_id, worker.rank, round_, "float32", block.numel)
+        if not isinstance(machine.offer(push, worker.count), Receive):
+            raise AssertionError(f"{push.what}: a simulated push is never a retry")
+        machine.receive_started(push, worker.count)
+        for action in machine.counted(push, alike=worker.count):
+            if isinstance(action, Aggregate):
+                self.env.process(self._complete(shard, index, action.round))
 
     def _complete(self, shard: ShardClass, index: int, round_: int) -> Process:
         yield self.env.timeout(self.k.latency_s)
@@ -541,6 +570,12 @@ class PSJob:
         step_s += self.topk_s(index, pull=True)
         if step_s:
             yield self.fabric.compute(step_s, count=len(shard.shards))
+        for action in self.block_round(shard, index).completed(round_):
+            if isinstance(action, Publish):
+                self._publish(shard, index, round_)
+
+    def _publish(self, shard: ShardClass, index: int, round_: int) -> None:
+        """Round ``round_`` of the block completed: its waiting pulls are answered."""
         for worker, sync in shard.waiting.pop((index, round_), []):
             channel = shard.answers.setdefault(worker.index, [])
             channel.append((sync, index))
