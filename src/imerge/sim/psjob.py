@@ -102,7 +102,7 @@ class WorkerClass:
     plan: Plan
     policy: BackwardPolicy  # what each backward does, group by group (the worker's own kernel)
     latest: dict[int, Sync] = dataclasses.field(default_factory=dict)    # group -> its latest sync
-    block_round: dict[int, int] = dataclasses.field(default_factory=dict)
+    pushed_round: dict[int, int] = dataclasses.field(default_factory=dict)  # block -> the round its latest sync pushes
     starts: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward start
     waited: list[float] = dataclasses.field(default_factory=list)        # each iteration's forward waits
     ready: list[list[float]] = dataclasses.field(default_factory=list)   # profiled: each unit's gradient ready
@@ -415,8 +415,8 @@ class PSJob:
         rounds = {}
         for blocks in by_class.values():
             for index in blocks:
-                rounds[index] = worker.block_round.get(index, -1) + 1
-                worker.block_round[index] = rounds[index]
+                rounds[index] = worker.pushed_round.get(index, -1) + 1
+                worker.pushed_round[index] = rounds[index]
         env = self.env
         sync = Sync(group_index, iteration, rounds, {i: env.event() for i in rounds},
                     {k: env.event() for k in by_class}, len(rounds), {k: len(b) for k, b in by_class.items()},
