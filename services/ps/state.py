@@ -1,5 +1,9 @@
 """The shard: its blocks (:mod:`.block`) and the round protocol, independent of gRPC.
 
+What a round is (which push counts, a retry, a fence, the round's options, when it aggregates, publishes or
+fails) is decided by each block's :class:`~imerge.core.blockround.BlockRound`, a pure kernel the simulator runs
+too; this module carries out its actions on the block's data, the step threads and the waiting pulls.
+
 A push stores one worker's gradient of a round in the block's row for it;
 every push of a round carries the same options (:mod:`.rounds`: the
 hyperparameters an LR schedule changed, an assignment, a loss scale, a max

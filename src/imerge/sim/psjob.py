@@ -5,8 +5,9 @@ comes from :func:`imerge.core.planning.make_plan` and, for fusion cost,
 :func:`fuse_cost` over the profile that the simulated worker 0 measured in its
 first iterations (ready times and a cost fitted to its timed pushes, as the
 worker does); the comm queue is :class:`imerge.core.queue.CommQueue`, the
-push streams are the sending kernel's (:mod:`imerge.core.sending`); a group syncs when
-:func:`imerge.core.schedule.syncs` says; the slot width and whether flags are
+push streams are the sending kernel's (:mod:`imerge.core.sending`); what each backward does group by
+group is the worker's backward policy (:mod:`imerge.core.backward`); a block's round is the shard's kernel
+(:mod:`imerge.core.blockround`); the slot width and whether flags are
 taken come from :mod:`imerge.core.slots`, fixed slots hold for
 :meth:`SlotClock.slot_time`; wire bytes from :mod:`imerge.core.compression`.
 
