@@ -8,6 +8,8 @@ shard's: the same actions, in the same order.
 from __future__ import annotations
 
 
+import math
+
 import grpc
 import numpy as np
 import pytest
@@ -16,7 +18,8 @@ from torch import nn
 
 import imerge
 from helpers import simulated_like, trained
-from imerge.core.blockround import Aggregate, BlockRound, Counted, Fail, Publish, Receive, Retry, Supersede, replay
+from imerge.core.blockround import (Aggregate, Agree, BlockRound, Counted, Fail, Publish, Receive, Retry, Step,
+                                    Supersede, replay)
 from imerge.core.errors import FailedPrecondition, Fenced, InvalidArgument, StaleGeneration, Unavailable
 from imerge.core.optim import OptimizerSpec
 from imerge.core.rounds import Push, RoundOptions
@@ -41,12 +44,32 @@ def test_the_last_push_starts_the_aggregation_and_its_completion_publishes_the_n
     assert machine.pulled(0, 0) is None and machine.missing() == [1, 2]
     assert counted_push(machine, push(2, no_grad=(2,))) == [Counted(2, 2)]
     assert counted_push(machine, push(1, no_grad=(0, 2))) == [Counted(1, 3), Aggregate(0, RoundOptions(), (2,))]
-    assert machine.completed(0, (False, 1.5)) == [Publish(1, (False, 1.5))]
-    assert machine.round == 1 and machine.pulled(0, 0) == (1, (False, 1.5)) and machine.pushed == set()
+    assert machine.completed(0) == [Publish(1, (False, 0.0))]
+    assert machine.round == 1 and machine.pulled(0, 0) == (1, (False, 0.0)) and machine.pushed == set()
     with pytest.raises(FailedPrecondition, match="round 1 is not being aggregated"):
         machine.completed(1)
     with pytest.raises(FailedPrecondition, match="current round is 1"):
         machine.check_pull(0, 3)
+
+
+def test_a_round_that_clips_steps_with_the_job_s_totals_and_publishes_their_norm():
+    machine = BlockRound("b", 1)
+    clipped = RoundOptions(max_norm=1.0)
+    assert counted_push(machine, push(0, options=clipped))[-1] == Aggregate(0, clipped, ())
+    with pytest.raises(FailedPrecondition, match="before the job agreed"):
+        machine.completed(0)
+    with pytest.raises(FailedPrecondition, match="before its own scalars"):
+        machine.agreed(0, 25.0, False)
+    assert machine.averaged(0, 9.0, False) == Agree(0, (9.0, False))
+    assert machine.agreed(0, 25.0, False) == Step(0, (25.0, False))  # the other blocks' squares too
+    assert machine.completed(0) == [Publish(1, (False, 5.0))]
+    counted_push(machine, push(0, round_=1, options=RoundOptions(loss_scale=8.0)))
+    machine.averaged(1, 0.0, True)
+    assert machine.agreed(1, 4.0, True) == Step(1, (4.0, True))  # an inf anywhere: every block skips
+    assert machine.completed(1) == [Publish(2, (True, math.inf))]
+    counted_push(machine, push(0, round_=2))
+    with pytest.raises(FailedPrecondition, match="needs no agreement"):
+        machine.averaged(2, 1.0, False)
 
 
 def test_a_counted_row_pushed_again_is_a_retry_and_another_round_is_refused():
@@ -122,7 +145,7 @@ def test_a_trace_replayed_through_a_fresh_kernel_gives_the_same_actions_and_refu
     with pytest.raises(Fenced):
         machine.offer(push(1, round_=7, fence=1))
     counted_push(machine, push(1, round_=7, fence=3))
-    machine.completed(7, (True, 0.0))
+    machine.completed(7)
     assert [e["event"] for e in trace] == ["start", "offer", "receive_started", "counted", "offer", "offer", "offer",
                                            "receive_started", "counted", "completed"]
     assert trace[5]["refused"][0] == "Fenced"
@@ -211,6 +234,8 @@ def test_a_shard_s_retries_and_refusals_replay_through_the_kernel(shard):
         assert [send(0), send(0), send(1, round_=3), send(1, max_norm=1.0), send(1)] == \
             ["OK", "OK", "FAILED_PRECONDITION", "FAILED_PRECONDITION", "OK"]
         list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=0, timeout_s=5), timeout=10))
+        assert [send(0, round_=1, max_norm=1.0), send(1, round_=1, max_norm=1.0)] == ["OK", "OK"]  # clipped
+        list(stub.Pull(ps_pb2.PullRequest(block_ids=["b"], worker=0, round=1, timeout_s=5), timeout=10))
     trace = shard.server.shard.round_traces["b"]
     assert [(e["event"], [a["action"] for a in e.get("actions", [])], e.get("refused", [""])[0]) for e in trace] == [
         ("start", [], ""),
@@ -219,6 +244,10 @@ def test_a_shard_s_retries_and_refusals_replay_through_the_kernel(shard):
         ("offer", [], "FailedPrecondition"),
         ("offer", [], "FailedPrecondition"),
         ("offer", ["Receive"], ""), ("receive_started", [], ""), ("counted", ["Counted", "Aggregate"], ""),
-        ("completed", ["Publish"], "")]
+        ("completed", ["Publish"], ""),
+        *[("offer", ["Receive"], ""), ("receive_started", [], ""), ("counted", ["Counted"], "")],
+        ("offer", ["Receive"], ""), ("receive_started", [], ""), ("counted", ["Counted", "Aggregate"], ""),
+        ("averaged", ["Agree"], ""), ("agreed", ["Step"], ""), ("completed", ["Publish"], "")]
+    assert trace[-1]["actions"][0]["result"] == [False, pytest.approx(4.0)]  # the norm of a mean of ones: sqrt(16)
     assert replay(trace, shard.server.shard.blocks["b"].rounds) == trace
     assert replay(trace, BlockRound("b", 3)) != trace

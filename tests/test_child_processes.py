@@ -27,7 +27,6 @@ LOADERS = {  # name -> the script's DataLoader options
     "1 spawned": ["--loader-workers", "1", "--context", "spawn"],
     "2 spawned, persistent": ["--loader-workers", "2", "--context", "spawn", "--persistent"],
 }
-CRASHED = {"2 forked, worker 1 killed": ["--loader-workers", "2", "--crash-at", "10"]}  # started with LOADERS
 
 
 def launch_script(folder: Path, *script_args: str) -> subprocess.Popen:
@@ -46,14 +45,13 @@ def finished(run: subprocess.Popen, folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def loader_runs(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
-    """name -> (what rank 0 wrote, the run's folder), for each of LOADERS and CRASHED, launched together (each job
-    has its own Redis and ports; the crashed job's recovery waits overlap the others' work)."""
+def loader_runs(tmp_path_factory) -> dict[str, dict]:
+    """name -> what rank 0 wrote, for each of LOADERS, launched together (each job has its own Redis and ports)."""
     started = {}
-    for name, options in {**LOADERS, **CRASHED}.items():
+    for name, options in LOADERS.items():
         folder = tmp_path_factory.mktemp(name.replace(" ", "-").replace(",", ""))
         started[name] = (launch_script(folder, *options), folder)
-    return {name: (finished(run, folder), folder) for name, (run, folder) in started.items()}
+    return {name: finished(run, folder) for name, (run, folder) in started.items()}
 
 
 @pytest.mark.timeout(400)
@@ -62,7 +60,7 @@ def test_dataloader_workers_leave_the_job_alone(loader_runs, name):
     """Same parameters, bit for bit, as without loader workers; no done mark before the last epoch; no epoch
     waits for its forked loader workers (one that ran the exit hook made the loader's shutdown wait 5 s for it
     before killing it, every epoch; a spawned one's epochs take its start, importing torch)."""
-    reference, run = loader_runs["no loader workers"][0], loader_runs[name][0]
+    reference, run = loader_runs["no loader workers"], loader_runs[name]
     assert run["iterations"] == reference["iterations"] == 18
     assert run["state"] == reference["state"]
     for epoch in run["epochs"][:-1]:
@@ -72,13 +70,14 @@ def test_dataloader_workers_leave_the_job_alone(loader_runs, name):
 
 
 @pytest.mark.timeout(400)
-def test_a_worker_killed_mid_run_with_loader_workers_recovers_to_the_same_parameters(loader_runs):
+def test_a_worker_killed_mid_run_with_loader_workers_recovers_to_the_same_parameters(tmp_path, loader_runs):
     """kill -9 of worker 1 in the second epoch (its loader workers then exit): the job recovers from the shards'
     checkpoint, both workers rejoin, and the result is the uninterrupted run's, bit for bit."""
-    result, folder = loader_runs["2 forked, worker 1 killed"]
-    assert (folder / "out.json.crashed1").exists()
-    assert result["state"] == loader_runs["no loader workers"][0]["state"]
-    coordinator = (folder / "logs" / "coordinator.log").read_text()
+    run = launch_script(tmp_path, "--loader-workers", "2", "--crash-at", "10")
+    result = finished(run, tmp_path)
+    assert (tmp_path / "out.json.crashed1").exists()
+    assert result["state"] == loader_runs["no loader workers"]["state"]
+    coordinator = (tmp_path / "logs" / "coordinator.log").read_text()
     assert "generation 1" in coordinator, coordinator[-3000:]
 
 

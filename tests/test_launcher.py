@@ -282,6 +282,8 @@ SCRIPT_RUNS = {  # short launches of a script that the tests below read, started
     "failure repeats": ("--shards", "1", "--workers", "2", "--max-restarts", "5", "--", sys.executable, "-c",
                         "import os; os.environ['IMERGE_RANK'] == '1' and os.environ['A_VARIABLE_NOBODY_SET']"),
     "never joins": ("--shards", "1", "--workers", "1", "--", sys.executable, "-c", "print('no job here')"),
+    "fails after finishing": ("--shards", "1", "--workers", "2", "--", sys.executable, "-c",
+                              NPROC_SCRIPT + "import os; os._exit(3 if os.environ['IMERGE_RANK'] == '1' else 0)\n"),
 }
 
 
@@ -345,6 +347,15 @@ def test_a_worker_script_that_never_joins_fails_the_job(script_runs):
     assert code == 1, output
     assert "worker0: exited with code 0 without finishing its part of the job: it never joined it" in \
         " ".join(output.split()), output
+
+
+def test_a_worker_that_fails_after_finishing_its_part_is_not_restarted_into_the_finished_job(script_runs):
+    """Its last round is on the shards; a restart would wait for a generation that never comes (minutes): the
+    launch fails at once, naming what happened."""
+    code, output, _ = script_runs["fails after finishing"]
+    assert code == 1, output
+    assert "worker1: exited with code 3 after it finished its part of the job" in " ".join(output.split()), output
+    assert "restarting it" not in output, output
 
 
 def test_under_torchrun_its_rank_decides_over_the_pods(cluster, tmp_path):

@@ -358,14 +358,15 @@ class Shard:
     async def _aggregate(self, block: BlockState, round_: Aggregate) -> None:
         options, no_grad = round_.options, round_.no_grad
         loop = asyncio.get_running_loop()
-        total = RoundScalars()
         try:
             if options.needs_agreement:  # every block of the job must have averaged before any steps
                 mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
-                total = await self.agreements.agree(round_.round, block.meta.block_id, scalars,
+                agree = block.rounds.averaged(round_.round, scalars.sumsq, scalars.found_inf)
+                total = await self.agreements.agree(round_.round, block.meta.block_id, RoundScalars(*agree.scalars),
                                                     self.expected or set(self.blocks))
+                step = block.rounds.agreed(round_.round, total.sumsq, total.found_inf)
                 snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options,
-                                                      no_grad, total)
+                                                      no_grad, RoundScalars(*step.total))
             else:  # one trip to a step thread
                 snapshot = await loop.run_in_executor(self._executor, block.aggregate, self.metrics, options, no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
@@ -375,7 +376,7 @@ class Shard:
             block.wake()
             return
         block.snapshot = snapshot
-        block.rounds.completed(round_.round, (total.found_inf, total.grad_norm if options.needs_agreement else 0.0))
+        block.rounds.completed(round_.round)
         self.counters.rounds_completed += 1
         block.wake()
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile

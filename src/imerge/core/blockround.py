@@ -22,9 +22,18 @@ driver's. What a round is, is decided here:
   counted meanwhile); its token moves the lane's fence; the last worker's push
   starts the round's aggregation (:class:`Aggregate`, with the options and the
   pieces no worker gave a gradient).
+* :meth:`~BlockRound.averaged` / :meth:`~BlockRound.agreed`: a round that clips
+  by the global norm or unscales a loss scale needs the job's consensus before
+  it steps: the block's averaged gradient gives its scalars (sum of squares,
+  found inf: :class:`Agree`, which the shard adds to its other blocks' and
+  exchanges with the other shards), and the job's totals decide the step
+  (:class:`Step`: skipped where any block found an inf or NaN, clipped by the
+  total norm).
 * :meth:`~BlockRound.completed` / :meth:`~BlockRound.failed`: the aggregation
   stepped (:class:`Publish`: the block is at the next round, the pulls of the
-  round are answered) or could not (:class:`Fail`: they fail with the reason).
+  round are answered with the step's result: skipped or not, and the total
+  gradient norm where the round agreed on one) or could not (:class:`Fail`:
+  they fail with the reason).
 * :meth:`~BlockRound.supersede`: a restore replaced the block (its pulls fail
   as stale).
 
@@ -38,6 +47,7 @@ can be checked to decide alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -77,6 +87,20 @@ class Aggregate:
 
 
 @dataclasses.dataclass(frozen=True)
+class Agree:
+    """The block averaged: add its scalars to the job's (every block of every shard) for the round."""
+    round: int
+    scalars: tuple[float, bool]  # (sum of squares of the averaged gradient, found an inf or NaN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The job agreed: step the block with its totals."""
+    round: int
+    total: tuple[float, bool]  # the job's (sum of squares, found an inf or NaN): a found inf skips the step
+
+
+@dataclasses.dataclass(frozen=True)
 class Publish:
     """The round stepped: the block is at ``round``; its pulls are answered."""
     round: int
@@ -96,9 +120,9 @@ class Supersede:
     generation: int
 
 
-Action = Union[Retry, Receive, Counted, Aggregate, Publish, Fail, Supersede]
-ACTIONS: dict[str, type[Any]] = {cls.__name__: cls for cls in (Retry, Receive, Counted, Aggregate, Publish, Fail,
-                                                               Supersede)}
+Action = Union[Retry, Receive, Counted, Aggregate, Agree, Step, Publish, Fail, Supersede]
+ACTIONS: dict[str, type[Any]] = {cls.__name__: cls for cls in (Retry, Receive, Counted, Aggregate, Agree, Step,
+                                                               Publish, Fail, Supersede)}
 
 
 class BlockRound:
@@ -114,6 +138,8 @@ class BlockRound:
         self.no_grad: set[int] | None = None      # pieces no counted push gave a gradient (so far)
         self.sources: list[tuple[int, str] | None] = [None] * num_workers  # (round, client) each row counted
         self.aggregating = False
+        self.scalars: tuple[float, bool] | None = None  # the block's averaged gradient's, in a round that agrees
+        self.total: tuple[float, bool] | None = None    # the job's, once agreed
         self.result = (False, 0.0)          # of the round last published: (step skipped, gradient norm)
         self.failed_reason = ""             # why the current round cannot complete
         self.superseded = 0                 # the generation a restore replaced the block with
@@ -180,16 +206,47 @@ class BlockRound:
 
         return self._event("counted", count, push=push, alike=alike, source=source)
 
-    def completed(self, round_: int, result: tuple[bool, float] = (False, 0.0)) -> list[Action]:
+    def averaged(self, round_: int, sumsq: float, found_inf: bool) -> Agree:
+        """A round that needs the job's consensus averaged: its scalars go to the agreement."""
+        def report() -> list[Action]:
+            self._check_aggregating(round_, agreeing=True)
+            if self.scalars is not None:
+                raise FailedPrecondition(f"block {self.block_id}: round {round_} averaged twice")
+            self.scalars = (sumsq, found_inf)
+            return [Agree(round_, self.scalars)]
+
+        action = self._event("averaged", report, round=round_, sumsq=sumsq, found_inf=found_inf)[0]
+        assert isinstance(action, Agree)
+        return action
+
+    def agreed(self, round_: int, sumsq: float, found_inf: bool) -> Step:
+        """The job's totals of the round: the block steps with them."""
+        def step() -> list[Action]:
+            self._check_aggregating(round_, agreeing=True)
+            if self.scalars is None or self.total is not None:
+                raise FailedPrecondition(f"block {self.block_id}: round {round_}'s totals came "
+                                         f"{'before its own scalars' if self.scalars is None else 'twice'}")
+            self.total = (sumsq, found_inf)
+            return [Step(round_, self.total)]
+
+        action = self._event("agreed", step, round=round_, sumsq=sumsq, found_inf=found_inf)[0]
+        assert isinstance(action, Step)
+        return action
+
+    def completed(self, round_: int) -> list[Action]:
         """The round's aggregation stepped: the block is at the next round."""
         def complete() -> list[Action]:
             self._check_aggregating(round_)
+            if self.options is not None and self.options.needs_agreement and self.total is None:
+                raise FailedPrecondition(f"block {self.block_id}: round {round_} completed before the job agreed")
+            sumsq, found_inf = self.total or (0.0, False)
+            result = (found_inf, (math.inf if found_inf else math.sqrt(sumsq)) if self.total else 0.0)
             self.round, self.result, self.aggregating = round_ + 1, result, False
             self._pushed = 0
-            self.options, self.no_grad = None, None
+            self.options, self.no_grad, self.scalars, self.total = None, None, None, None
             return [Publish(self.round, result)]
 
-        return self._event("completed", complete, round=round_, result=list(result))
+        return self._event("completed", complete, round=round_)
 
     def failed(self, round_: int, reason: str) -> list[Action]:
         """The round's aggregation failed: its pulls fail with ``reason``."""
@@ -262,10 +319,13 @@ class BlockRound:
         if disagreement:
             raise FailedPrecondition(f"{push.what}: it and another worker's push of this round carry {disagreement}")
 
-    def _check_aggregating(self, round_: int) -> None:
+    def _check_aggregating(self, round_: int, agreeing: bool = False) -> None:
         if not self.aggregating or round_ != self.round:
             raise FailedPrecondition(f"block {self.block_id}: round {round_} is not being aggregated (the block is at "
                                      f"round {self.round}{', aggregating' if self.aggregating else ''})")
+        if agreeing and not (self.options is not None and self.options.needs_agreement):
+            raise FailedPrecondition(f"block {self.block_id}: round {round_} neither clips by the global norm nor "
+                                     "unscales: it needs no agreement")
 
     # -- the trace -------------------------------------------------------------------------------------
     def _event(self, name: str, decide: Any, **args: Any) -> list[Action]:
@@ -322,7 +382,9 @@ def replay(trace: Sequence[dict[str, Any]], like: BlockRound) -> list[dict[str, 
                 extra = {"source": event["source"]} if name == "counted" else {}
                 getattr(fresh, name)(push_of(event["push"]), alike=event["alike"], **extra)
             elif name == "completed":
-                fresh.completed(event["round"], (event["result"][0], event["result"][1]))
+                fresh.completed(event["round"])
+            elif name in ("averaged", "agreed"):
+                getattr(fresh, name)(event["round"], event["sumsq"], event["found_inf"])
             elif name == "failed":
                 fresh.failed(event["round"], event["reason"])
             else:

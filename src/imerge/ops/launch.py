@@ -390,8 +390,10 @@ class Launcher:
                 fds = (progress_fd,)
             self._start(f"worker{rank}", argv, self._env(redis_url, extra), is_worker=True, pass_fds=fds)
 
-    def _check_children(self) -> bool:
-        """True once every worker exited 0; restarts dead roles; ChildFailed for a role that cannot go on."""
+    def _check_children(self, redis_url: str = "") -> bool:
+        """True once every worker exited 0; restarts dead roles; ChildFailed for a role that cannot go on (a worker
+        that failed after it finished its part of the job too: a restart would wait for a round that never
+        comes)."""
         workers_done = True
         for child in self.children:
             code = child.process.poll()
@@ -408,6 +410,11 @@ class Launcher:
                 child.rejoins += 1
                 self._restart(child, "left to rejoin the recovered job")
                 workers_done = False
+            elif child.is_worker and int(child.role.removeprefix("worker")) in self._done_ranks(redis_url):
+                raise ChildFailed(child.role, f"exited with code {code} after it finished its part of the job (its "
+                                              "last round is on the shards): the script failed after training, "
+                                              "and a restart would wait for a job that is over; not restarted; "
+                                              f"last lines of {child.log_path}:\n{child.tail()}")
             elif (child.role != "coordinator" or code < 0) and child.restarts < self.config.max_restarts:
                 failure, previous = child.failure(code), child.last_failure
                 if code > 0 and failure == previous:  # it failed by itself the same way again (a bug, a missing
@@ -426,19 +433,26 @@ class Launcher:
                 raise ChildFailed(child.role, f"{why}; last lines of {child.log_path}:\n{child.tail()}")
         return workers_done
 
-    def _check_done(self, redis_url: str) -> None:
-        """Every worker exited 0: each must have finished its part of the job (a script that never joined it, or
-        left without its last sync, exits 0 too)."""
+    def _done_ranks(self, redis_url: str) -> set[int]:
+        """The ranks that finished their part of the job (none known where this launcher cannot read the job's
+        store: the DDP baseline's workers, a testbed's Redis that only its namespaces reach)."""
+        if not redis_url or self.workers_only or not self.hosts.reports_ports:
+            return set()
         from imerge.control.store import Store
 
         store = Store(redis_url, self.job)
         try:
-            done = store.done_ranks()
+            return set(store.done_ranks())
         except IMergeError as exc:
-            log.warning("could not check that every worker finished: %s", exc)
-            return
+            log.warning("could not read which workers finished: %s", exc)
+            return set()
         finally:
             store.close()
+
+    def _check_done(self, redis_url: str) -> None:
+        """Every worker exited 0: each must have finished its part of the job (a script that never joined it, or
+        left without its last sync, exits 0 too)."""
+        done = self._done_ranks(redis_url)
         missing = [rank for rank in range(self.config.workers) if rank not in done]
         if missing:
             child = next(c for c in self.children if c.role == f"worker{missing[0]}")
@@ -512,7 +526,7 @@ class Launcher:
                     if not (self.quiet or self.console.is_terminal):
                         self.console.print(line)
 
-            while not self._check_children():
+            while not self._check_children(redis_url):
                 self._collect_ports()
                 self._show_errors()
                 if store is not None and time.monotonic() - polled >= 1.0:  # until the job trains
