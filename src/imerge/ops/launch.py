@@ -13,7 +13,8 @@ job recovers from them. (A coordinator that exits with an error ended the job
 on purpose: it is not restarted.)
 A worker that exits with code 75 (the job recovered, it rejoins) is restarted
 without counting; one that exits with code 76 (a fatal error, which a restart
-would repeat) fails the job at once. ``roles.json`` in the log folder names each role's pid.
+would repeat) fails the job at once, as does one that fails after it finished its part of the job (a restart
+would wait for a job that is over). ``roles.json`` in the log folder names each role's pid.
 """
 from __future__ import annotations
 
