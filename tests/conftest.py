@@ -55,6 +55,20 @@ def lone(cluster):
 
 def pytest_configure(config):
     logging.getLogger("imerge").setLevel(logging.INFO)
+    _compile_sources()
+
+
+def _compile_sources() -> None:
+    """Compile the tree's own modules to bytecode once: the hundreds of processes the suite starts (roles, scripts)
+    then load it instead of compiling every module they import anew, which they do where the environment sets
+    PYTHONDONTWRITEBYTECODE (a role's imports spend about 110 ms more without it). Stale files are recompiled by
+    their source's timestamp, as Python itself does."""
+    import compileall
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("src", "services", "tests/scripts"):
+        compileall.compile_dir(root / folder, quiet=2, workers=1)
 
 
 # -- tiers -----------------------------------------------------------------------------------------------------
