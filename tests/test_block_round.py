@@ -134,6 +134,8 @@ def test_a_push_may_stand_for_a_class_of_workers_alike():
     assert machine.missing() == [4]
     with pytest.raises(InvalidArgument, match="workers 3..5 outside 0..4"):
         machine.receive_started(push(3), alike=3)
+    with pytest.raises(InvalidArgument, match="workers 7..7 outside 0..4"):
+        machine.offer(push(7))
     assert counted_push(machine, push(4))[-1] == Aggregate(0, RoundOptions(), ())
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from imerge.core.errors import ConfigError, JobFailed, LayoutMismatchError, PlanError, StoreError
 from imerge.core.planning import Layout, Plan, PlanOptions
+from imerge.core.rounds import grad_norm
 from imerge.core.schedule_config import ScheduleConfig
 
 M = TypeVar("M", bound="Message")
@@ -371,7 +372,7 @@ class RoundScalars(Message):
 
     @property
     def grad_norm(self) -> float:
-        return math.inf if self.found_inf else math.sqrt(self.sumsq)
+        return grad_norm(self.sumsq, self.found_inf)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,12 +47,11 @@ can be checked to decide alike.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any, Union
 
 from .errors import FailedPrecondition, Fenced, IMergeError, InvalidArgument, StaleGeneration, Unavailable
-from .rounds import RoundOptions, Push
+from .rounds import Push, RoundOptions, grad_norm
 
 
 # The actions: what the driver carries out.
@@ -151,6 +150,7 @@ class BlockRound:
     def offer(self, push: Push, alike: int = 1) -> Retry | Receive:
         """A push came for its row (held by the driver): a retry of a counted row, or a new push to receive."""
         def decide() -> list[Action]:
+            self._workers(push, alike)  # a worker outside the block is refused by name, not an IndexError
             if push.round == self.round - 1 or (push.round == self.round and self._pushed >> push.worker & 1):
                 counted_round, counted_source = self.sources[push.worker] or (-1, "")
                 return [Retry(push.worker, counted_round, counted_source)]
@@ -240,7 +240,7 @@ class BlockRound:
             if self.options is not None and self.options.needs_agreement and self.total is None:
                 raise FailedPrecondition(f"block {self.block_id}: round {round_} completed before the job agreed")
             sumsq, found_inf = self.total or (0.0, False)
-            result = (found_inf, (math.inf if found_inf else math.sqrt(sumsq)) if self.total else 0.0)
+            result = (found_inf, grad_norm(sumsq, found_inf) if self.total else 0.0)
             self.round, self.result, self.aggregating = round_ + 1, result, False
             self._pushed = 0
             self.options, self.no_grad, self.scalars, self.total = None, None, None, None

@@ -46,6 +46,11 @@ class RoundOptions:
 NO_OPTIONS = RoundOptions()
 
 
+def grad_norm(sumsq: float, found_inf: bool) -> float:
+    """The global L2 norm of a gradient from its sum of squares (infinite where any element was not finite)."""
+    return math.inf if found_inf else math.sqrt(sumsq)
+
+
 @dataclasses.dataclass(frozen=True)
 class Push:
     """One worker's push of one block: which block and round, the payload's encoding, the fencing, and the
