@@ -118,18 +118,24 @@ def test_each_worker_process_of_a_node_reports_its_ports_in_a_file_of_its_own():
     assert [e["IMERGE_RANK"] for e in envs] == ["2", "3"]
 
 
-def test_the_launcher_checks_the_optimizer_without_importing_torchs_compiler():
-    """Building an optimizer imports torch._dynamo (2 s of CPU) at its first add_param_group; the launcher only
-    checks the job's optimizer, so it skips that (a script's process keeps torch's behaviour)."""
+def test_the_launcher_and_a_shard_check_the_optimizer_without_importing_torchs_compiler():
+    """Building an optimizer imports torch._dynamo (1.2 s of CPU) at its first add_param_group, and torch's step at
+    its first call; the launcher only checks the job's optimizer, and a shard whose steps are native only checks
+    it and probes the native step against torch's, so neither imports it (a script's process keeps torch's
+    behaviour)."""
     probe = ("import sys, torch\n"
              "from imerge.core.optim import OptimizerSpec, check_without_dynamo\n"
+             "from imerge.core.native import SgdStep, AdamStep, data_plane\n"
              "if sys.argv[1] == 'skip':\n"
              "    check_without_dynamo()\n"
-             "OptimizerSpec('adamw', lr=0.1, weight_decay=0.1).validate()\n"
-             "print('torch._dynamo' in sys.modules)\n")
+             "OptimizerSpec('adamw', lr=0.1, weight_decay=0.1).validate(step=True)\n"
+             "plane = data_plane('auto')\n"
+             "checked = [plane.fused_step(SgdStep(0.1, 0.9, 0.0, 0.0, False)),\n"
+             "           plane.fused_step(AdamStep(0.1, 0.9, 0.99, 1e-8, 0.01, True))]\n"
+             "print('torch._dynamo' in sys.modules, checked == [plane.name == 'native'] * 2)\n")
     imported = {mode: subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True,
                                      timeout=120).stdout.strip() for mode in ("skip", "keep")}
-    assert imported == {"skip": "False", "keep": "True"}
+    assert imported == {"skip": "False True", "keep": "True True"}
 
 
 @pytest.mark.parametrize("args, missing, message", [

@@ -38,6 +38,7 @@ from imerge.core.modes import BlockMode
 from imerge.core.native import MAX_FUSED_ROWS, AdamStep, DataPlane, SgdStep, adam_step, data_plane
 from imerge.core.errors import Internal, InvalidArgument
 from imerge.core.optim import OptimizerSpec, apply_hypers, scalar_hypers
+from imerge.core.optim_args import eager_step
 from imerge.wire.frames import data_frames
 
 from .checkpoint import BlockImage
@@ -330,7 +331,7 @@ class BlockState:
             piece.grad = None if index in no_grad else mean[start:end]
         apply_hypers(self.optimizer, self.hypers, options.hypers)
         with metrics.optimizer_step.time():
-            self.optimizer.step()
+            eager_step(self.optimizer)  # no hooks, never compiled: without torch.compile's wrapper
         for piece in self.pieces:
             piece.grad = None
         return self.publish()

@@ -38,10 +38,12 @@ when it joins, undone when it closes or is disowned in a forked child), so
 that a read or in-place write of a parameter whose new value is still on its
 way waits for it.
 
-IMerge's own processes (the launcher, ``imerge worker``) also mark torch's
-optimizer methods as needing no ``torch._dynamo`` import
-(:func:`imerge.core.optim.check_without_dynamo`); a training script's process
-never does, since it may compile.
+IMerge's own processes (the launcher, ``imerge worker``, a shard) also mark
+torch's optimizer methods as needing no ``torch._dynamo`` import
+(:func:`imerge.core.optim.check_without_dynamo`), and step the optimizers they
+build for a trial, and a shard its own, without torch.compile's wrapper
+(:func:`imerge.core.optim_args.eager_step`); a training script's process never
+does, since it may compile.
 """
 from __future__ import annotations
 

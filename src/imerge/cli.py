@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if split_given:
         split = argv.index("--")
         argv, command = argv[:split], commandline.own_python(argv[split + 1:])
-    if argv and argv[0] in ("launch", "testbed", "bench", "worker"):  # IMerge's processes that never compile
+    if argv and argv[0] in ("launch", "testbed", "bench", "worker", "ps"):  # IMerge's processes: never compile
         from imerge.core.optim import check_without_dynamo
 
         check_without_dynamo()

@@ -25,6 +25,7 @@ import torch
 
 from imerge.core.compression import all_finite
 from imerge.core.errors import InvalidArgument
+from imerge.core.optim_args import eager_step
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +266,7 @@ def _probe(optimizer: torch.optim.Optimizer, theirs: torch.nn.Parameter, names: 
         rows = [torch.randn(theirs.numel(), generator=generator) * 10.0 ** (w - 1) for w in range(workers)]
         DataPlane(None).mean_rows(mean, rows, workers)
         theirs.grad = mean.clone()
-        with torch.no_grad():
-            optimizer.step()
+        eager_step(optimizer)
         kept = optimizer.state[theirs]
         if index == 0:
             ours.copy_(theirs.detach())

@@ -42,14 +42,15 @@ OPTIMIZERS = tuple(sorted(set(optimizer_classes()) - set(REFUSED)))
 
 
 def check_without_dynamo() -> None:
-    """Let this process build optimizers (to check a spec's arguments) without importing ``torch._dynamo``, 2 s
+    """Let this process build optimizers (to check a spec's arguments) without importing ``torch._dynamo``, 1.2 s
     of CPU: torch.optim wraps ``add_param_group``, ``zero_grad`` and the state-dict methods in
     ``torch._disable_dynamo``, which imports it at their first call to keep them out of torch.compile's graphs.
     Marking each wrapped function as its own disabled form skips that. Only for IMerge's own processes, which
     never compile (``imerge launch``, ``testbed`` and ``bench``, which check the job's options before starting
-    its roles, and ``imerge worker``: the built-in job, or the parent of a script's process); never in a
-    training script's process. A torch that caches differently just imports
-    it as before."""
+    its roles; ``imerge worker``: the built-in job, or the parent of a script's process; ``imerge ps``, whose
+    trial and probe steps go through :func:`.optim_args.eager_step`, so a shard whose steps are native never
+    imports it); never in a training script's process. A torch that caches differently just imports it as
+    before."""
     for cls in (torch.optim.Optimizer, *optimizer_classes().values()):
         for value in vars(cls).values():
             wrapped, code = getattr(value, "__wrapped__", None), getattr(value, "__code__", None)

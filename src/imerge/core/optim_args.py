@@ -98,7 +98,7 @@ def checked_value(value: Any, like: Any, what: str) -> Any:
 def checked_arguments(cls: type[torch.optim.Optimizer], options: Mapping[str, Any], what: str,
                       step: bool = True) -> None:
     """Refuse an argument the optimizer does not take or a value unlike its default, then build it and (with
-    ``step``: only where a step is due anyway, since torch's first step imports ``torch._dynamo``, 2 s) step it."""
+    ``step``: where the process steps the optimizer anyway) step it once."""
     defaults = signature_defaults(cls)
     checked = {}
     for key, value in options.items():
@@ -111,6 +111,17 @@ def checked_arguments(cls: type[torch.optim.Optimizer], options: Mapping[str, An
         raise InvalidArgument(f"{what}: {problem}")
 
 
+def eager_step(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.step()`` as torch's step function computes it, without the two wrappers torch puts around it:
+    the graph breaks for torch.compile, whose first call imports ``torch._dynamo`` (1.2 s of CPU), and the step
+    hooks and profiler label. For optimizers that no hook was registered on and that are never compiled: the
+    ones built to check or probe a spec, and a shard's (the trials of every process, and a shard's steps). The
+    grad mode is the wrapper's: on only for a ``differentiable`` optimizer."""
+    step = inspect.unwrap(type(optimizer).step)
+    with torch.set_grad_enabled(bool(optimizer.defaults.get("differentiable", False))):
+        step(optimizer)
+
+
 @cached(512)
 def trial_problem(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, Any], ...], step: bool = True) -> str:
     """Why torch refuses to build the optimizer with ``options`` or (``step``) to step it once ("" if it does
@@ -120,7 +131,7 @@ def trial_problem(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, An
         optimizer = cls([piece], **dict(options))
         if step:
             piece.grad = torch.zeros(2)
-            optimizer.step()
+            eager_step(optimizer)
     except Exception as exc:  # noqa: BLE001 - torch's own checks raise ValueError, TypeError, RuntimeError, ...
         return f"{cls.__name__} refuses {clip(str(dict(options)), 300)}: {type(exc).__name__}: {clip(str(exc), 300)}"
     return ""
@@ -150,6 +161,6 @@ def state_layout(cls: type[torch.optim.Optimizer], options: tuple[tuple[str, Any
     piece = torch.nn.Parameter(torch.zeros(2))
     optimizer = cls([piece], **dict(options))
     piece.grad = torch.zeros(2)
-    optimizer.step()
+    eager_step(optimizer)
     return tuple(sorted((name, value.dim(), str(value.dtype).removeprefix("torch."))
                         for name, value in optimizer.state[piece].items() if isinstance(value, torch.Tensor)))
