@@ -284,3 +284,18 @@ def test_an_early_forged_done_ends_nothing_and_a_later_failure_is_still_handled(
     assert store.finished_at() is None  # the job did not finish: it failed
     c._thread.join(10)  # noqa: SLF001 - the coordinator handled the loss and ended the job
     assert "no checkpoint round" in store.generation_event(1).error
+
+
+def test_a_shard_stops_at_once_without_waiting_out_its_watch_for_the_next_generation(redis_url, monkeypatch):
+    """The membership's watcher blocks in Redis for the next generation; stopping the shard ends that wait at once
+    (it was waited out: WATCH_WAIT_S, 0.2 s of every shard's exit, and here 30 s, cut at the join's 10)."""
+    from imerge.ps import membership
+    from helpers import LocalCluster
+
+    monkeypatch.setattr(membership, "WATCH_WAIT_S", 30.0)
+    local = LocalCluster(redis_url, 1, 2, coordinator=False)
+    time.sleep(0.5)  # both watchers are in their wait
+    started = time.monotonic()
+    local.close()
+    assert time.monotonic() - started < 3.0
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-generations")]

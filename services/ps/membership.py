@@ -25,13 +25,16 @@ from .state import Shard
 
 log = logging.getLogger(__name__)
 RESTORE_TIMEOUT_S = 300.0
-WATCH_WAIT_S = 0.2  # one wait for the next generation: how soon a stop is seen (an event ends the wait at once)
+WATCH_WAIT_S = 0.2  # one wait for the next generation (an event ends it at once, and so does stop())
 
 
 class ShardMembership:
     def __init__(self, store: ShardStore, shard: Shard, load_plan: Callable[[], Awaitable[None]],
                  loop: asyncio.AbstractEventLoop, heartbeat_ttl_s: float, checkpoint_failures: int = 0):
         self.store = store
+        # the watcher's own connection: stop() closes it, which ends the watcher's blocking wait at once (a stop
+        # otherwise waited out the rest of a WATCH_WAIT_S wait, 0.2 s of every shard's exit)
+        self._watch_store = type(store)(store.url, store.job)
         self.shard = shard
         self._load_plan = load_plan  # coroutine function: reads the mapping table (the expected blocks)
         self.loop = loop
@@ -83,6 +86,7 @@ class ShardMembership:
 
     def stop(self) -> None:
         self._stop.set()
+        self._watch_store.close()
         for thread in self._threads:
             thread.join(10)
 
@@ -128,13 +132,15 @@ class ShardMembership:
         while not self._stop.is_set():
             target = max(self.shard.generation, self._handled) + 1
             try:
-                event = self.store.wait_generation(target, WATCH_WAIT_S, f"generation {target}")
-                latest = self.store.generation() or target
+                event = self._watch_store.wait_generation(target, WATCH_WAIT_S, f"generation {target}")
+                latest = self._watch_store.generation() or target
                 if latest > target:  # several recoveries meanwhile: go to the newest
-                    target, event = latest, self.store.generation_event(latest) or GenerationEvent(latest)
+                    target, event = latest, self._watch_store.generation_event(latest) or GenerationEvent(latest)
             except WaitTimeout:
                 continue
             except StoreError as exc:
+                if self._stop.is_set():  # stop() closed the connection under the wait
+                    return
                 log.warning("shard %d: watching the job generation: %s", self.shard.index, exc)
                 self._stop.wait(1.0)
                 continue
