@@ -138,9 +138,11 @@ class ShardMembership:
                     target, event = latest, self._watch_store.generation_event(latest) or GenerationEvent(latest)
             except WaitTimeout:
                 continue
-            except StoreError as exc:
-                if self._stop.is_set():  # stop() closed the connection under the wait
-                    return
+            except Exception as exc:
+                if self._stop.is_set():  # stop() closed the connection under the call, from another thread:
+                    return  # redis-py then fails in its own ways (ConnectionError, its parser's buffer gone)
+                if not isinstance(exc, StoreError):
+                    raise
                 log.warning("shard %d: watching the job generation: %s", self.shard.index, exc)
                 self._stop.wait(1.0)
                 continue
