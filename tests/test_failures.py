@@ -295,10 +295,11 @@ def test_a_shard_stops_at_once_without_waiting_out_its_watch_for_the_next_genera
     monkeypatch.setattr(membership, "WATCH_WAIT_S", 30.0)
     local = LocalCluster(redis_url, 1, 2, coordinator=False)
     time.sleep(0.5)  # both watchers are in their wait
+    threads = [thread for shard in local.shards for thread in shard.server._membership._threads]
     started = time.monotonic()
     local.close()
     assert time.monotonic() - started < 3.0
-    assert not [t.name for t in threading.enumerate() if t.name.endswith("-generations")]
+    assert not [thread.name for thread in threads if thread.is_alive()]
 
 
 def test_a_shard_stopped_in_the_middle_of_its_watchers_call_ends_it_quietly(redis_url, monkeypatch):

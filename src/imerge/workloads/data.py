@@ -36,8 +36,8 @@ def digits(split: str, seed: int = 0) -> TensorDataset:
 def _digits_table() -> tuple[np.ndarray, np.ndarray]:
     """The digits' pixels (1797 x 64) and labels, read from the file scikit-learn ships (``digits.csv.gz``)
     with the parser its ``load_digits`` uses, the same values, without importing scikit-learn (1.4 s of CPU in
-    every worker that trains on them; a worker starts in about 2.5). Where that file is not where scikit-learn
-    1.x keeps it, ``load_digits`` reads it."""
+    every worker that trains on them). Where that file is not where scikit-learn 1.x keeps it, ``load_digits``
+    reads it."""
     spec = importlib.util.find_spec("sklearn")
     package = Path(spec.origin).parent if spec is not None and spec.origin else None
     path = package / "datasets" / "data" / "digits.csv.gz" if package is not None else None
