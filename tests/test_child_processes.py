@@ -60,14 +60,16 @@ def loader_runs(tmp_path_factory) -> dict[str, dict]:
 def test_dataloader_workers_leave_the_job_alone(loader_runs, name):
     """Same parameters, bit for bit, as without loader workers; no done mark before the last epoch; no epoch
     waits for its forked loader workers (one that ran the exit hook made the loader's shutdown wait 5 s for it
-    before killing it, every epoch; a spawned one's epochs take its start, importing torch)."""
+    before killing it, every epoch; a spawned one's epochs take its start, importing torch). The jobs run side by
+    side, so an epoch is compared with the same epoch of the job without loader workers."""
     reference, run = loader_runs["no loader workers"], loader_runs[name]
     assert run["iterations"] == reference["iterations"] == 12
     assert run["state"] == reference["state"]
     for epoch in run["epochs"][:-1]:
         assert epoch["done"] == [], run["epochs"]
     if "forked" in name:
-        assert max(epoch["seconds"] for epoch in run["epochs"][1:]) < 5.0, run["epochs"]
+        for epoch, without in zip(run["epochs"][1:], reference["epochs"][1:]):
+            assert epoch["seconds"] < without["seconds"] + 4.0, (run["epochs"], reference["epochs"])
 
 
 @pytest.mark.timeout(400)

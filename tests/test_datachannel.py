@@ -319,8 +319,9 @@ def test_connections_beyond_the_limit_are_refused_and_a_closed_one_frees_its_pla
     channel = grpc.insecure_channel(threaded.address)
     shard = types.SimpleNamespace(stub=ps_pb2_grpc.ParameterServerStub(channel))
     try:
-        first, second, third = Raw(shard), Raw(shard), Raw(shard)
+        first, second = Raw(shard), Raw(shard)  # (a third stranger beside them would evict the older one)
         assert [raw.answer()[0] for raw in (first, second)] == [Kind.WELCOME, Kind.WELCOME]
+        third = Raw(shard)
         assert third.answer() == (Kind.ERROR, ("Busy", "shard 0: all 2 data connections are held by workers "
                                                        "(--max-data-connections): try again"))
         assert third.closed()

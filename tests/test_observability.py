@@ -27,7 +27,7 @@ from imerge.workloads.models import build_model
 from imerge.core.optim import OptimizerSpec
 from imerge.ops.top import scrape
 
-from helpers import LocalCluster
+from helpers import LocalCluster, one_process_at_a_time
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
@@ -38,15 +38,16 @@ IMERGE = [sys.executable, "-m", "imerge"]
 @pytest.fixture(scope="module")
 def promtool() -> dict[str, str]:
     """Debian's prometheus and promtool, installed when missing (root)."""
-    if shutil.which("prometheus") is None or shutil.which("promtool") is None:
-        if os.geteuid() != 0 or shutil.which("apt-get") is None:
-            pytest.skip("prometheus is not installed and cannot be installed here (needs root and apt-get)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
-        if subprocess.run(command, env=env, capture_output=True, timeout=600).returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-            assert result.returncode == 0, f"apt-get install prometheus failed: {result.stderr[-2000:]}"
+    with one_process_at_a_time("apt-get"):
+        if shutil.which("prometheus") is None or shutil.which("promtool") is None:
+            if os.geteuid() != 0 or shutil.which("apt-get") is None:
+                pytest.skip("prometheus is not installed and cannot be installed here (needs root and apt-get)")
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]
+            if subprocess.run(command, env=env, capture_output=True, timeout=600).returncode != 0:
+                subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+                result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+                assert result.returncode == 0, f"apt-get install prometheus failed: {result.stderr[-2000:]}"
     return {"prometheus": shutil.which("prometheus"), "promtool": shutil.which("promtool")}
 
 

@@ -29,7 +29,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -143,8 +143,8 @@ class Handoff:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self._requests: queue.SimpleQueue[tuple[memoryview | None, int, bool, asyncio.Future[Any]] | None] = \
-            queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[
+            tuple[memoryview | None, int, bool, asyncio.Future[Any]] | BaseException | None] = queue.SimpleQueue()
 
     async def read(self, target: memoryview | None, nbytes: int, check_finite: bool = False) -> bool:
         """On the loop: have ``nbytes`` read into ``target`` (None: read and dropped) by the connection's thread;
@@ -154,10 +154,17 @@ class Handoff:
         finite: bool = await done
         return finite
 
+    def abort(self, exc: BaseException) -> None:
+        """From any thread: ``serve`` raises ``exc`` instead of waiting on (the loop stopped: the coroutine
+        will neither ask for a read nor end)."""
+        self._requests.put(exc)
+
     def serve(self, future: concurrent.futures.Future[Any], stream: ChannelStream, what: str) -> Any:
         """On the connection's thread: answer the coroutine's reads until it is done; return its result."""
         future.add_done_callback(lambda _: self._requests.put(None))
         while (request := self._requests.get()) is not None:
+            if isinstance(request, BaseException):
+                raise request
             target, nbytes, check_finite, done = request
             try:
                 with stream.payload(nbytes):
@@ -225,6 +232,8 @@ class Link:
         self.generation = -1
         self.busy = False     # a call is being served (its answer goes out before a retired link ends)
         self.retired = False  # its generation is over: it ends when its call does
+        self.ended = False
+        self.wake: Callable[[], None] | None = None  # ends the call's wait for the event loop (see end)
 
     def retire(self) -> None:
         """End the connection now if it idles, else once its call is answered (a waiting pull gets its
@@ -234,9 +243,24 @@ class Link:
             self.end()
 
     def end(self) -> None:
-        """Shut the connection down from any thread: the read its thread waits in fails."""
+        """Shut the connection down from any thread: the read its thread waits in fails, and so does a wait for
+        the event loop (a pull's blocks, a push's coroutine), which a stopped loop would never end."""
+        self.ended = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+        if (wake := self.wake) is not None:
+            wake()
+
+    @contextlib.contextmanager
+    def waking(self, wake: Callable[[], None]) -> Iterator[None]:
+        """While the call waits for the loop, ``end`` calls ``wake`` (at once if the link has already ended)."""
+        self.wake = wake
+        try:
+            if self.ended:
+                wake()
+            yield
+        finally:
+            self.wake = None
 
 
 class DataChannel:
@@ -443,7 +467,8 @@ class Connection:
         payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
         source = f"data connection from {self.peer[0]}:{self.peer[1]}"
         future = self._run(self.shard.push(push_of(header), payload, self.stream, source))
-        duplicate, pushed = handoff.serve(future, self.stream, what)
+        with self.link.waking(lambda: handoff.abort(ConnectionAbortedError(f"{what}: the shard stopped"))):
+            duplicate, pushed = handoff.serve(future, self.stream, what)
         send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                                    pushed=pushed))
 
@@ -454,22 +479,28 @@ class Connection:
         timeout = self.config.pull_wait(request.timeout_s)
         ready: queue.SimpleQueue[PulledBlock | BaseException] = queue.SimpleQueue()
         future = self._run(self._wait_blocks(request, timeout, ready))
+        stopped = ConnectionAbortedError(f"pull by worker {request.worker}: the shard stopped")
         try:
-            for _ in request.block_ids:
-                try:
-                    item = ready.get(timeout=timeout + 5.0)
-                except queue.Empty:
-                    raise DeadlineExceeded(f"pull by worker {request.worker}: no block within {timeout + 5:g}s") \
-                        from None
-                if isinstance(item, BaseException):
-                    raise item
-                block_id, round_, snapshot, result = item
-                send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
-                                                                snapshot.nnz, result), snapshot.parts)
-                self.shard.counters.bytes_sent += snapshot.nbytes
-            send_frame(self.stream, Kind.END)
+            with self.link.waking(lambda: ready.put(stopped)):
+                self._send_blocks(request, timeout, ready)
         finally:
             future.cancel()
+
+    def _send_blocks(self, request: ps_pb2.PullRequest, timeout: float,
+                     ready: queue.SimpleQueue[PulledBlock | BaseException]) -> None:
+        for _ in request.block_ids:
+            try:
+                item = ready.get(timeout=timeout + 5.0)
+            except queue.Empty:
+                raise DeadlineExceeded(f"pull by worker {request.worker}: no block within {timeout + 5:g}s") \
+                    from None
+            if isinstance(item, BaseException):
+                raise item
+            block_id, round_, snapshot, result = item
+            send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
+                                                            snapshot.nnz, result), snapshot.parts)
+            self.shard.counters.bytes_sent += snapshot.nbytes
+        send_frame(self.stream, Kind.END)
 
     async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float,
                            ready: queue.SimpleQueue[PulledBlock | BaseException]) -> None:
