@@ -323,27 +323,19 @@ def test_a_shard_stop_ends_a_pull_waiting_on_its_data_channel_at_once():
     """A pull on the data channel waits for its round on the shard's event loop; a stop (here ThreadedShard's,
     which then stops the loop) ends that wait at once, and the worker's pull fails then. It was waited out: the
     pull's deadline plus 5 s, then a refusal logged by a connection thread that outlived its shard."""
-    import grpc
-    import numpy as np
-
+    from imerge.core.optim import OptimizerSpec
     from imerge.ps.config import PSConfig
     from imerge.ps.server import ThreadedShard
-    from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
     from imerge.worker.transport import ShardClient
 
     shard = ThreadedShard(PSConfig(register=False, metrics_port=-1))
-    spec = ps_pb2.BlockSpec(block_id="b", dtype=ps_pb2.FLOAT32, numel=100, num_workers=2,
-                            optimizer=ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}'))
-    with grpc.insecure_channel(shard.address) as channel:
-        ps_pb2_grpc.ParameterServerStub(channel).InitBlock(
-            iter([ps_pb2.InitBlockChunk(spec=spec), ps_pb2.InitBlockChunk(data=np.zeros(100, "<f4").tobytes())]),
-            timeout=30)
     before = set(threading.enumerate())
     outcome: list[BaseException] = []
 
     async def pull() -> None:
         client = ShardClient(shard.address, data_path="socket")
         try:
+            await client.init_block("b", 2, OptimizerSpec("sgd", lr=0.1), torch.zeros(100), 30.0)
             await client.pull_into([("b", torch.empty(100))], 0, 0, 60.0)
         except Exception as exc:  # noqa: BLE001 - the test reads it
             outcome.append(exc)
@@ -354,7 +346,7 @@ def test_a_shard_stop_ends_a_pull_waiting_on_its_data_channel_at_once():
     puller.start()
     deadline = time.monotonic() + 10
     while not (serving := [t for t in threading.enumerate() if t.name == "ps0-data" and t not in before]):
-        assert time.monotonic() < deadline, "the pull's connection was never served"
+        assert time.monotonic() < deadline, f"the pull's connection was never served: {outcome}"
         time.sleep(0.05)
     time.sleep(0.3)  # the pull is in its wait for round 0 (worker 1 never pushes)
     started = time.monotonic()

@@ -34,7 +34,7 @@ class ShardMembership:
         self.store = store
         # the watcher's own connection: stop() closes it, which ends the watcher's blocking wait at once (a stop
         # otherwise waited out the rest of a WATCH_WAIT_S wait, 0.2 s of every shard's exit)
-        self._watch_store = type(store)(store.url, store.job)
+        self._watch_store = store.another_connection()
         self.shard = shard
         self._load_plan = load_plan  # coroutine function: reads the mapping table (the expected blocks)
         self.loop = loop

@@ -8,7 +8,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis
 
@@ -80,6 +80,7 @@ class StoreBase:
     def __init__(self, url: str, job: str, *, socket_timeout_s: float = 10.0):
         self.url = url
         self.job = job
+        self._socket_timeout_s = socket_timeout_s
         self._prefix = f"imerge:{job}:"
         self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s + _BLOCK_SLICE_S,
                                            socket_connect_timeout=socket_timeout_s,
@@ -94,6 +95,11 @@ class StoreBase:
 
     def close(self) -> None:
         self._redis.close()
+
+    def another_connection(self) -> Self:
+        """A second connection to the same job's keys, with the same timeouts: for a thread that blocks in
+        Redis, so that closing it ends that wait (closing this one would end every caller's)."""
+        return type(self)(self.url, self.job, socket_timeout_s=self._socket_timeout_s)
 
     # -- blocking primitives ------------------------------------------------
     def _pop(self, key: str, deadline: float, what: str, timeout_s: float) -> str:
