@@ -312,6 +312,7 @@ def test_reports_that_keep_coming_do_not_starve_the_checks_of_the_members_and_th
     finally:
         coordinator.stop()
         stop.set()
+        threads[0].join(5)  # before its connection closes under a call
         store.clear_job()
         worker.close()
         store.close()
