@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import imerge
 from imerge.core.errors import UnsupportedUse
 from imerge.core.optim import OptimizerSpec
 

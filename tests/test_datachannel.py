@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import struct
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -21,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imerge.core.errors import AlreadyExists, FailedPrecondition, FutureGeneration, NotFound
+from imerge.core.errors import AlreadyExists
 from imerge.wire.datapath import HEADER, MAGIC, Kind, read_header, read_meta, send_frame
 from imerge.wire.rpc import ps_pb2
 from imerge.worker.items import PushItem
@@ -148,6 +150,31 @@ def test_the_workers_client_pushes_and_pulls_on_the_channel_bit_exactly(shard):
     assert block_stats(shard).round == 1 and after.duplicate_pushes - before.duplicate_pushes == 2
     assert after.bytes_received - before.bytes_received == WORKERS * NUMEL * 4
     assert after.bytes_sent - before.bytes_sent == WORKERS * NUMEL * 4
+
+
+def test_the_clients_threads_hold_no_payload_once_idle_and_are_ended_by_close(shard):
+    """A thread of the client's pool that finished a push keeps no reference to its gradient (the tensor is freed
+    when the caller drops it), and ``close`` returns only once every thread of the pool has ended: a thread still
+    running when the interpreter finalizes aborts the process the moment it frees a tensor."""
+    pool_threads = lambda: [t for t in threading.enumerate() if t.name == "imerge-data"]  # noqa: E731
+    before = set(pool_threads())
+
+    async def run() -> weakref.ref:
+        client = ShardClient(shard.address, data_path="socket")
+        try:
+            memory = np.random.default_rng(0).standard_normal(NUMEL, dtype=np.float32)
+            pushed_gradient = weakref.ref(memory)  # alive while any tensor or view on its memory is
+            await client.push([PushItem(BLOCK, torch.from_numpy(memory), 0)], 0, timeout_s=10)
+            del memory
+            gc.collect()
+            assert pushed_gradient() is None, "an idle thread of the pool keeps the pushed gradient's memory"
+            assert set(pool_threads()) - before, "the push ran on no thread of the client's pool"
+        finally:
+            await client.close()
+        return pushed_gradient
+
+    asyncio.run(run())
+    assert not set(pool_threads()) - before
 
 
 def test_a_connection_without_its_token_is_refused_at_the_hello(shard):

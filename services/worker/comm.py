@@ -58,10 +58,13 @@ class CommLoop:
             future.cancel()
             raise WaitTimeout(f"timed out after {timeout_s:g}s waiting for {what}") from None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(10)
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the comm thread %s is still running %gs after it was asked to stop",
+                            self._thread.name, timeout_s)
 
 
 class Communicator:

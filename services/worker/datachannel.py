@@ -44,42 +44,61 @@ OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, g
 class CallThreads:
     """Daemon threads that run the channel's blocking calls, one more whenever none is idle (the comm loop
     bounds the calls in flight). Not concurrent.futures: it refuses new work once the interpreter begins to
-    exit, where a model's exit hook still closes the job through its shards."""
+    exit, where a model's exit hook still closes the job through its shards. ``close`` ends and joins them: a
+    thread still running when the interpreter finalizes dies the first time it takes the GIL back, and torch
+    takes it back while freeing a tensor, inside a destructor that may not unwind, which aborts the process."""
 
     def __init__(self, name: str):
         self._name = name
         self._tasks: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
             queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = self._threads = 0
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+        self._closed = False
 
     def submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:
-            spawn = self._idle == 0
-            self._idle -= 0 if spawn else 1
-            self._threads += spawn
+            if self._closed:
+                raise Unavailable(f"{self._name}: the data channel is closed")
+            thread = threading.Thread(target=self._serve, name=self._name, daemon=True) if self._idle == 0 else None
+            if thread is None:
+                self._idle -= 1
+            else:
+                self._threads.append(thread)
         self._tasks.put((future, function, args))
-        if spawn:
-            threading.Thread(target=self._serve, name=self._name, daemon=True).start()
+        if thread is not None:
+            thread.start()
         return future
 
     def _serve(self) -> None:
         while (task := self._tasks.get()) is not None:
             future, function, args = task
+            del task  # an idle thread holds no payload (the tensors of its last call) and no result
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(function(*args))
                 except BaseException as exc:  # noqa: BLE001 - the caller's to raise
                     future.set_exception(exc)
+            del future, function, args
             with self._lock:
                 self._idle += 1
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ends every thread once its call returns (the caller has aborted their connections) and waits up to
+        ``timeout_s`` for them all."""
         with self._lock:
-            threads, self._threads = self._threads, 0
-        for _ in range(threads):
+            threads, self._threads, self._closed = self._threads, [], True
+        for _ in threads:
             self._tasks.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [thread.name for thread in threads if thread.is_alive()]
+        if running:
+            log.warning("%d data channel thread(s) still in a call %gs after the channel closed: %s", len(running),
+                        timeout_s, ", ".join(running))
 
 
 @dataclasses.dataclass(eq=False)
