@@ -276,7 +276,6 @@ class DataChannel:
             config.max_data_connections, min(config.max_pending_data_connections, config.max_data_connections),
             config.handshake_timeout_s))
         self._links: set[Link] = set()
-        self._serving: list[threading.Thread] = []  # the connections' threads (the ended ones pruned at each accept)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.port = 0
@@ -302,19 +301,6 @@ class DataChannel:
             links = list(self._links)
         for link in links:
             link.end()
-
-    def join(self, timeout_s: float) -> None:
-        """Waits up to ``timeout_s`` for the connections' threads to end (after :meth:`stop`): one still running
-        when the interpreter finalizes aborts the process the moment it frees a tensor."""
-        with self._lock:
-            threads = list(self._serving)
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        running = [thread for thread in threads if thread.is_alive()]
-        if running:
-            log.warning("shard %d: %d data connection thread(s) still running %gs after the channel stopped",
-                        self.shard.index, len(running), timeout_s)
 
     def end_generations_before(self, generation: int) -> None:
         """The job moved to ``generation`` (a recovery): the connections of older ones end, each once its call in
@@ -345,11 +331,8 @@ class DataChannel:
             if not placed:
                 threading.Thread(target=self._refuse, args=(conn,), daemon=True).start()
                 continue
-            serving = threading.Thread(target=self._serve, args=(link, peer), daemon=True,
-                                       name=f"ps{self.shard.index}-data")
-            with self._lock:
-                self._serving = [thread for thread in self._serving if thread.is_alive()] + [serving]
-            serving.start()
+            threading.Thread(target=self._serve, args=(link, peer), daemon=True,
+                             name=f"ps{self.shard.index}-data").start()
 
     def _reap(self) -> None:
         """End the connections that did not complete their handshake and HELLO within --handshake-timeout-s."""

@@ -469,7 +469,6 @@ class ShardServer:
             self._server = None
         if self._channel is not None:
             self._channel.stop()
-            await asyncio.to_thread(self._channel.join, 5.0)  # its threads may still need this loop to end
             self._channel = None
         if self._membership is not None:
             await asyncio.to_thread(self._membership.stop)
