@@ -319,6 +319,33 @@ def test_a_waiting_push_ends_a_holder_past_its_budget_or_of_an_older_round(budge
     assert ("duplicate of round 0" if holder_round == 0 else "longer than its size at the minimum rate") in why
 
 
+def test_a_row_held_by_a_connections_thread_is_waited_for_on_the_loop_and_a_waiter_keeps_its_turn():
+    """A data connection's thread takes a free row without the event loop (``try_hold``); a push on the loop waits
+    for it, superseding it by the row's rule, and gets it as soon as the thread lets go; while a push waits on
+    the loop, a thread cannot take the row past it."""
+    from imerge.ps.streams import Row
+
+    async def run() -> tuple[float, bool, bool]:
+        row, holder = Row(), Holder(None)
+        assert row.try_hold(0, holder) and not row.try_hold(0, holder)
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(None, lambda: (time.sleep(0.3), row.release()))
+        started = time.monotonic()
+        async with row.held(0, None, "push of round 0", lambda: 0):
+            took = time.monotonic() - started
+            jumped = row.try_hold(0, holder)  # held on the loop now
+        assert row.try_hold(0, holder)  # free again: a thread takes it
+        waiting = asyncio.ensure_future(row.held(0, None, "push of round 0").__aenter__())
+        await asyncio.sleep(0.05)  # a push waits for it on the loop
+        row.release()  # the thread lets go: the waiter is told, but has not run yet
+        past_waiter = row.try_hold(0, holder)  # another thread's push does not pass it
+        await asyncio.wait_for(waiting, 5)
+        return took, jumped, past_waiter
+
+    took, jumped, past_waiter = asyncio.run(asyncio.wait_for(run(), 10))
+    assert 0.25 <= took < 0.6 and not jumped and not past_waiter
+
+
 def test_a_connection_carries_only_its_hellos_generation(shard):
     raw = Raw(shard)
     assert raw.answer()[0] == Kind.WELCOME

@@ -15,8 +15,10 @@ import socket
 import struct
 import threading
 import time
+import types
 import weakref
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -24,8 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from imerge.core.errors import AlreadyExists
-from imerge.wire.datapath import HEADER, MAGIC, Kind, read_header, read_meta, send_frame
-from imerge.wire.rpc import ps_pb2
+from imerge.ps.config import PSConfig
+from imerge.ps.server import ThreadedShard
+from imerge.wire.datapath import HEADER, MAGIC, Kind, read_exact, read_header, read_meta, send_frame
+from imerge.wire.rpc import ps_pb2, ps_pb2_grpc
 from imerge.worker.items import PushItem
 from imerge.worker.transport import ShardClient
 from test_request_bounds import SGD, ShardProcess
@@ -469,3 +473,39 @@ def test_a_dripping_push_is_superseded_by_its_retry_and_alone_is_ended_after_a_w
         assert pushed(shard) == 1  # the dripping push of worker 1 was not counted
     finally:
         stop.set()
+
+
+def test_a_round_goes_through_the_channel_while_the_shards_event_loop_is_busy(redis_url):
+    """A plain push is checked, received, counted and (the round's last) stepped on its connection's thread, and
+    a pull waits and is answered there: a whole round completes while the shard's event loop cannot run. What
+    needs the loop (a retry, compared with the counted bytes) is answered once the loop runs again."""
+    server = ThreadedShard(PSConfig(redis_url=redis_url, job="busyloop", register=False))
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
+    try:
+        spec = ps_pb2.BlockSpec(block_id=BLOCK, dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=WORKERS, optimizer=SGD)
+        stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                             ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+        raws = [Raw(types.SimpleNamespace(stub=stub), worker=w) for w in range(WORKERS)]
+        assert [raw.answer()[0] for raw in raws] == [Kind.WELCOME] * WORKERS
+        busy, freeze_s = threading.Event(), 4.0
+        server._loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(freeze_s)))
+        assert busy.wait(10)
+        frozen_at = time.monotonic()
+        for worker, raw in enumerate(raws):
+            send_frame(raw.sock, Kind.PUSH, push_header(worker), [gradient(worker + 1.0)])
+            kind, result = raw.answer(timeout_s=freeze_s / 2)
+            assert kind == Kind.RESULT and result.pushed == worker + 1 and not result.duplicate
+        send_frame(raws[0].sock, Kind.PULL, ps_pb2.PullRequest(block_ids=[BLOCK], worker=0, round=0, timeout_s=2))
+        kind, meta = raws[0].answer(timeout_s=freeze_s / 2)
+        assert kind == Kind.BLOCK and meta.round == 1
+        pulled = bytearray(NUMEL * 4)
+        read_exact(raws[0].sock, memoryview(pulled), "test")
+        expected = torch.zeros(NUMEL).add_(torch.full((NUMEL,), 1.5), alpha=-0.1)  # SGD's step of the mean
+        assert torch.equal(torch.frombuffer(pulled, dtype=torch.float32), expected)
+        assert raws[0].answer()[0] == Kind.END
+        assert time.monotonic() - frozen_at < freeze_s  # all of it while the loop slept
+        send_frame(raws[1].sock, Kind.PUSH, push_header(1), [gradient(2.0)])  # a retry: the loop compares it
+        kind, result = raws[1].answer(timeout_s=2 * freeze_s)
+        assert kind == Kind.RESULT and result.duplicate and time.monotonic() - frozen_at >= freeze_s
+    finally:
+        server.stop()

@@ -47,6 +47,8 @@ from imerge.core.blockround import BlockRound
 from imerge.core.rounds import Push, RoundOptions
 from .streams import Row
 
+_GRADS_MADE = threading.Lock()  # a block's rows are made once, whichever thread's push comes first
+
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
@@ -193,8 +195,11 @@ class BlockState:
 
     @property
     def grads(self) -> torch.Tensor:
+        """One dense fp32 row per worker, made by the first dense push (which may come on any thread)."""
         if self._grads is None:
-            self._grads = torch.zeros(self.meta.num_workers, self.meta.numel)
+            with _GRADS_MADE:
+                if self._grads is None:
+                    self._grads = torch.zeros(self.meta.num_workers, self.meta.numel)
         return self._grads
 
     def full_snapshot(self) -> Snapshot:

@@ -35,7 +35,9 @@ from typing import Any, TypeVar
 import torch
 
 from imerge.core.codec import tensor_view
+from imerge.core.blockround import Aggregate
 from imerge.core.native import RECV_CLOSED, RECV_TIMEOUT, DataPlane, data_plane
+from imerge.core.rounds import Push
 from imerge.core.errors import (Busy, DeadlineExceeded, Internal, InvalidArgument, PermissionDenied, RequestError,
                                 Superseded, Unavailable)
 from imerge.core.identity import certificate_names, require_worker
@@ -47,8 +49,10 @@ from imerge.wire.rpc import ps_pb2
 
 from .admission import Admission, AdmissionLimits
 from .config import PSConfig
+from .block import BlockState
+from .direct import Wakeup, pull_here, push_here
 from .pace import Pace, payload_budget_s
-from .state import PulledBlock, Shard
+from .state import Shard
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,15 +216,32 @@ class SocketPayload:
         await self._read(None, "duplicate push")
 
     async def _read(self, view: memoryview | None, what: str, check_finite: bool = False) -> bool:
-        try:
+        with payload_errors(self._stream, what, self._idle_s):
             return await self._handoff.read(view, self._nbytes, check_finite)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{what}: the client sent nothing for {self._idle_s:g}s (--stream-idle-s)") \
-                from None
-        except OSError as exc:
-            if self._stream.superseded:
-                raise Superseded(f"{what}: {self._stream.superseded}") from None
-            raise Unavailable(f"{what}: the data connection failed: {exc}") from None
+
+
+class FramePayload:
+    """A push frame's payload, read by the connection's thread itself (:func:`~.direct.push_here`)."""
+
+    def __init__(self, stream: ChannelStream, nbytes: int, idle_s: float):
+        self.stream, self.nbytes, self._idle_s = stream, nbytes, idle_s
+
+    def read_into(self, target: memoryview, what: str, check_finite: bool) -> bool:
+        with payload_errors(self.stream, what, self._idle_s), self.stream.payload(self.nbytes):
+            return self.stream.read_payload(target, what, check_finite)
+
+
+@contextlib.contextmanager
+def payload_errors(stream: ChannelStream, what: str, idle_s: float) -> Iterator[None]:
+    """A payload's read failing, as the push's refusal: silent too long, superseded, or the connection failed."""
+    try:
+        yield
+    except TimeoutError:
+        raise DeadlineExceeded(f"{what}: the client sent nothing for {idle_s:g}s (--stream-idle-s)") from None
+    except OSError as exc:
+        if stream.superseded:
+            raise Superseded(f"{what}: {stream.superseded}") from None
+        raise Unavailable(f"{what}: the data connection failed: {exc}") from None
 
 
 class Link:
@@ -463,58 +484,52 @@ class Connection:
         header = read_meta(self.stream, frame, ps_pb2.PushHeader, "push")
         what = f"push of block {clip(header.block_id)} by worker {header.worker}"
         self._check_call(header.worker, header.generation, what)
-        handoff = Handoff(self.channel.loop)
-        payload = SocketPayload(handoff, self.stream, frame.payload_len, self.config.stream_idle_s)
-        source = f"data connection from {self.peer[0]}:{self.peer[1]}"
-        future = self._run(self.shard.push(push_of(header), payload, self.stream, source))
-        with self.link.waking(lambda: handoff.abort(ConnectionAbortedError(f"{what}: the shard stopped"))):
-            duplicate, pushed = handoff.serve(future, self.stream, what)
+        push, source = push_of(header), f"data connection from {self.peer[0]}:{self.peer[1]}"
+        payload = FramePayload(self.stream, frame.payload_len, self.config.stream_idle_s)
+        result = push_here(self.shard, push, payload, self.stream, source, self._start_aggregate)
+        duplicate, pushed = result if result is not None else self._push_on_loop(push, payload, source)
         send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
                                                                    pushed=pushed))
+
+    def _push_on_loop(self, push: Push, payload: FramePayload, source: str) -> tuple[bool, int]:
+        """The push as the event loop carries it out (:meth:`Shard.push`), this thread reading its payload."""
+        handoff = Handoff(self.channel.loop)
+        on_loop = SocketPayload(handoff, self.stream, payload.nbytes, self.config.stream_idle_s)
+        future = self._run(self.shard.push(push, on_loop, self.stream, source))
+        with self.link.waking(lambda: handoff.abort(ConnectionAbortedError(f"{push.what}: the shard stopped"))):
+            result: tuple[bool, int] = handoff.serve(future, self.stream, push.what)
+        return result
+
+    def _start_aggregate(self, block: BlockState, round_: Aggregate) -> None:
+        """The round's last push was counted here: a round that needs no agreement is averaged and stepped on this
+        thread; one that does starts on the event loop (the shards agree there)."""
+        if not round_.options.needs_agreement:
+            self.shard.aggregate_here(block, round_, self._on_loop)
+        else:
+            self._on_loop(self.shard.start_aggregate, block, round_)
+
+    def _on_loop(self, function: Callable[..., None], *args: Any) -> None:
+        try:
+            self.channel.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop is closed: the shard stopped
+            raise Unavailable(f"shard {self.shard.index} stopped") from None
 
     def _pull(self, frame: Any) -> None:
         request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull")
         self._check_call(request.worker, request.generation, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
-        timeout = self.config.pull_wait(request.timeout_s)
-        ready: queue.SimpleQueue[PulledBlock | BaseException] = queue.SimpleQueue()
-        future = self._run(self._wait_blocks(request, timeout, ready))
+        wakeup = Wakeup()
+        pulled = pull_here(self.shard, request.block_ids, request.worker, request.round,
+                           self.config.pull_wait(request.timeout_s), request.generation, wakeup)
         stopped = ConnectionAbortedError(f"pull by worker {request.worker}: the shard stopped")
-        try:
-            with self.link.waking(lambda: ready.put(stopped)):
-                self._send_blocks(request, timeout, ready)
-        finally:
-            future.cancel()
-
-    def _send_blocks(self, request: ps_pb2.PullRequest, timeout: float,
-                     ready: queue.SimpleQueue[PulledBlock | BaseException]) -> None:
-        for _ in request.block_ids:
-            try:
-                item = ready.get(timeout=timeout + 5.0)
-            except queue.Empty:
-                raise DeadlineExceeded(f"pull by worker {request.worker}: no block within {timeout + 5:g}s") \
-                    from None
-            if isinstance(item, BaseException):
-                raise item
-            block_id, round_, snapshot, result = item
-            send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype, snapshot.numel,
-                                                            snapshot.nnz, result), snapshot.parts)
-            self.shard.counters.bytes_sent += snapshot.nbytes
+        with self.link.waking(lambda: wakeup.end(stopped)), contextlib.closing(pulled):
+            for blocks in pulled:
+                for block_id, round_, snapshot, result in blocks:
+                    send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype,
+                                                                    snapshot.numel, snapshot.nnz, result),
+                               snapshot.parts)
+                    self.shard.counters.add(bytes_sent=snapshot.nbytes)
         send_frame(self.stream, Kind.END)
-
-    async def _wait_blocks(self, request: ps_pb2.PullRequest, timeout: float,
-                           ready: queue.SimpleQueue[PulledBlock | BaseException]) -> None:
-        """Each block's (id, round, snapshot, result) into ``ready`` as soon as its round completes; the first
-        failure ends the pull."""
-        try:
-            async with contextlib.aclosing(self.shard.pull_blocks(request.block_ids, request.worker, request.round,
-                                                                   timeout, request.generation)) as pulled:
-                async for blocks in pulled:
-                    for block in blocks:
-                        ready.put(block)
-        except Exception as exc:  # noqa: BLE001 - the connection's thread raises it
-            ready.put(exc)
-            raise
 
     def _refuse(self, exc: RequestError, counted: bool = True) -> None:
         """Answer an ERROR frame, read (and drop) what the worker still writes of its call, then let the

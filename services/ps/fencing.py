@@ -27,6 +27,11 @@ class IssuedTokens:
         clock_us, at = self._reading
         return clock_us + int((time.monotonic() - at) * 1e6)
 
+    def known(self, token: int) -> bool:
+        """Whether ``token`` could have been issued by the clock as last read (False: read it, see unissued)."""
+        estimate = self._estimate_us()
+        return estimate is not None and token <= estimate + SLACK_US
+
     async def newest_us(self, token: int) -> int:
         """Redis' clock as far as needed to tell whether ``token`` could have been issued (read afresh when the
         estimate is behind it)."""

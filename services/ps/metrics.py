@@ -7,6 +7,7 @@ observed where they happen.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 
 from prometheus_client import Gauge, Histogram
@@ -32,6 +33,13 @@ class ShardCounters:
     checkpoints_written: int = 0
     checkpoint_failures: int = 0
     strangers_ended: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters from any thread (the event loop and the data connections' threads count)."""
+        with self._lock:
+            for name, count in counts.items():
+                setattr(self, name, getattr(self, name) + count)
 
 
 COUNTERS = (  # (ShardCounters field, metric name without _total, help)

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,8 +43,7 @@ from imerge.core.blockround import Action, Aggregate, Counted, Receive, Retry
 from imerge.core.rounds import Push
 from imerge.core.modes import payload_bytes
 from imerge.core.native import DataPlane, data_plane
-from imerge.core.errors import (AlreadyExists, DeadlineExceeded, FailedPrecondition, Fenced, FutureGeneration,
-                                InvalidArgument, NotFound, StaleGeneration)
+from imerge.core.errors import AlreadyExists, FailedPrecondition, Fenced, InvalidArgument
 from imerge.core.limits import check_id, clip
 
 from .block import BlockMeta, BlockState, Snapshot
@@ -50,13 +51,14 @@ from .payloads import PayloadSource, check_encoding, receive_copy, receive_gradi
 from .checkpoint import BlockImage, Checkpoint, CheckpointStore
 from .fencing import IssuedTokens
 from .metrics import ShardCounters, ShardMetrics
+from .pulls import Pulls
 from .rounds import Agreements
 
 log = logging.getLogger(__name__)
-PulledBlock = tuple[str, int, Snapshot, tuple[bool, float]]  # (block id, new round, parameters, its result)
+T = TypeVar("T")
 
 
-class Shard:
+class Shard(Pulls):
     def __init__(self, index: int, *, check_finite: bool = True, max_block_numel: int = 1 << 28,
                  max_workers: int = 4096, link_mbps: float = 10000.0, threads: int = 0,
                  plane: DataPlane | None = None):
@@ -70,6 +72,7 @@ class Shard:
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
         self._executor = concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 2,
                                                                thread_name_prefix=f"ps{index}-step")
+        self._arithmetic = threading.BoundedSemaphore(threads or os.cpu_count() or 2)
         self._tasks: set[asyncio.Task[None]] = set()
         self.generation = 0
         self.expected: set[str] | None = None  # the blocks the mapping table gives this shard
@@ -98,16 +101,6 @@ class Shard:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-
-    # -- generations ------------------------------------------------------------
-    def check_generation(self, generation: int, what: str) -> None:
-        if generation < self.generation:
-            self.counters.stale_generation += 1
-            raise StaleGeneration(f"{what}: generation {generation} is stale; the job is at generation "
-                                  f"{self.generation} (it recovered from a checkpoint): rejoin")
-        if generation > self.generation:
-            raise FutureGeneration(f"{what}: shard {self.index} is at generation {self.generation} and has not "
-                                   f"restored generation {generation} yet")
 
     # -- checkpoints -------------------------------------------------------------
     def common_round(self) -> int | None:
@@ -221,17 +214,6 @@ class Shard:
             raise InvalidArgument(f"block {meta.block_id}: segments of {sum(meta.segments)} elements (each at least "
                                   f"1) do not make up its {meta.numel} elements")
 
-    def block(self, block_id: str) -> BlockState:
-        try:
-            return self.blocks[block_id]
-        except KeyError:
-            raise NotFound(f"block {clip(block_id)!r} is not on shard {self.index}") from None
-
-    def _check_worker(self, block: BlockState, worker: int) -> None:
-        if not 0 <= worker < block.meta.num_workers:
-            raise InvalidArgument(f"block {block.meta.block_id}: worker {worker} outside "
-                                  f"0..{block.meta.num_workers - 1}")
-
     # -- init -----------------------------------------------------------------
     def check_existing(self, meta: BlockMeta) -> None:
         """Refuse a spec that differs from the block's, if it exists (before its data is read)."""
@@ -268,10 +250,10 @@ class Shard:
         The payload's encoding must be the one the block's compression mode makes (dense fp32 for an assignment).
         ``stream`` (a :class:`~.streams.Progressing`) is superseded when a newer push of the same worker comes for
         the row."""
-        block, nbytes = self._pushed_block(push), payload_bytes(push.numel, push.dtype, push.nnz)
+        block, nbytes = self.pushed_block(push), payload_bytes(push.numel, push.dtype, push.nnz)
         data.declare(nbytes, push.what)  # a retry too: before it holds the row
         async with block.rows[push.worker].held(push.round, stream, push.what, lambda: block.round):
-            action = self._offer(block, push)
+            action = self.offer(block, push)
             if isinstance(action, Retry):
                 await self._check_retry(block, push, action, data, source)
                 self.counters.duplicate_pushes += 1
@@ -279,9 +261,9 @@ class Shard:
             if action.new_token:
                 await self._check_token(push)
             await self._receive(block, push, data)
-            return False, self._carry_out(block, block.rounds.counted(push, source), nbytes)
+            return False, self.carry_out(block, block.rounds.counted(push, source), nbytes)
 
-    def _pushed_block(self, push: Push) -> BlockState:
+    def pushed_block(self, push: Push) -> BlockState:
         """The block ``push`` is for, once the push's generation, worker, size, encoding, pieces and hyperparameters
         are checked."""
         check_id(push.block_id, "Push")
@@ -294,7 +276,7 @@ class Shard:
         block.check_push(push)
         return block
 
-    def _offer(self, block: BlockState, push: Push) -> Retry | Receive:
+    def offer(self, block: BlockState, push: Push) -> Retry | Receive:
         try:
             return block.rounds.offer(push)
         except Fenced:
@@ -310,19 +292,29 @@ class Shard:
 
     async def _receive(self, block: BlockState, push: Push, data: PayloadSource) -> None:
         """The payload into the worker's row (the row no longer holds the round counted before), checked finite."""
-        block.rounds.receive_started(push)
-        self.metrics.pushes_in_flight.inc()
-        try:
-            check = self.check_finite and not push.options.loss_scale
+        with self.receiving(block, push) as check:
             received, finite = await receive_gradient(block, push.worker, push.dtype, push.nnz, data, push.what,
                                                       check)
             if check and not (all_finite(received) if finite is None else finite):
                 raise InvalidArgument(f"{push.what}: gradient holds NaN or infinity")
+
+    @contextlib.contextmanager
+    def receiving(self, block: BlockState, push: Push) -> Iterator[bool]:
+        """While ``push``'s payload goes into its row: whether its values must be checked finite; a payload that
+        does not arrive whole and checked leaves the push uncounted."""
+        block.rounds.receive_started(push)
+        self.metrics.pushes_in_flight.inc()
+        try:
+            yield self.check_finite and not push.options.loss_scale
         except BaseException:
             block.rounds.abandoned(push)
             raise
         finally:
             self.metrics.pushes_in_flight.dec()
+
+    def token_known(self, token: int) -> bool:
+        """Whether a new fencing token is within the store's clock as the shard last read it (no read needed)."""
+        return self.issued_tokens is None or self.issued_tokens.known(token)
 
     async def _check_retry(self, block: BlockState, push: Push, retry: Retry, data: PayloadSource,
                            source: str) -> None:
@@ -340,111 +332,95 @@ class Shard:
         log.error("shard %d: second writer: %s", self.index, message)
         raise AlreadyExists(message)
 
-    def _carry_out(self, block: BlockState, actions: list[Action], nbytes: int) -> int:
-        """A counted push's actions: count it; start the aggregation when it was the last one. The workers pushed
-        so far."""
+    def carry_out(self, block: BlockState, actions: list[Action], nbytes: int,
+                  start: Callable[[BlockState, Aggregate], None] | None = None) -> int:
+        """A counted push's actions: count it; start the aggregation when it was the last one (``start``: how,
+        from a thread that is not the event loop's). The workers pushed so far."""
         pushed = 0
         for action in actions:
             if isinstance(action, Counted):
                 pushed = action.pushed
-                self.counters.pushes += 1
-                self.counters.bytes_received += nbytes
+                self.counters.add(pushes=1, bytes_received=nbytes)
             elif isinstance(action, Aggregate):
-                task = asyncio.get_running_loop().create_task(self._aggregate(block, action))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                (start or self.start_aggregate)(block, action)
         return pushed
+
+    def start_aggregate(self, block: BlockState, round_: Aggregate) -> None:
+        """On the event loop: average and step the block's round (its pulls are answered when it is done)."""
+        task = asyncio.get_running_loop().create_task(self._aggregate(block, round_))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _aggregate(self, block: BlockState, round_: Aggregate) -> None:
         options, no_grad = round_.options, round_.no_grad
         loop = asyncio.get_running_loop()
         try:
             if options.needs_agreement:  # every block of the job must have averaged before any steps
-                mean, scalars = await loop.run_in_executor(self._executor, block.average, self.metrics, options)
+                mean, scalars = await loop.run_in_executor(self._executor, self._bounded, block.average,
+                                                           self.metrics, options)
                 agree = block.rounds.averaged(round_.round, scalars.sumsq, scalars.found_inf)
                 total = await self.agreements.agree(round_.round, block.meta.block_id, RoundScalars(*agree.scalars),
                                                     self.expected or set(self.blocks))
                 step = block.rounds.agreed(round_.round, total.sumsq, total.found_inf)
-                snapshot = await loop.run_in_executor(self._executor, block.step, self.metrics, mean, options,
-                                                      no_grad, RoundScalars(*step.total))
+                snapshot = await loop.run_in_executor(self._executor, self._bounded, block.step, self.metrics, mean,
+                                                      options, no_grad, RoundScalars(*step.total))
             else:  # one trip to a step thread
-                snapshot = await loop.run_in_executor(self._executor, block.aggregate, self.metrics, options, no_grad)
+                snapshot = await loop.run_in_executor(self._executor, self._bounded, block.aggregate, self.metrics,
+                                                      options, no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
-            log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id,
-                      round_.round, exc)
-            block.rounds.failed(round_.round, f"round {round_.round} could not complete on shard {self.index}: {exc}")
-            block.wake()
+            self._round_failed(block, round_, exc)
             return
-        block.snapshot = snapshot
-        block.rounds.completed(round_.round)
-        self.counters.rounds_completed += 1
+        self._published(block, round_, snapshot)
+
+    def aggregate_here(self, block: BlockState, round_: Aggregate, on_loop: Callable[..., None]) -> None:
+        """On a data connection's thread, which counted the round's last push: average and step a round that
+        needs no agreement right here (at most --threads at once), then answer its pulls. A round that may
+        complete a checkpoint's round is published by the event loop (``on_loop(function, *args)``), which
+        copies the blocks' images before any pull of it is answered (no block can step past it meanwhile)."""
+        try:
+            snapshot = self._bounded(block.aggregate, self.metrics, round_.options, round_.no_grad)
+        except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
+            self._round_failed(block, round_, exc)
+            return
+        if self.checkpoints is not None and ((round_.round + 1) % max(self.checkpoint_every, 1) == 0
+                                             or self._final_awaited()):
+            on_loop(self._published, block, round_, snapshot)
+            return
+        self._published(block, round_, snapshot, checkpoint=False)
+        if self._final_awaited():  # asked for after the look above: the loop's look may have missed this round
+            on_loop(self.after_round, block)
+
+    def _final_awaited(self) -> bool:
+        final = self._final
+        return final is not None and not final.done()
+
+    def _bounded(self, arithmetic: Callable[..., T], *args: Any) -> T:
+        """A block's averaging or step, at most --threads at once (the step threads and the connections')."""
+        with self._arithmetic:
+            return arithmetic(*args)
+
+    def _round_failed(self, block: BlockState, round_: Aggregate, exc: Exception) -> None:
+        log.error("shard %d: block %s: round %d cannot complete: %s", self.index, block.meta.block_id, round_.round,
+                  exc)
+        block.rounds.failed(round_.round, f"round {round_.round} could not complete on shard {self.index}: {exc}")
         block.wake()
+
+    def _published(self, block: BlockState, round_: Aggregate, snapshot: Snapshot, checkpoint: bool = True) -> None:
+        """The round stepped: its pulls are answered; ``checkpoint`` (on the event loop): a checkpoint of the
+        blocks as they are now, if one is due, before any pull of the round is answered."""
+        block.snapshot = snapshot  # before the round completes: a pull that sees the round sends this snapshot
+        block.rounds.completed(round_.round)
+        self.counters.add(rounds_completed=1)
+        if checkpoint:
+            self.after_round(block)
+        block.wake()
+
+    def after_round(self, block: BlockState) -> None:
+        """On the event loop, once a round of ``block`` completed: a checkpoint, if one is due."""
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
             self.maybe_checkpoint()
             if self._final is not None and not self._final.done() and self.common_round() is not None:
                 self._final.set_result(None)
-
-    # -- pull -----------------------------------------------------------------
-    async def pull_blocks(self, block_ids: Sequence[str], worker: int, round_: int, timeout_s: float,
-                          generation: int = 0) -> AsyncGenerator[list[PulledBlock], None]:
-        """Wait until every worker pushed ``round_`` of each block (this worker's push may still come: a worker
-        pulls while it pushes); yield the blocks as their rounds complete, as (id, new round, parameters,
-        (step skipped, gradient norm)), those that completed together in the order asked. Every block is
-        checked before any is waited for; the first failure ends the pull. The caller is woken once per batch
-        of blocks that completed, never once per block."""
-        self.check_generation(generation, f"pull by worker {worker} for round {round_}")
-        blocks = [self._pullable(block_id, worker, round_) for block_id in block_ids]
-        self.counters.pulls += len(blocks)
-        loop = asyncio.get_running_loop()
-        started, waiting, waited = loop.time(), list(zip(block_ids, blocks)), False
-        wake: asyncio.Future[None] = loop.create_future()
-
-        def changed() -> None:
-            if not wake.done():
-                wake.set_result(None)
-
-        for block in blocks:
-            block.waiters.add(changed)
-        try:
-            while waiting:
-                ready = [(block_id, block, item) for block_id, block in waiting
-                         if (item := self._pulled(block_id, block, worker, round_)) is not None]
-                if ready:
-                    waiting = [(block_id, block) for block_id, block in waiting if block.round <= round_]
-                    for _ in ready if waited else ():
-                        self.metrics.pull_wait.observe(loop.time() - started)
-                    yield [item for _, _, item in ready]
-                    continue
-                try:
-                    async with asyncio.timeout_at(started + timeout_s):
-                        await wake
-                except TimeoutError:
-                    block_id, block = waiting[0]
-                    missing = block.rounds.missing()
-                    reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
-                    raise DeadlineExceeded(f"pull of block {block_id} by worker {worker} for round {round_}: timed "
-                                           f"out after {timeout_s:g}s; {reason}") from None
-                wake, waited = loop.create_future(), True
-        finally:
-            for block in blocks:
-                block.waiters.discard(changed)
-
-    def _pullable(self, block_id: str, worker: int, round_: int) -> BlockState:
-        """The block a pull of ``round_`` names, checked: it exists, has the worker, and is at that round or the
-        next."""
-        block = self.block(block_id)
-        self._check_worker(block, worker)
-        block.rounds.check_pull(worker, round_)
-        return block
-
-    def _pulled(self, block_id: str, block: BlockState, worker: int, round_: int) -> PulledBlock | None:
-        """The block's parameters after ``round_`` once it completed (None while it has not)."""
-        try:
-            done = block.rounds.pulled(worker, round_)
-        except StaleGeneration:
-            self.counters.stale_generation += 1
-            raise
-        return None if done is None else (block_id, done[0], block.snapshot, done[1])
 
     def export_block(self, block_id: str, generation: int = 0) -> tuple[int, bytes]:
         """(round, the block's parameters and optimizer state as safetensors bytes)."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -267,12 +269,34 @@ class Row:
     ``STALLED_S`` (a stalled, dripping or abandoned push never holds up its retry for longer) or once its payload
     took longer than its budget (its size at the minimum rate: nobody holds a row another push waits for longer),
     and a push of the block's current round supersedes a holder of an older round (a duplicate, whose bytes
-    change nothing) at once; at most ``MAX_ROW_WAITERS`` wait."""
+    change nothing) at once; at most ``MAX_ROW_WAITERS`` wait. The event loop waits for the row (:meth:`held`);
+    a data connection's thread takes it only where it is free and nobody waits (:meth:`try_hold`)."""
 
     def __init__(self) -> None:
-        self.lock = asyncio.Lock()
+        self._mutex = threading.Lock()  # guards the fields below: the loop and the connections' threads hold rows
+        self._locked = False
+        self._wakers: list[Callable[[], Any]] = []  # the loop's waiters, each told once when the row is freed
         self.holder: tuple[int, Progressing] | None = None  # (round, the push stream holding the row)
         self.waiters = 0
+
+    def locked(self) -> bool:
+        return self._locked
+
+    def try_hold(self, round_: int, stream: Any) -> bool:
+        """From any thread, never waiting: the row for a push of ``round_`` if it is free and no push waits for it
+        (False: nothing was taken). The caller must :meth:`release` it."""
+        with self._mutex:
+            if self._locked or self.waiters:
+                return False
+            self._locked, self.holder = True, (round_, stream)
+        return True
+
+    def release(self) -> None:
+        with self._mutex:
+            self._locked, self.holder = False, None
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
 
     @contextlib.asynccontextmanager
     async def held(self, round_: int, stream: Progressing | None, what: str,
@@ -289,17 +313,41 @@ class Row:
                 why = _why_superseded(holder, round_, current_round(), looked) if holder is not None else ""
                 if holder is not None and why:
                     holder[1].supersede(f"{why} while a newer {what} waited")
-                if await _acquired(self.lock, _next_look(self.holder)):
+                if await self._acquired(_next_look(self.holder), (round_, stream) if stream is not None else None):
                     break
                 looked = True
         finally:
             self.waiters -= 1
-        self.holder = (round_, stream) if stream is not None else None
         try:
             yield
         finally:
-            self.holder = None
-            self.lock.release()
+            self.release()
+
+    async def _acquired(self, timeout_s: float, holder: tuple[int, Any] | None) -> bool:
+        """Whether the row was taken (for ``holder``) within ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            with self._mutex:
+                if not self._locked:
+                    self._locked, self.holder = True, holder
+                    return True
+                freed: asyncio.Future[None] = loop.create_future()
+                wake = functools.partial(loop.call_soon_threadsafe, _settled, freed)
+                self._wakers.append(wake)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await freed
+            except TimeoutError:
+                with self._mutex:
+                    if wake in self._wakers:
+                        self._wakers.remove(wake)
+                return False
+
+
+def _settled(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _why_superseded(holder: tuple[int, Any], round_: int, current: int, looked: bool) -> str:
@@ -324,15 +372,3 @@ def _next_look(holder: tuple[int, Any] | None) -> float:
     """How long a waiter waits before it looks at the holder again: a second, or until its budget ends."""
     left = holder[1].budget_left_s() if holder is not None else None
     return STALLED_S if left is None else min(STALLED_S, max(left, 0.01))
-
-
-async def _acquired(lock: asyncio.Lock, timeout_s: float) -> bool:
-    """Whether ``lock`` was acquired within ``timeout_s``."""
-    if not lock.locked():  # the common case: no task (wait_for makes one)
-        await lock.acquire()
-        return True
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout_s)
-    except TimeoutError:
-        return False
-    return True

@@ -47,6 +47,7 @@ can be checked to decide alike.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from typing import Any, Union
 
@@ -143,6 +144,7 @@ class BlockRound:
         self.failed_reason = ""             # why the current round cannot complete
         self.superseded = 0                 # the generation a restore replaced the block with
         self.trace = trace
+        self._lock = threading.Lock()       # events and queries come from the event loop and connections' threads
         if trace is not None:
             trace.append({"event": "start", "block": block_id, "workers": num_workers, "round": round_})
 
@@ -268,19 +270,22 @@ class BlockRound:
     # -- queries (no state changes) ------------------------------------------------------------------
     def check_pull(self, worker: int, round_: int) -> None:
         """A pull names the round the block is at, or the one before."""
-        if round_ not in (self.round - 1, self.round):
-            raise FailedPrecondition(f"{self._pull(worker, round_)}: the block's current round is {self.round}")
+        round_now = self.round
+        if round_ not in (round_now - 1, round_now):
+            raise FailedPrecondition(f"{self._pull(worker, round_)}: the block's current round is {round_now}")
 
     def pulled(self, worker: int, round_: int) -> tuple[int, tuple[bool, float]] | None:
         """(the block's round, the published result) once ``round_`` completed; None while it has not."""
-        if self.superseded:
+        with self._lock:
+            superseded, round_now, result, failed = self.superseded, self.round, self.result, self.failed_reason
+        if superseded:
             what = self._pull(worker, round_)
-            raise StaleGeneration(f"{what}: the job moved to generation {self.superseded} while it waited (it "
+            raise StaleGeneration(f"{what}: the job moved to generation {superseded} while it waited (it "
                                   "recovered from a checkpoint): rejoin")
-        if self.round > round_:
-            return self.round, self.result
-        if self.failed_reason:
-            raise Unavailable(f"{self._pull(worker, round_)}: {self.failed_reason}")
+        if round_now > round_:
+            return round_now, result
+        if failed:
+            raise Unavailable(f"{self._pull(worker, round_)}: {failed}")
         return None
 
     def _pull(self, worker: int, round_: int) -> str:
@@ -329,7 +334,12 @@ class BlockRound:
 
     # -- the trace -------------------------------------------------------------------------------------
     def _event(self, name: str, decide: Any, **args: Any) -> list[Action]:
-        """Run ``decide`` (the event's rules); with a trace, record the event with its actions or its refusal."""
+        """Run ``decide`` (the event's rules) under the block's lock; with a trace, record the event with its
+        actions or its refusal."""
+        with self._lock:
+            return self._decided(name, decide, args)
+
+    def _decided(self, name: str, decide: Any, args: dict[str, Any]) -> list[Action]:
         if self.trace is None:
             result: list[Action] = decide()
             return result

@@ -1,0 +1,109 @@
+"""A data connection's calls carried out on the connection's own thread, without the event loop.
+
+The common push (a dense fp32 gradient for a row nobody holds or waits for, whose fencing token, where it is
+new, lies within the store's clock as the shard last read it) is checked, received into its row and counted
+by the connection's thread, which then answers at once: the event loop hears of a push only when it was the
+round's last (the aggregation starts there), once per round, not twice per push. A pull waits for its blocks'
+rounds on the thread and sends each block as its round completes. What needs the loop (a row held or waited
+for, a retry, a compressed payload, a token to read the store's clock for) goes the loop's way
+(:meth:`~.state.Shard.push`), which decides alike: every block's round
+(:class:`~imerge.core.blockround.BlockRound`) takes its lock for each event, whichever thread drives it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, Protocol
+
+from imerge.core.blockround import Aggregate, Retry
+from imerge.core.codec import tensor_view
+from imerge.core.errors import InvalidArgument
+from imerge.core.modes import payload_bytes
+from imerge.core.rounds import Push
+
+from .block import BlockState
+from .pulls import PulledBlock
+from .state import Shard
+
+
+class DirectPayload(Protocol):
+    """A push frame's payload, read on the connection's thread."""
+
+    nbytes: int  # what the frame declares
+
+    def read_into(self, target: memoryview, what: str, check_finite: bool) -> bool:
+        """Fill ``target`` from the connection; whether its float32 values are all finite (if checked)."""
+
+
+def push_here(shard: Shard, push: Push, payload: DirectPayload, stream: Any, source: str,
+              start: Callable[[BlockState, Aggregate], None]) -> tuple[bool, int] | None:
+    """Carry out ``push`` on this thread: (duplicate, workers pushed so far) as :meth:`Shard.push` answers, or
+    None where it must go the event loop's way (nothing was read or changed then). ``start`` starts a round's
+    aggregation on the loop. Refusals raise as the loop's way would."""
+    if push.dtype != "float32" or push.nnz >= 0:
+        return None
+    block = shard.pushed_block(push)
+    nbytes = payload_bytes(push.numel, push.dtype, push.nnz)
+    if payload.nbytes != nbytes:
+        raise InvalidArgument(f"{push.what}: the frame declares {payload.nbytes} bytes of payload, the block's is "
+                              f"{nbytes} bytes in the push's encoding")
+    row = block.rows[push.worker]
+    if not row.try_hold(push.round, stream):
+        return None
+    try:
+        action = shard.offer(block, push)
+        if isinstance(action, Retry) or (action.new_token and not shard.token_known(push.fence)):
+            return None
+        with shard.receiving(block, push) as check:
+            finite = payload.read_into(tensor_view(block.grads[push.worker]), push.what, check)
+            if check and not finite:
+                raise InvalidArgument(f"{push.what}: gradient holds NaN or infinity")
+        return False, shard.carry_out(block, block.rounds.counted(push, source), nbytes, start)
+    finally:
+        row.release()
+
+
+class Wakeup:
+    """What a pull on a connection's thread waits on: a block's round changed (set on the event loop), or the
+    connection ended (the shard stops: ``ended`` says why)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.ended: BaseException | None = None
+
+    def changed(self) -> None:
+        self._event.set()
+
+    def end(self, why: BaseException) -> None:
+        self.ended = why
+        self._event.set()
+
+    def clear(self) -> None:
+        self._event.clear()
+
+    def wait(self, timeout_s: float) -> bool:
+        woken = self._event.wait(max(timeout_s, 0.0))
+        if self.ended is not None:
+            raise self.ended
+        return woken
+
+
+def pull_here(shard: Shard, block_ids: Sequence[str], worker: int, round_: int, timeout_s: float, generation: int,
+              wakeup: Wakeup) -> Generator[list[PulledBlock], None, None]:
+    """As :meth:`Shard.pull_blocks`, waiting on this thread: the blocks as their rounds complete, those that
+    completed together at once, in the order asked; DeadlineExceeded after ``timeout_s``."""
+    waiting = shard.pull_checked(block_ids, worker, round_, generation)
+    started, waited = time.monotonic(), False
+    with shard.waiting_on([block for _, block in waiting], wakeup.changed):
+        while waiting:
+            wakeup.clear()  # before the look: a round completing after it sets it again
+            ready, waiting = shard.pull_ready(waiting, worker, round_)
+            if ready:
+                for _ in ready if waited else ():
+                    shard.metrics.pull_wait.observe(time.monotonic() - started)
+                yield ready
+                continue
+            if not wakeup.wait(started + timeout_s - time.monotonic()):
+                raise shard.pull_timed_out(waiting, worker, round_, timeout_s)
+            waited = True
