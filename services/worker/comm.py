@@ -195,6 +195,7 @@ class Communicator:
         wire: dict[str, int] = {}
 
         def arrived(block_id: str, round_: int, meta: Any) -> None:  # in place as soon as the shard completed it
+            # (on a data connection's thread or the comm loop: what it touches is thread-safe)
             if round_ != sync.round + 1:
                 raise IMergeError(f"{group}: block {block_id} came back at round {round_}, expected "
                                   f"{sync.round + 1}")

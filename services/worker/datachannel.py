@@ -34,7 +34,7 @@ from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, 
 from imerge.wire.encoding import push_header
 from imerge.wire.rpc import ps_pb2
 
-from .items import PushItem
+from .items import BlockArrived, PushItem
 from .pulled import PulledBlocks, apply_payload
 
 log = logging.getLogger(__name__)
@@ -256,26 +256,15 @@ class SocketDataPath:
         return results
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
-                        generation: int = 0, on_block: Callable[[str, int, Any], None] | None = None) -> list[int]:
-        """As ShardClient.pull_into: each block in place as soon as the shard sends it, ``on_block`` told on the
-        comm loop as each one arrives (a failure of it fails the pull); the new rounds, in the targets' order."""
-        loop = asyncio.get_running_loop()
-        failures: list[BaseException] = []
-
-        def arrived(item: tuple[str, int, Any]) -> None:  # on the loop, in the order the blocks came, before the call returns
-            if on_block is not None and not failures:
-                try:
-                    on_block(*item)
-                except Exception as exc:  # noqa: BLE001 - the pull raises it
-                    failures.append(exc)
-
+                        generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
+        """As ShardClient.pull_into: each block in place as soon as the shard sends it, ``on_block`` told (on the
+        connection's thread, in the order the blocks came, before the call returns: it must be thread-safe) as
+        each one arrives; a failure of it fails the pull. The new rounds, in the targets' order."""
         request = ps_pb2.PullRequest(block_ids=[b for b, _ in targets], worker=worker, round=round_,
                                      timeout_s=timeout_s, generation=generation)
         pulled = PulledBlocks(targets, "pull", self.address)
         await self._call(worker, generation, timeout_s + 5.0, self._pull, request, pulled,
-                         lambda item: loop.call_soon_threadsafe(arrived, item))
-        if failures:
-            raise failures[0]
+                         (lambda item: on_block(*item)) if on_block is not None else (lambda item: None))
         return pulled.finish()
 
     def _pull(self, sock: socket.socket, request: ps_pb2.PullRequest, pulled: PulledBlocks,

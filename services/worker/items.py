@@ -34,7 +34,8 @@ class PushItem:
                     payload.nnz if payload.sparse else -1, generation, fence, lane, self.options, self.no_grad)
 
 
-BlockArrived = Callable[[str, int, Any], None]  # (block id, its new round, its meta), as soon as it is in place
+BlockArrived = Callable[[str, int, Any], None]  # (block id, its new round, its meta), as soon as it is in place:
+# on the comm loop or on a data connection's thread, so it must be thread-safe
 
 
 class DataPath(Protocol):
@@ -54,7 +55,8 @@ class DataPath(Protocol):
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
                         generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
-        """Wait for ``round_`` of the blocks, each written into its target as it comes (``on_block`` told);
-        return the new rounds in the targets' order."""
+        """Wait for ``round_`` of the blocks, each written into its target as it comes (``on_block`` told, on
+        any thread, before the call returns; a failure of it fails the pull); return the new rounds in the
+        targets' order."""
 
     async def close(self) -> None: ...
