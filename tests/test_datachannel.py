@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from imerge.core.errors import AlreadyExists
+from imerge.ps.checkpoint import CheckpointStore
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
 from imerge.wire.datapath import HEADER, MAGIC, Kind, read_exact, read_header, read_meta, send_frame
@@ -507,5 +508,42 @@ def test_a_round_goes_through_the_channel_while_the_shards_event_loop_is_busy(re
         send_frame(raws[1].sock, Kind.PUSH, push_header(1), [gradient(2.0)])  # a retry: the loop compares it
         kind, result = raws[1].answer(timeout_s=2 * freeze_s)
         assert kind == Kind.RESULT and result.duplicate and time.monotonic() - frozen_at >= freeze_s
+    finally:
+        server.stop()
+
+
+def test_a_round_due_for_a_checkpoint_is_answered_once_the_loop_copied_the_blocks(redis_url, tmp_path):
+    """A round a checkpoint is due at is stepped on the connection's thread but published by the event loop,
+    which copies the blocks' images before any pull of the round is answered: no worker can push (and no
+    block step) past the checkpoint's round while its images are taken. The checkpoint holds what the pull
+    got."""
+    server = ThreadedShard(PSConfig(redis_url=redis_url, job="duecheckpoint", register=False, checkpoint_every=1))
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
+    try:
+        spec = ps_pb2.BlockSpec(block_id="due", dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=1, optimizer=SGD)
+        stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                             ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+        server.shard.expected, server.shard.checkpoints = {"due"}, CheckpointStore(tmp_path, shard=0)  # as a plan
+        raw = Raw(types.SimpleNamespace(stub=stub))
+        assert raw.answer()[0] == Kind.WELCOME
+        busy, freeze_s = threading.Event(), 2.0
+        server._loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(freeze_s)))
+        assert busy.wait(10)
+        frozen_at = time.monotonic()
+        send_frame(raw.sock, Kind.PUSH, push_header(block_id="due"), [gradient(3.0)])
+        kind, result = raw.answer(timeout_s=freeze_s / 2)  # counted (and stepped) while the loop sleeps
+        assert kind == Kind.RESULT and result.pushed == 1
+        send_frame(raw.sock, Kind.PULL, ps_pb2.PullRequest(block_ids=["due"], worker=0, round=0, timeout_s=10))
+        kind, meta = raw.answer(timeout_s=3 * freeze_s)
+        assert kind == Kind.BLOCK and meta.round == 1 and time.monotonic() - frozen_at >= freeze_s
+        pulled = bytearray(NUMEL * 4)
+        read_exact(raw.sock, memoryview(pulled), "test")
+        assert raw.answer()[0] == Kind.END
+        deadline = time.monotonic() + 10
+        while 1 not in server.shard.checkpoints.rounds():
+            assert time.monotonic() < deadline, "no checkpoint of round 1"
+            time.sleep(0.05)
+        image = server.shard.checkpoints.read(1).blocks["due"]
+        assert torch.equal(image.param, torch.frombuffer(pulled, dtype=torch.float32))
     finally:
         server.stop()
