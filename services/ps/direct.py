@@ -23,7 +23,7 @@ from imerge.core.modes import payload_bytes
 from imerge.core.rounds import Push
 
 from .block import BlockState
-from .pulls import PulledBlock
+from .pulls import PulledBlock, PullLooks
 from .state import Shard
 
 
@@ -93,17 +93,11 @@ def pull_here(shard: Shard, block_ids: Sequence[str], worker: int, round_: int, 
               wakeup: Wakeup) -> Generator[list[PulledBlock], None, None]:
     """As :meth:`Shard.pull_blocks`, waiting on this thread: the blocks as their rounds complete, those that
     completed together at once, in the order asked; DeadlineExceeded after ``timeout_s``."""
-    waiting = shard.pull_checked(block_ids, worker, round_, generation)
-    started, waited = time.monotonic(), False
-    with shard.waiting_on([block for _, block in waiting], wakeup.changed):
-        while waiting:
+    pull = PullLooks(shard, block_ids, worker, round_, timeout_s, generation, time.monotonic)
+    with shard.waiting_on(pull.blocks, wakeup.changed):
+        while pull.waiting:
             wakeup.clear()  # before the look: a round completing after it sets it again
-            ready, waiting = shard.pull_ready(waiting, worker, round_)
-            if ready:
-                for _ in ready if waited else ():
-                    shard.metrics.pull_wait.observe(time.monotonic() - started)
+            if ready := pull.look():
                 yield ready
-                continue
-            if not wakeup.wait(started + timeout_s - time.monotonic()):
-                raise shard.pull_timed_out(waiting, worker, round_, timeout_s)
-            waited = True
+            elif not wakeup.wait(pull.deadline - time.monotonic()):
+                raise pull.timed_out()

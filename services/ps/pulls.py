@@ -57,29 +57,25 @@ class Pulls:
         (step skipped, gradient norm)), those that completed together in the order asked. Every block is
         checked before any is waited for; the first failure ends the pull. The caller is woken once per batch
         of blocks that completed, never once per block."""
-        waiting = self.pull_checked(block_ids, worker, round_, generation)
         loop = asyncio.get_running_loop()
-        started, waited = loop.time(), False
+        pull = PullLooks(self, block_ids, worker, round_, timeout_s, generation, loop.time)
         wake: asyncio.Future[None] = loop.create_future()
 
         def changed() -> None:  # a round may complete on a data connection's thread
             with contextlib.suppress(RuntimeError):  # the loop closed: the shard stopped
                 loop.call_soon_threadsafe(_settle, wake)
 
-        with self.waiting_on([block for _, block in waiting], changed):
-            while waiting:
-                ready, waiting = self.pull_ready(waiting, worker, round_)
-                if ready:
-                    for _ in ready if waited else ():
-                        self.metrics.pull_wait.observe(loop.time() - started)
+        with self.waiting_on(pull.blocks, changed):
+            while pull.waiting:
+                if ready := pull.look():
                     yield ready
                     continue
                 try:
-                    async with asyncio.timeout_at(started + timeout_s):
+                    async with asyncio.timeout_at(pull.deadline):
                         await wake
                 except TimeoutError:
-                    raise self.pull_timed_out(waiting, worker, round_, timeout_s) from None
-                wake, waited = loop.create_future(), True
+                    raise pull.timed_out() from None
+                wake = loop.create_future()
 
     def pull_checked(self, block_ids: Sequence[str], worker: int, round_: int, generation: int
                      ) -> list[tuple[str, BlockState]]:
@@ -114,15 +110,6 @@ class Pulls:
                 ready.append(item)
         return ready, still
 
-    @staticmethod
-    def pull_timed_out(waiting: list[tuple[str, BlockState]], worker: int, round_: int, timeout_s: float
-                       ) -> DeadlineExceeded:
-        block_id, block = waiting[0]
-        missing = block.rounds.missing()
-        reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
-        return DeadlineExceeded(f"pull of block {block_id} by worker {worker} for round {round_}: timed out after "
-                                f"{timeout_s:g}s; {reason}")
-
     def pullable(self, block_id: str, worker: int, round_: int) -> BlockState:
         """The block a pull of ``round_`` names, checked: it exists, has the worker, and is at that round or the
         next."""
@@ -145,6 +132,35 @@ class Pulls:
                 return None
             if block.snapshot is snapshot:
                 return block_id, done[0], snapshot, done[1]
+
+
+class PullLooks:
+    """One pull's looks at its blocks: those it still waits for, and when it must give up (``clock``: the
+    waiting thread's, seconds)."""
+
+    def __init__(self, shard: Pulls, block_ids: Sequence[str], worker: int, round_: int, timeout_s: float,
+                 generation: int, clock: Callable[[], float]):
+        self.waiting = shard.pull_checked(block_ids, worker, round_, generation)
+        self.blocks = [block for _, block in self.waiting]
+        self._shard, self._worker, self._round, self._timeout_s, self._clock = shard, worker, round_, timeout_s, clock
+        self._started, self._looks = clock(), 0
+        self.deadline = self._started + timeout_s
+
+    def look(self) -> list[PulledBlock]:
+        """The blocks whose round completed since the last look (none: wait for a change, or the deadline)."""
+        ready, self.waiting = self._shard.pull_ready(self.waiting, self._worker, self._round)
+        self._looks += 1
+        if ready and self._looks > 1:  # they were waited for
+            for _ in ready:
+                self._shard.metrics.pull_wait.observe(self._clock() - self._started)
+        return ready
+
+    def timed_out(self) -> DeadlineExceeded:
+        block_id, block = self.waiting[0]
+        missing = block.rounds.missing()
+        reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
+        return DeadlineExceeded(f"pull of block {block_id} by worker {self._worker} for round {self._round}: "
+                                f"timed out after {self._timeout_s:g}s; {reason}")
 
 
 def _settle(future: asyncio.Future[None]) -> None:
