@@ -180,3 +180,29 @@ def test_a_failed_write_is_counted_in_the_shard_metrics_and_told_to_its_listener
     exposition = generate_latest(shard.metrics.registry).decode()
     assert 'imerge_shard_checkpoint_failures_total{shard="0"} 1.0' in exposition
     assert not list((small_disk / "shard-0").iterdir())  # nothing half-written left
+
+
+def test_a_stopping_shard_waits_for_the_steps_still_running_and_starts_none():
+    """A round's step may run on a data connection's thread (a daemon, never joined): the shard's close waits
+    for it, since a thread inside torch when the interpreter finalizes aborts the process; after the close no
+    step starts."""
+    import threading
+
+    from imerge.core.errors import Unavailable
+    from imerge.ps.state import Shard
+
+    shard, events = Shard(0, threads=2), []
+
+    def step() -> None:
+        time.sleep(0.5)
+        events.append("stepped")
+
+    running = threading.Thread(target=shard._bounded, args=(step,))
+    running.start()
+    time.sleep(0.1)
+    shard.close()
+    events.append("closed")
+    running.join(5)
+    assert events == ["stepped", "closed"]
+    with pytest.raises(Unavailable, match="shard 0 stopped"):
+        shard._bounded(step)

@@ -2,9 +2,10 @@
 
 The common push (a dense fp32 gradient for a row nobody holds or waits for, whose fencing token, where it is
 new, lies within the store's clock as the shard last read it) is checked, received into its row and counted
-by the connection's thread, which then answers at once: the event loop hears of a push only when it was the
-round's last (the aggregation starts there), once per round, not twice per push. A pull waits for its blocks'
-rounds on the thread and sends each block as its round completes. What needs the loop (a row held or waited
+by the connection's thread, which then answers it; where it was the round's last, the thread also averages
+and steps the round (:meth:`~.state.Shard.aggregate_here`). The event loop hears of a round only where a
+checkpoint may be due at it or the shards must agree on it, not twice per push as when it carried every
+push. A pull waits for its blocks' rounds on the thread and sends each block as its round completes. What needs the loop (a row held or waited
 for, a retry, a compressed payload, a token to read the store's clock for) goes the loop's way
 (:meth:`~.state.Shard.push`), which decides alike: every block's round
 (:class:`~imerge.core.blockround.BlockRound`) takes its lock for each event, whichever thread drives it.
@@ -39,8 +40,8 @@ class DirectPayload(Protocol):
 def push_here(shard: Shard, push: Push, payload: DirectPayload, stream: Any, source: str,
               start: Callable[[BlockState, Aggregate], None]) -> tuple[bool, int] | None:
     """Carry out ``push`` on this thread: (duplicate, workers pushed so far) as :meth:`Shard.push` answers, or
-    None where it must go the event loop's way (nothing was read or changed then). ``start`` starts a round's
-    aggregation on the loop. Refusals raise as the loop's way would."""
+    None where it must go the event loop's way (nothing was read or changed then). ``start`` starts the round's
+    aggregation where this push completed it. Refusals raise as the loop's way would."""
     if push.dtype != "float32" or push.nnz >= 0:
         return None
     block = shard.pushed_block(push)
@@ -65,8 +66,8 @@ def push_here(shard: Shard, push: Push, payload: DirectPayload, stream: Any, sou
 
 
 class Wakeup:
-    """What a pull on a connection's thread waits on: a block's round changed (set on the event loop), or the
-    connection ended (the shard stops: ``ended`` says why)."""
+    """What a pull on a connection's thread waits on: a block's round changed (set by the thread that completed
+    or failed it, or by the event loop), or the connection ended (the shard stops: ``ended`` says why)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -43,7 +44,7 @@ from imerge.core.blockround import Action, Aggregate, Counted, Receive, Retry
 from imerge.core.rounds import Push
 from imerge.core.modes import payload_bytes
 from imerge.core.native import DataPlane, data_plane
-from imerge.core.errors import AlreadyExists, FailedPrecondition, Fenced, InvalidArgument
+from imerge.core.errors import AlreadyExists, FailedPrecondition, Fenced, InvalidArgument, Unavailable
 from imerge.core.limits import check_id, clip
 
 from .block import BlockMeta, BlockState, Snapshot
@@ -56,6 +57,7 @@ from .rounds import Agreements
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CLOSE_STEPS_S = 10.0  # how long a stopping shard waits for the blocks' steps still running
 
 
 class Shard(Pulls):
@@ -72,7 +74,9 @@ class Shard(Pulls):
         self.metrics = ShardMetrics(index, self.counters, link_mbps)
         self._executor = concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count() or 2,
                                                                thread_name_prefix=f"ps{index}-step")
-        self._arithmetic = threading.BoundedSemaphore(threads or os.cpu_count() or 2)
+        self._arithmetic_slots = threads or os.cpu_count() or 2
+        self._arithmetic = threading.BoundedSemaphore(self._arithmetic_slots)
+        self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self.generation = 0
         self.expected: set[str] | None = None  # the blocks the mapping table gives this shard
@@ -99,8 +103,17 @@ class Shard(Pulls):
         return self.round_traces[block_id]
 
     def close(self) -> None:
+        """Stop stepping, and wait for the steps still running: a data connection's thread inside torch when the
+        interpreter finalizes would end there and abort the process (the step threads are joined at exit)."""
+        self._closed = True
         self._executor.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        deadline = time.monotonic() + CLOSE_STEPS_S
+        for _ in range(self._arithmetic_slots):  # every slot taken: no step runs, none starts
+            if not self._arithmetic.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+                log.warning("shard %d: a block's step still runs %gs after the shard stopped", self.index,
+                            CLOSE_STEPS_S)
+                return
 
     # -- checkpoints -------------------------------------------------------------
     def common_round(self) -> int | None:
@@ -396,6 +409,8 @@ class Shard(Pulls):
 
     def _bounded(self, arithmetic: Callable[..., T], *args: Any) -> T:
         """A block's averaging or step, at most --threads at once (the step threads and the connections')."""
+        if self._closed:
+            raise Unavailable(f"shard {self.index} stopped")
         with self._arithmetic:
             return arithmetic(*args)
 
