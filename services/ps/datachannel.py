@@ -486,10 +486,16 @@ class Connection:
         self._check_call(header.worker, header.generation, what)
         push, source = push_of(header), f"data connection from {self.peer[0]}:{self.peer[1]}"
         payload = FramePayload(self.stream, frame.payload_len, self.config.stream_idle_s)
-        result = push_here(self.shard, push, payload, self.stream, source, self._start_aggregate)
-        duplicate, pushed = result if result is not None else self._push_on_loop(push, payload, source)
-        send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id, duplicate=duplicate,
-                                                                   pushed=pushed))
+        completed: list[tuple[BlockState, Aggregate]] = []  # the round this push completed: stepped once answered
+        try:
+            result = push_here(self.shard, push, payload, self.stream, source,
+                               lambda block, round_: completed.append((block, round_)))
+            duplicate, pushed = result if result is not None else self._push_on_loop(push, payload, source)
+            send_frame(self.stream, Kind.RESULT, ps_pb2.BlockPushResult(block_id=header.block_id,
+                                                                       duplicate=duplicate, pushed=pushed))
+        finally:  # the worker has its answer before the round's step (its slot's flag passes on at once)
+            for block, round_ in completed:
+                self._start_aggregate(block, round_)
 
     def _push_on_loop(self, push: Push, payload: FramePayload, source: str) -> tuple[bool, int]:
         """The push as the event loop carries it out (:meth:`Shard.push`), this thread reading its payload."""
