@@ -40,3 +40,15 @@ def test_tiny_scenario_reports_every_strategy_and_field(tmp_path):
     for plot in ("iteration_time.png", "timeline.png", "link_utilization.png"):
         assert (tmp_path / plot).read_bytes()[:4] == b"\x89PNG", plot
     assert f"| {STRATEGIES[1]} |" in result.stdout
+
+
+def test_a_ddp_rank_stuck_before_its_first_iteration_prints_its_stacks_and_exits_for_a_restart(tmp_path):
+    """The DDP baseline's watchdog: a rank whose rendezvous does not complete (here rank 1 of 2, with no rank 0
+    to meet) prints where every thread waits and exits 1 within IMERGE_DDP_STARTUP_S, which the launcher
+    restarts, instead of hanging the benchmark."""
+    env = {**os.environ, "IMERGE_RANK": "1", "IMERGE_WORLD_SIZE": "2", "IMERGE_DDP_MASTER": "127.0.0.1:1",
+           "IMERGE_DDP_STARTUP_S": "3", "IMERGE_MODEL": "digits-cnn", "IMERGE_DATA": "synthetic"}
+    result = subprocess.run([sys.executable, "-m", "imerge.bench.ddp_baseline"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Timeout (0:00:03)!" in result.stderr and "init_process_group" in result.stderr
