@@ -547,3 +547,35 @@ def test_a_round_due_for_a_checkpoint_is_answered_once_the_loop_copied_the_block
         assert torch.equal(image.param, torch.frombuffer(pulled, dtype=torch.float32))
     finally:
         server.stop()
+
+
+def test_close_ends_a_connection_whose_shard_never_answers_the_hello():
+    """A call waiting for a shard's WELCOME (a shard that accepted the connection and hangs) ends when the client
+    closes, at once, and the close does not wait out the call's timeout for the pool's thread."""
+    from imerge.core.errors import Unavailable
+    from imerge.worker.datachannel import SocketDataPath
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never speaks
+
+    async def open_channel(worker: int, generation: int) -> ps_pb2.ChannelReply:
+        return ps_pb2.ChannelReply(port=silent.getsockname()[1], token=b"t", idle_s=30)
+
+    async def run() -> tuple[BaseException | None, float]:
+        path = SocketDataPath("127.0.0.1:1", open_channel)
+        push = asyncio.ensure_future(path.push([PushItem(BLOCK, torch.zeros(NUMEL), 0)], 0, timeout_s=30))
+        await asyncio.sleep(0.5)  # the pool's thread waits for the WELCOME
+        assert not push.done()
+        started = time.monotonic()
+        await path.close()
+        took = time.monotonic() - started
+        try:
+            await asyncio.wait_for(push, 5)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            return exc, took
+        return None, took
+
+    try:
+        error, took = asyncio.run(run())
+    finally:
+        silent.close()
+    assert isinstance(error, Unavailable) and "closed" in str(error) and took < 2, (error, took)

@@ -122,11 +122,17 @@ class SocketDataPath:
         self._replies: dict[tuple[int, int], ps_pb2.ChannelReply] = {}
         self._idle: dict[tuple[int, int, str], list[PooledConnection]] = {}  # (worker, generation, call)
         self._busy: set[PooledConnection] = set()
+        self._connecting: set[socket.socket] = set()  # connections before their WELCOME (a thread waits in them)
+        self._closed = False
         self._threads = CallThreads("imerge-data")
 
     async def close(self) -> None:
+        self._closed = True
         for connection in [c for pool in self._idle.values() for c in pool] + list(self._busy):
             connection.abort()
+        for sock in list(self._connecting):  # a shard that never answers the HELLO holds no thread past close
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._idle.clear()
         self._threads.close()
 
@@ -162,6 +168,9 @@ class SocketDataPath:
             try:
                 return self._connect_once(reply, worker, generation, max(deadline - time.monotonic(), 0.05))
             except (Busy, ChannelClosed, ConnectionResetError, BrokenPipeError) as exc:  # full, or evicted
+                if self._closed:
+                    raise Unavailable(f"data connection to {self._host}:{reply.port}: the channel was closed",
+                                      address=self.address) from None
                 if time.monotonic() + pause >= deadline:
                     raise Busy(f"data connection to {self._host}:{reply.port}: no place within {timeout_s:g}s: {exc}",
                                address=self.address) from None
@@ -172,8 +181,11 @@ class SocketDataPath:
     def _connect_once(self, reply: ps_pb2.ChannelReply, worker: int, generation: int, timeout_s: float
                       ) -> socket.socket:
         what = f"data connection to {self._host}:{reply.port}"
-        sock = socket.create_connection((self._host, reply.port), timeout=timeout_s)
+        sock = raw = socket.create_connection((self._host, reply.port), timeout=timeout_s)
+        self._connecting.add(raw)
         try:
+            if self._closed:
+                raise Unavailable(f"{what}: the channel was closed", address=self.address)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if reply.tls:
                 if self._tls is None:
@@ -186,6 +198,8 @@ class SocketDataPath:
         except BaseException:
             sock.close()
             raise
+        finally:
+            self._connecting.discard(raw)
         return sock
 
     def _release(self, connection: PooledConnection, worker: int, generation: int, kind: str) -> None:
