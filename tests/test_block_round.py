@@ -9,6 +9,7 @@ from __future__ import annotations
 
 
 import math
+import time
 
 import grpc
 import numpy as np
@@ -253,3 +254,26 @@ def test_a_shard_s_retries_and_refusals_replay_through_the_kernel(shard):
     assert trace[-1]["actions"][0]["result"] == [False, pytest.approx(4.0)]  # the norm of a mean of ones: sqrt(16)
     assert replay(trace, shard.server.shard.blocks["b"].rounds) == trace
     assert replay(trace, BlockRound("b", 3)) != trace
+
+
+def test_a_stopping_shard_ends_the_rounds_still_waiting_for_the_agreement(redis_url):
+    """A clipped round waits for every block's scalars; a shard stopped meanwhile ends that wait (its task is
+    cancelled and awaited) instead of leaving a task that the closing loop destroys while it is pending."""
+    server = ThreadedShard(PSConfig(redis_url=redis_url, job="endrounds", register=False))
+    numel, sgd = 16, ps_pb2.OptimizerSpec(name="sgd", options_json='{"lr": 0.1}')
+    with grpc.insecure_channel(server.address) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        for block_id in ("a", "b"):
+            spec = ps_pb2.BlockSpec(block_id=block_id, dtype=ps_pb2.FLOAT32, numel=numel, num_workers=1,
+                                    optimizer=sgd)
+            stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                                 ps_pb2.InitBlockChunk(data=np.zeros(numel, "<f4").tobytes())]), timeout=10)
+        header = ps_pb2.PushHeader(block_id="a", worker=0, round=0, dtype=ps_pb2.FLOAT32, numel=numel, max_norm=1.0)
+        stub.Push(iter([ps_pb2.PushChunk(header=header), ps_pb2.PushChunk(data=np.ones(numel, "<f4").tobytes())]),
+                  timeout=10)  # block a averaged; the round waits for block b's scalars, which never come
+    deadline = time.monotonic() + 10
+    while not server.shard._tasks:
+        assert time.monotonic() < deadline, "the clipped round never started"
+        time.sleep(0.02)
+    server.stop()
+    assert not server.shard._tasks

@@ -477,6 +477,7 @@ class ShardServer:
             self.metrics.close()
         if self._store is not None:
             self._store.close()
+        await self.shard.end_rounds()
         self.shard.close()
 
 

@@ -102,6 +102,13 @@ class Shard(Pulls):
         self.round_traces[block_id] = []
         return self.round_traces[block_id]
 
+    async def end_rounds(self) -> None:
+        """The shard stops: the aggregations still in flight on the event loop (a round waiting for the shards'
+        agreement that no longer comes) end now, not as tasks destroyed pending when the loop closes."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def close(self) -> None:
         """Stop stepping, and wait for the steps still running: a data connection's thread inside torch when the
         interpreter finalizes would end there and abort the process (the step threads are joined at exit)."""
