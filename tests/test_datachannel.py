@@ -579,3 +579,40 @@ def test_close_ends_a_connection_whose_shard_never_answers_the_hello():
     finally:
         silent.close()
     assert isinstance(error, Unavailable) and "closed" in str(error) and took < 2, (error, took)
+
+
+def test_a_round_due_for_a_checkpoint_waits_until_the_previous_checkpoint_is_written(redis_url, tmp_path):
+    """A shard never runs more than one checkpoint ahead of its disk: a round due for a checkpoint is answered
+    only once the previous checkpoint is written (here the writer is held), so that shards whose disks differ
+    in speed still hold a round in common among the checkpoints they keep."""
+    server = ThreadedShard(PSConfig(redis_url=redis_url, job="slowdisk", register=False, checkpoint_every=1))
+    stub = ps_pb2_grpc.ParameterServerStub(grpc.insecure_channel(server.address))
+    held = threading.Event()
+    try:
+        spec = ps_pb2.BlockSpec(block_id="due", dtype=ps_pb2.FLOAT32, numel=NUMEL, num_workers=1, optimizer=SGD)
+        stub.InitBlock(iter([ps_pb2.InitBlockChunk(spec=spec),
+                             ps_pb2.InitBlockChunk(data=np.zeros(NUMEL, "<f4").tobytes())]), timeout=30)
+        server.shard.expected, server.shard.checkpoints = {"due"}, CheckpointStore(tmp_path, shard=0)
+        server.shard._writer.submit(held.wait, 30)  # the disk is busy: every write waits behind this one
+        raw = Raw(types.SimpleNamespace(stub=stub))
+        assert raw.answer()[0] == Kind.WELCOME
+
+        def round_trip(round_: int, within_s: float) -> tuple[Kind, object]:
+            send_frame(raw.sock, Kind.PUSH, push_header(block_id="due", round_=round_), [gradient(1.0)])
+            assert raw.answer()[0] == Kind.RESULT
+            send_frame(raw.sock, Kind.PULL, ps_pb2.PullRequest(block_ids=["due"], worker=0, round=round_,
+                                                                timeout_s=20))
+            return raw.answer(timeout_s=within_s)
+
+        kind, meta = round_trip(0, 5)  # round 1's checkpoint is queued behind the busy disk; round 1 goes on
+        assert kind == Kind.BLOCK and meta.round == 1
+        read_exact(raw.sock, memoryview(bytearray(NUMEL * 4)), "test")
+        assert raw.answer()[0] == Kind.END
+        with pytest.raises(TimeoutError):  # round 2 waits for round 1's checkpoint
+            round_trip(1, 1.0)
+        held.set()
+        kind, meta = raw.answer(timeout_s=10)
+        assert kind == Kind.BLOCK and meta.round == 2 and 1 in server.shard.checkpoints.rounds()
+    finally:
+        held.set()
+        server.stop()

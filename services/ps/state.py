@@ -57,6 +57,9 @@ from .rounds import Agreements
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+QUEUED_CHECKPOINTS = 2  # checkpoints being written or waiting to be, at most: a due one waits rather than
+# being skipped (a shard that skipped a round its peers wrote, then evicted, left no round common to all
+# shards when rounds came faster than a write: no recovery), unless two are already ahead of it
 CLOSE_STEPS_S = 10.0  # how long a stopping shard waits for the blocks' steps still running
 
 
@@ -87,7 +90,8 @@ class Shard(Pulls):
         self.on_restored: Callable[[int], None] | None = None  # called with the new generation after a restore
         self.failed_checkpoints = 0  # consecutive failed writes
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
-        self._writing: concurrent.futures.Future[None] | None = None
+        self._writing: concurrent.futures.Future[None] | None = None  # the checkpoint submitted last
+        self._writes: list[concurrent.futures.Future[None]] = []  # those not written yet
         self._last_checkpoint = -1
         self._final: asyncio.Future[None] | None = None  # a final checkpoint awaited at the next common round
         self._final_written = False
@@ -138,15 +142,15 @@ class Shard(Pulls):
         if not final and (self._final_written or round_ % max(self.checkpoint_every, 1) != 0):
             return None  # after a final checkpoint none follows: a later one would evict the round the other
             # shards hold in common with this one, while the draining shard still answers in-flight calls
-        if self._writing is not None and not self._writing.done():
-            if not final:
-                log.warning("shard %d: checkpoint of round %d skipped: the previous one is still being written",
-                            self.index, round_)
-                return None
-            self._writing.result()
+        self._writes = [write for write in self._writes if not write.done()]
+        if len(self._writes) >= QUEUED_CHECKPOINTS and not final:
+            log.warning("shard %d: checkpoint of round %d skipped: %d earlier ones are still being written",
+                        self.index, round_, len(self._writes))
+            return None
         self._last_checkpoint = round_
         images = [self.blocks[block_id].image() for block_id in sorted(self.blocks)]
         self._writing = self._writer.submit(self._write_checkpoint, self.checkpoints, round_, images)
+        self._writes.append(self._writing)  # written in order, after those before it
         return self._writing
 
     async def final_checkpoint(self) -> int | None:
@@ -429,7 +433,20 @@ class Shard(Pulls):
 
     def _published(self, block: BlockState, round_: Aggregate, snapshot: Snapshot, checkpoint: bool = True) -> None:
         """The round stepped: its pulls are answered; ``checkpoint`` (on the event loop): a checkpoint of the
-        blocks as they are now, if one is due, before any pull of the round is answered."""
+        blocks as they are now, if one is due, before any pull of the round is answered. A round a checkpoint
+        is due at waits until the previous checkpoint is on disk: no shard gets more than one checkpoint ahead
+        of what it has written, so the shards (a round apart at most) always hold a common round among the
+        --checkpoint-keep newest, however fast the rounds and slow the disk."""
+        unwritten = [write for write in self._writes if not write.done()] if checkpoint else []
+        if unwritten and (round_.round + 1) % max(self.checkpoint_every, 1) == 0:
+            loop = asyncio.get_running_loop()
+
+            def written(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: the shard stopped
+                    loop.call_soon_threadsafe(self._published, block, round_, snapshot)
+
+            unwritten[-1].add_done_callback(written)
+            return
         block.snapshot = snapshot  # before the round completes: a pull that sees the round sends this snapshot
         block.rounds.completed(round_.round)
         self.counters.add(rounds_completed=1)
