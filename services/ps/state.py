@@ -139,7 +139,7 @@ class Shard(Pulls):
         round_ = self.common_round()
         if self.checkpoints is None or round_ is None or round_ <= self._last_checkpoint:
             return None
-        if not final and (self._final_written or round_ % max(self.checkpoint_every, 1) != 0):
+        if not final and (self._final_written or not self._checkpoint_due(round_)):
             return None  # after a final checkpoint none follows: a later one would evict the round the other
             # shards hold in common with this one, while the draining shard still answers in-flight calls
         self._writes = [write for write in self._writes if not write.done()]
@@ -406,13 +406,16 @@ class Shard(Pulls):
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             self._round_failed(block, round_, exc)
             return
-        if self.checkpoints is not None and ((round_.round + 1) % max(self.checkpoint_every, 1) == 0
-                                             or self._final_awaited()):
+        if self.checkpoints is not None and (self._checkpoint_due(round_.round + 1) or self._final_awaited()):
             on_loop(self._published, block, round_, snapshot)
             return
         self._published(block, round_, snapshot, checkpoint=False)
         if self._final_awaited():  # asked for after the look above: the loop's look may have missed this round
             on_loop(self.after_round, block)
+
+    def _checkpoint_due(self, round_: int) -> bool:
+        """Whether the blocks reaching ``round_`` make a periodic checkpoint due (--checkpoint-every)."""
+        return round_ % max(self.checkpoint_every, 1) == 0
 
     def _final_awaited(self) -> bool:
         final = self._final
@@ -438,7 +441,7 @@ class Shard(Pulls):
         of what it has written, so the shards (a round apart at most) always hold a common round among the
         --checkpoint-keep newest, however fast the rounds and slow the disk."""
         unwritten = [write for write in self._writes if not write.done()] if checkpoint else []
-        if unwritten and (round_.round + 1) % max(self.checkpoint_every, 1) == 0:
+        if unwritten and self._checkpoint_due(round_.round + 1):
             loop = asyncio.get_running_loop()
 
             def written(_: object) -> None:
