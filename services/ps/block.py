@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from imerge.control.messages import RoundScalars
-from imerge.core.codec import CHUNK_BYTES
+from imerge.core.codec import CHUNK_BYTES, tensor_view
 from imerge.core.compression import WIRE_DTYPES, Payload, accumulate, all_finite, encode_pull, parse_mode
 from imerge.core.modes import BlockMode
 from imerge.core.native import MAX_FUSED_ROWS, AdamStep, DataPlane, SgdStep, adam_step, data_plane
@@ -162,7 +162,8 @@ class BlockState:
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
         self.sparse = meta.mode.sparse
         self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters
-        self._grads: torch.Tensor | None = None  # one dense fp32 row per worker, made on the first dense push
+        # one dense fp32 row per worker, made on the first dense push, with the bytes of each row
+        self._grads: tuple[torch.Tensor, list[memoryview]] | None = None
         self._mean: torch.Tensor | None = None   # the round's average of the rows (the steps' gradient)
         self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
@@ -196,10 +197,18 @@ class BlockState:
     @property
     def grads(self) -> torch.Tensor:
         """One dense fp32 row per worker, made by the first dense push (which may come on any thread)."""
+        return self._rows()[0]
+
+    def row_view(self, worker: int) -> memoryview:
+        """The bytes of ``worker``'s row of :attr:`grads`, which a push's payload is received into."""
+        return self._rows()[1][worker]
+
+    def _rows(self) -> tuple[torch.Tensor, list[memoryview]]:
         if self._grads is None:
             with _GRADS_MADE:
                 if self._grads is None:
-                    self._grads = torch.zeros(self.meta.num_workers, self.meta.numel)
+                    grads = torch.zeros(self.meta.num_workers, self.meta.numel)
+                    self._grads = (grads, [tensor_view(row) for row in grads])
         return self._grads
 
     def full_snapshot(self) -> Snapshot:

@@ -29,7 +29,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -130,6 +130,9 @@ class ChannelStream:
 
     def sendall(self, data: Any) -> None:
         self.conn.sendall(data)
+
+    def sendmsg(self, buffers: Sequence[Any]) -> int:
+        return self.conn.sendmsg(buffers)
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last

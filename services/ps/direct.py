@@ -18,7 +18,6 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 from imerge.core.blockround import Aggregate, Retry
-from imerge.core.codec import tensor_view
 from imerge.core.errors import InvalidArgument
 from imerge.core.modes import payload_bytes
 from imerge.core.rounds import Push
@@ -57,7 +56,7 @@ def push_here(shard: Shard, push: Push, payload: DirectPayload, stream: Any, sou
         if isinstance(action, Retry) or (action.new_token and not shard.token_known(push.fence)):
             return None
         with shard.receiving(block, push) as check:
-            finite = payload.read_into(tensor_view(block.grads[push.worker]), push.what, check)
+            finite = payload.read_into(block.row_view(push.worker), push.what, check)
             if check and not finite:
                 raise InvalidArgument(f"{push.what}: gradient holds NaN or infinity")
         return False, shard.carry_out(block, block.rounds.counted(push, source), nbytes, start)

@@ -105,30 +105,32 @@ static long long now_ms(void) {
     return (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000;
 }
 
-/* recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> (received, finite, state)
+/* recv_into(fd, target, start, timeout_ms, budget_ms, check_finite) -> (received, finite, state)
  *
- * Receive bytes start..nbytes of the memory at address (those before start arrived in earlier calls), and
+ * Receive bytes start.. of the writable buffer target (those before start arrived in earlier calls), and
  * return how many came in this call; stop when they all arrived (state 0), when the peer closed the
  * connection (1), when nothing arrived for timeout_ms (2; < 0: wait forever), or when the call has run for
  * budget_ms (3, paused: the caller checks the sender's rate and calls again; < 0: no budget). With check_finite, the float32
  * elements completed by this call are checked as they arrive (one split by an earlier call's end included;
- * address must then be 4-byte aligned); finite is False when one is not. A failed recv or poll raises OSError. The GIL is released throughout. */
+ * the buffer must then be 4-byte aligned); finite is False when one is not. A failed recv or poll raises OSError. The GIL is released throughout. */
 static PyObject *recv_into(PyObject *self, PyObject *args) {
     int fd, timeout_ms, budget_ms, check_finite;
-    unsigned long long address;
-    Py_ssize_t start, nbytes;
-    if (!PyArg_ParseTuple(args, "iKnniip", &fd, &address, &start, &nbytes, &timeout_ms, &budget_ms, &check_finite))
+    Py_buffer target;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "iw*niip", &fd, &target, &start, &timeout_ms, &budget_ms, &check_finite))
         return NULL;
-    if (start < 0 || nbytes < start || fd < 0) {
-        PyErr_SetString(PyExc_ValueError, "recv_into: a start outside 0..nbytes, or a negative descriptor");
+    if (start < 0 || target.len < start || fd < 0) {
+        PyBuffer_Release(&target);
+        PyErr_SetString(PyExc_ValueError, "recv_into: a start outside the target's bytes, or a negative descriptor");
         return NULL;
     }
-    if (check_finite && address % sizeof(float) != 0) {
+    if (check_finite && (uintptr_t)target.buf % sizeof(float) != 0) {
+        PyBuffer_Release(&target);
         PyErr_SetString(PyExc_ValueError, "recv_into: float32 elements at an unaligned address");
         return NULL;
     }
-    char *base = (char *)(uintptr_t)address;
-    size_t got = (size_t)start, checked = got - got % sizeof(float), want = (size_t)nbytes;
+    char *base = (char *)target.buf;
+    size_t got = (size_t)start, checked = got - got % sizeof(float), want = (size_t)target.len;
     int finite = 1, state = RECV_DONE, failure = 0;
     Py_BEGIN_ALLOW_THREADS
     long long until = budget_ms >= 0 ? now_ms() + budget_ms : -1;
@@ -180,6 +182,7 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&target);
     if (failure) {
         errno = failure;
         return PyErr_SetFromErrno(PyExc_OSError);
@@ -429,7 +432,7 @@ static PyObject *all_finite(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, address, start, nbytes, timeout_ms, budget_ms, check_finite) -> "
+    {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, target, start, timeout_ms, budget_ms, check_finite) -> "
                                            "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
     {"adam_moments", adam_moments, METH_VARARGS, "adam_moments(param, rows, numel, divisor, weight_decay, "

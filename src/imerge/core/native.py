@@ -74,8 +74,8 @@ class DataPlane:
         if self._native is not None and type(sock) is socket.socket:
             timeout = sock.gettimeout()
             timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-            count, finite, state = self._native.recv_into(sock.fileno(), _address(target), start, len(target),
-                                                          timeout_ms, max(int(budget_s * 1000), 1), check_finite)
+            count, finite, state = self._native.recv_into(sock.fileno(), target, start, timeout_ms,
+                                                          max(int(budget_s * 1000), 1), check_finite)
             return int(count), bool(finite), int(state)
         return _recv_into_python(sock, target, start, check_finite)
 
@@ -282,13 +282,6 @@ def _probe(optimizer: torch.optim.Optimizer, theirs: torch.nn.Parameter, names: 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
-
-
-def _address(view: memoryview) -> int:
-    """The address of a writable byte view's first byte (a tensor's memory, seen through numpy)."""
-    import numpy as np
-
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
 
 
 def _recv_into_python(sock: socket.socket, target: memoryview, start: int,

@@ -28,11 +28,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import socket
 import struct
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from imerge.core.errors import InvalidArgument, RequestError, request_error_classes
+from imerge.core.native import RECV_CLOSED, RECV_TIMEOUT, data_plane
 from imerge.wire.channel import MAX_MESSAGE_BYTES
 
 MAGIC = b"IMdc"
@@ -40,6 +42,7 @@ HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = MAX_MESSAGE_BYTES  # what one gRPC message may hold: a push header, a pull of many blocks
 TOKEN_BYTES = 16
 READ_CHUNK_BYTES = 64 << 10  # a meta or a dropped payload is read in pieces this large: memory grows as bytes come
+NATIVE_READ_BYTES = 64 << 10  # a read this large goes through the data plane's receive loop (see read_exact)
 _ERRORS = request_error_classes()
 
 
@@ -69,6 +72,8 @@ class Conn(Protocol):
 
     def sendall(self, data: Any) -> None: ...
 
+    def sendmsg(self, buffers: Sequence[Any]) -> int: ...
+
 
 class ChannelClosed(ConnectionError):
     """The peer closed the connection (at a frame's boundary: ``clean``; else in the middle of one)."""
@@ -79,9 +84,20 @@ class ChannelClosed(ConnectionError):
 
 
 def read_exact(conn: Conn, view: memoryview, what: str) -> None:
-    """Fill ``view`` from ``conn`` (no copy: the bytes land in ``view``'s memory)."""
+    """Fill ``view`` from ``conn`` (no copy: the bytes land in ``view``'s memory). A large read from a plain
+    socket runs in the data plane's receive loop (native where built: one call, the GIL released throughout)."""
     view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
     received, size = 0, len(view)
+    if size >= NATIVE_READ_BYTES and type(conn) is socket.socket:
+        plane = data_plane()
+        while received < size:
+            count, _, state = plane.recv_into(conn, view, received, False)
+            received += count
+            if state == RECV_CLOSED:
+                raise ChannelClosed(f"{what}: the connection closed after {received} of {size} bytes")
+            if state == RECV_TIMEOUT:
+                raise TimeoutError(f"{what}: nothing for {conn.gettimeout()}s after {received} of {size} bytes")
+        return
     while received < size:
         count = conn.recv_into(view[received:], size - received)
         if count == 0:
@@ -167,17 +183,30 @@ def expect(header: FrameHeader, *kinds: Kind, what: str) -> None:
 
 
 def send_frame(conn: Conn, kind: Kind, meta: Any = None, parts: Sequence[Any] = (), flags: int = 0) -> None:
-    """One frame: the header and meta in one write, each payload part written from its own memory."""
+    """One frame: the header, the meta and each payload part, written from their own memory in one gathered
+    write where the connection takes one (the header goes out in the payload's first segment: the peer wakes
+    once for both), else one write each (TLS)."""
     encoded = meta.SerializeToString() if meta is not None else b""
     views = [memoryview(part).cast("B") for part in parts]
     payload_len = sum(len(view) for view in views)
     head = FrameHeader(kind, len(encoded), payload_len, flags).encode() + encoded
-    if payload_len and payload_len <= 64 << 10:  # small: one write (one segment on the wire)
-        conn.sendall(head + b"".join(views))
+    if not payload_len:
+        conn.sendall(head)
         return
-    conn.sendall(head)
-    for view in views:
-        conn.sendall(view)
+    buffers = [memoryview(head), *views]
+    try:
+        sent = conn.sendmsg(buffers)
+    except NotImplementedError:  # a TLS socket: a small frame in one record, a large one a buffer at a time
+        if payload_len <= 64 << 10:
+            conn.sendall(head + b"".join(views))
+            return
+        sent = 0
+    for buffer in buffers:  # the rest, where the kernel took only part of them (its send buffer filled up)
+        if sent >= len(buffer):
+            sent -= len(buffer)
+        else:
+            conn.sendall(buffer[sent:])
+            sent = 0
 
 
 def channel_token(secret: bytes, worker: int, generation: int) -> bytes:
