@@ -42,8 +42,8 @@ from imerge.core.errors import (Busy, DeadlineExceeded, Internal, InvalidArgumen
                                 Superseded, Unavailable)
 from imerge.core.identity import certificate_names, require_worker
 from imerge.core.limits import check_block_ids, clip
-from imerge.wire.datapath import (READ_CHUNK_BYTES, ChannelClosed, Kind, channel_token, error_meta, expect,
-                                  read_header, read_meta, send_frame, skip)
+from imerge.wire.datapath import (HEADER, READ_CHUNK_BYTES, ChannelClosed, FrameHeader, Kind, channel_token,
+                                  error_meta, expect, read_head, read_header, read_meta, send_frame, skip)
 from imerge.wire.encoding import push_of, tensor_meta
 from imerge.wire.rpc import ps_pb2
 
@@ -90,6 +90,13 @@ class ChannelStream:
         count = self.conn.recv_into(buffer, nbytes)
         self._moved(count)
         return count
+
+    def read_head(self, max_payload: int, what: str) -> tuple[FrameHeader, bytes]:
+        """The next frame's header and the bytes of its meta that came with it (:func:`read_head`)."""
+        plain = self.conn if type(self.conn) is socket.socket else None
+        header, received = read_head(self, max_payload, what, plain)
+        self._moved(HEADER.size + len(received))
+        return header, received
 
     def read_payload(self, target: memoryview, what: str, check_finite: bool) -> bool:
         """Fill ``target`` (a tensor's bytes) from the connection; with ``check_finite``, return whether its
@@ -428,7 +435,7 @@ class Connection:
             self._hello()
             while True:
                 try:
-                    header = read_header(self.stream, self.max_payload, "data connection")
+                    header, received = self.stream.read_head(self.max_payload, "data connection")
                 except ChannelClosed as exc:
                     if exc.clean:
                         return
@@ -438,9 +445,9 @@ class Connection:
                 self.link.busy = True
                 expect(header, Kind.PUSH, Kind.PULL, what="data connection")
                 if header.kind == Kind.PUSH:
-                    self._push(header)
+                    self._push(header, received)
                 else:
-                    self._pull(header)
+                    self._pull(header, received)
                 self.link.busy = False
                 if self.link.retired:  # the shard restored a newer generation meanwhile
                     return
@@ -483,8 +490,8 @@ class Connection:
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coroutine, self.channel.loop)
 
-    def _push(self, frame: Any) -> None:
-        header = read_meta(self.stream, frame, ps_pb2.PushHeader, "push")
+    def _push(self, frame: Any, received: bytes) -> None:
+        header = read_meta(self.stream, frame, ps_pb2.PushHeader, "push", received)
         what = f"push of block {clip(header.block_id)} by worker {header.worker}"
         self._check_call(header.worker, header.generation, what)
         push, source = push_of(header), f"data connection from {self.peer[0]}:{self.peer[1]}"
@@ -523,8 +530,8 @@ class Connection:
         except RuntimeError:  # the loop is closed: the shard stopped
             raise Unavailable(f"shard {self.shard.index} stopped") from None
 
-    def _pull(self, frame: Any) -> None:
-        request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull")
+    def _pull(self, frame: Any, received: bytes) -> None:
+        request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull", received)
         self._check_call(request.worker, request.generation, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
         wakeup = Wakeup()

@@ -29,8 +29,8 @@ import torch
 
 from imerge.core.codec import tensor_view
 from imerge.core.errors import Busy, DeadlineExceeded, InvalidArgument, RequestError, Unavailable
-from imerge.wire.datapath import (ChannelClosed, Kind, error_from_meta, expect, read_exact, read_header, read_meta,
-                                  send_frame)
+from imerge.wire.datapath import (ChannelClosed, FrameHeader, Kind, error_from_meta, expect, read_exact, read_head,
+                                  read_meta, send_frame)
 from imerge.wire.encoding import push_header
 from imerge.wire.rpc import ps_pb2
 
@@ -207,13 +207,17 @@ class SocketDataPath:
         connection.idle_since = time.monotonic()
         self._idle.setdefault((worker, generation, kind), []).append(connection)
 
-    def _expect(self, sock: socket.socket, kind: Kind, what: str) -> Any:
-        """The next frame's header, which must be ``kind`` (an ERROR frame raises the shard's error)."""
-        header = read_header(sock, 0 if kind != Kind.BLOCK else 1 << 62, what)
+    def _expect(self, sock: socket.socket, kind: Kind, what: str, message_type: Any = None
+                ) -> tuple[FrameHeader, Any]:
+        """The next frame's header, which must be ``kind`` (an ERROR frame raises the shard's error), and its
+        meta parsed as ``message_type`` (None: not read; an END frame where a BLOCK was due has none)."""
+        header, received = read_head(sock, 0 if kind != Kind.BLOCK else 1 << 62, what)
         if header.kind == Kind.ERROR:
-            raise error_from_meta(read_meta(sock, header, ps_pb2.ChannelError, what), self.address)
+            raise error_from_meta(read_meta(sock, header, ps_pb2.ChannelError, what, received), self.address)
         expect(header, kind, *((Kind.END,) if kind == Kind.BLOCK else ()), what=what)
-        return header
+        if message_type is None or header.kind != kind:
+            return header, None
+        return header, read_meta(sock, header, message_type, what, received)
 
     async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._threads.submit(self._translated, function, *args))
@@ -265,8 +269,8 @@ class SocketDataPath:
             on_written()
         results = []
         for header, _ in frames:
-            frame = self._expect(sock, Kind.RESULT, f"push of block {header.block_id}")
-            results.append(read_meta(sock, frame, ps_pb2.BlockPushResult, "push"))
+            results.append(self._expect(sock, Kind.RESULT, f"push of block {header.block_id}",
+                                        ps_pb2.BlockPushResult)[1])
         return results
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
@@ -285,10 +289,9 @@ class SocketDataPath:
               notify: Callable[[Any], Any]) -> None:
         send_frame(sock, Kind.PULL, request)
         while not pulled.complete:
-            frame = self._expect(sock, Kind.BLOCK, "pull")
+            frame, meta = self._expect(sock, Kind.BLOCK, "pull", ps_pb2.TensorMeta)
             if frame.kind == Kind.END:
                 pulled.finish()  # raises: blocks are missing
-            meta = read_meta(sock, frame, ps_pb2.TensorMeta, "pull")
             self._receive_block(sock, frame.payload_len, meta, pulled)
             notify((meta.block_id, meta.round, meta))
         self._expect(sock, Kind.END, "pull")

@@ -190,6 +190,81 @@ static PyObject *recv_into(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nOi)", (Py_ssize_t)got - start, finite ? Py_True : Py_False, state);
 }
 
+/* Receive exactly n bytes into buf, without the GIL (the caller released it): RECV_DONE, RECV_CLOSED (the peer
+ * closed first) or RECV_TIMEOUT (nothing for timeout_ms; < 0: wait forever); -1 with *failure = errno when
+ * recv or poll failed. *got counts the bytes received. */
+static int recv_exact_nogil(int fd, char *buf, size_t n, size_t *got, int timeout_ms, int *failure) {
+    while (*got < n) {
+        ssize_t count = recv(fd, buf + *got, n - *got, 0);
+        if (count > 0) {
+            *got += (size_t)count;
+            continue;
+        }
+        if (count == 0)
+            return RECV_CLOSED;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            *failure = errno;
+            return -1;
+        }
+        struct pollfd waiting = {fd, POLLIN, 0};
+        int ready = poll(&waiting, 1, timeout_ms);
+        if (ready == 0)
+            return RECV_TIMEOUT;
+        if (ready < 0 && errno != EINTR) {
+            *failure = errno;
+            return -1;
+        }
+    }
+    return RECV_DONE;
+}
+
+/* recv_head(fd, head_size, length_at, small, timeout_ms) -> (state, data)
+ *
+ * A frame's head in one call, the GIL released throughout: head_size bytes (waiting for them), then, where the
+ * little-endian u32 at offset length_at of them (the length of what follows the head) is at most small, as much
+ * of what follows as has already arrived (never waiting for it: the caller checks the head before it waits for
+ * more). data holds the bytes received; state as recv_into's: 0 the head came, 1 the peer closed before it
+ * did (data: what came; empty when nothing did), 2 nothing for timeout_ms. A failed recv or poll raises
+ * OSError. */
+static PyObject *recv_head(PyObject *self, PyObject *args) {
+    int fd, timeout_ms;
+    Py_ssize_t head_size, length_at, small;
+    if (!PyArg_ParseTuple(args, "innni", &fd, &head_size, &length_at, &small, &timeout_ms))
+        return NULL;
+    if (fd < 0 || head_size < 4 || length_at < 0 || length_at + 4 > head_size || small < 0 || small > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "recv_head: a negative descriptor, or a length outside the head");
+        return NULL;
+    }
+    char *buf = PyMem_Malloc((size_t)(head_size + small));
+    if (buf == NULL)
+        return PyErr_NoMemory();
+    size_t got = 0, want = (size_t)head_size;
+    int state, failure = 0;
+    Py_BEGIN_ALLOW_THREADS
+    state = recv_exact_nogil(fd, buf, want, &got, timeout_ms, &failure);
+    if (state == RECV_DONE) {
+        const unsigned char *at = (const unsigned char *)buf + length_at;
+        uint32_t follows = (uint32_t)at[0] | (uint32_t)at[1] << 8 | (uint32_t)at[2] << 16 | (uint32_t)at[3] << 24;
+        if (follows <= (uint64_t)small) {
+            want += follows;
+            ssize_t count;
+            while (got < want && (count = recv(fd, buf + got, want - got, MSG_DONTWAIT)) > 0)
+                got += (size_t)count;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (state < 0) {
+        PyMem_Free(buf);
+        errno = failure;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    PyObject *result = Py_BuildValue("(iy#)", state, buf, (Py_ssize_t)got);
+    PyMem_Free(buf);
+    return result;
+}
+
 /* mean_rows(out, rows, numel, divisor) -> finite
  *
  * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
@@ -434,6 +509,7 @@ static PyObject *all_finite(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, target, start, timeout_ms, budget_ms, check_finite) -> "
                                            "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
+    {"recv_head", recv_head, METH_VARARGS, "recv_head(fd, head_size, length_at, small, timeout_ms) -> (state, data)"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
     {"adam_moments", adam_moments, METH_VARARGS, "adam_moments(param, rows, numel, divisor, weight_decay, "
                                                  "decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq) -> finite"},

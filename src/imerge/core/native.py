@@ -79,6 +79,16 @@ class DataPlane:
             return int(count), bool(finite), int(state)
         return _recv_into_python(sock, target, start, check_finite)
 
+    def recv_head(self, sock: socket.socket, head_size: int, length_at: int, small: int) -> tuple[int, bytes] | None:
+        """A frame's head from a plain socket in one call (see ``_native.c``): (state, the bytes received), or
+        None where the data plane is Python's (the caller reads the head itself)."""
+        if self._native is None:
+            return None
+        timeout = sock.gettimeout()
+        timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
+        state, data = self._native.recv_head(sock.fileno(), head_size, length_at, small, timeout_ms)
+        return int(state), data
+
     def mean_rows(self, out: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int) -> bool:
         """``out`` = the rows added in their order, divided by ``divisor`` (all float32, contiguous, the same
         length); return whether every element of ``out`` is finite."""

@@ -42,6 +42,8 @@ HEADER = struct.Struct("<4sBBHIQ")
 MAX_META_BYTES = MAX_MESSAGE_BYTES  # what one gRPC message may hold: a push header, a pull of many blocks
 TOKEN_BYTES = 16
 READ_CHUNK_BYTES = 64 << 10  # a meta or a dropped payload is read in pieces this large: memory grows as bytes come
+SMALL_META_BYTES = 4096  # a meta this small is read with its frame's header, where it came with it (read_head)
+META_LENGTH_AT = 8  # the offset of the meta's length in the header
 NATIVE_READ_BYTES = 64 << 10  # a read this large goes through the data plane's receive loop (see read_exact)
 _ERRORS = request_error_classes()
 
@@ -159,10 +161,30 @@ def read_header(conn: Conn, max_payload: int, what: str) -> FrameHeader:
     return FrameHeader.decode(raw, max_payload)
 
 
-def read_meta(conn: Conn, header: FrameHeader, message_type: Any, what: str) -> Any:
-    """The frame's meta, parsed as ``message_type`` (InvalidArgument if it is not one). The buffer grows as the
-    bytes arrive: a peer that declares a large meta and sends little makes the reader hold little."""
-    raw = bytearray()
+def read_head(conn: Conn, max_payload: int, what: str, plain: socket.socket | None = None
+              ) -> tuple[FrameHeader, bytes]:
+    """As :func:`read_header`, and the bytes of the frame's meta that came with the header (:func:`read_meta`
+    reads the rest). From a plain socket (``conn`` itself, or ``plain``: the socket under ``conn``) the data
+    plane reads both in one call, the GIL released once."""
+    plain = conn if plain is None and type(conn) is socket.socket else plain
+    head = data_plane().recv_head(plain, HEADER.size, META_LENGTH_AT, SMALL_META_BYTES) if plain else None
+    if head is None:
+        return read_header(conn, max_payload, what), b""
+    state, data = head
+    if state == RECV_TIMEOUT:
+        raise TimeoutError(f"{what}: nothing for {plain.gettimeout()}s")  # type: ignore[union-attr]
+    if state == RECV_CLOSED:
+        if not data:
+            raise ChannelClosed(f"{what}: the connection closed", clean=True)
+        raise ChannelClosed(f"{what}: the connection closed after {len(data)} of {HEADER.size} bytes")
+    return FrameHeader.decode(data[:HEADER.size], max_payload), data[HEADER.size:]
+
+
+def read_meta(conn: Conn, header: FrameHeader, message_type: Any, what: str, received: bytes = b"") -> Any:
+    """The frame's meta, parsed as ``message_type`` (InvalidArgument if it is not one); ``received``: its first
+    bytes, read with the header. The buffer grows as the bytes arrive: a peer that declares a large meta and
+    sends little makes the reader hold little."""
+    raw = bytearray(received)
     while len(raw) < header.meta_len:
         piece = bytearray(min(header.meta_len - len(raw), READ_CHUNK_BYTES))
         read_exact(conn, memoryview(piece), what)
