@@ -166,3 +166,35 @@ def test_a_tls_like_socket_is_written_a_buffer_at_a_time(pair):
             read_exact(right, target, "test")
             writer.join(10)
             assert bytes(target) == payload
+
+
+def test_a_peer_that_stops_reading_times_the_write_out_within_the_sockets_timeout(plane, pair):
+    left, right = pair
+    left.settimeout(0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        send_frame(left, Kind.BLOCK, ps_pb2.TensorMeta(block_id="b"), [bytes(64 << 20)])  # never read
+    assert 0.4 < time.monotonic() - started < 5.0
+
+
+def test_a_write_to_a_peer_gone_fails_as_the_sockets_would(plane, pair):
+    left, right = pair
+    right.close()
+    left.settimeout(5)
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        send_frame(left, Kind.BLOCK, ps_pb2.TensorMeta(block_id="b"), [bytes(1 << 20)])
+
+
+def test_the_native_write_checks_its_parts():
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    from imerge.core import _native  # type: ignore[attr-defined]
+
+    left, right = socket.socketpair()
+    with left, right:
+        with pytest.raises(ValueError, match="more than 64 parts"):
+            _native.send_parts(left.fileno(), [b"x"] * 65, 100)
+        with pytest.raises(TypeError):
+            _native.send_parts(left.fileno(), [b"x", 3], 100)
+        assert _native.send_parts(left.fileno(), [b"ab", b"", bytearray(b"cd")], 100) == (4, RECV_DONE)
+        assert right.recv(10) == b"abcd"

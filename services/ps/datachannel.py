@@ -91,10 +91,14 @@ class ChannelStream:
         self._moved(count)
         return count
 
+    @property
+    def plain(self) -> socket.socket | None:
+        """The plain socket the frames pass unchanged (None: TLS), which the data plane reads and writes."""
+        return self.conn if type(self.conn) is socket.socket else None
+
     def read_head(self, max_payload: int, what: str) -> tuple[FrameHeader, bytes]:
         """The next frame's header and the bytes of its meta that came with it (:func:`read_head`)."""
-        plain = self.conn if type(self.conn) is socket.socket else None
-        header, received = read_head(self, max_payload, what, plain)
+        header, received = read_head(self, max_payload, what)
         self._moved(HEADER.size + len(received))
         return header, received
 

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <time.h>
 
 #define RECV_CHUNK (256 * 1024) /* bytes per recv: a chunk is checked while it is in the L2 cache */
@@ -265,6 +266,109 @@ static PyObject *recv_head(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* send_parts(fd, parts, timeout_ms) -> (sent, state)
+ *
+ * Write the buffers of the sequence parts (at most MAX_PARTS), in order, from their own memory with gathered
+ * writes (sendmsg), the GIL released for the whole transfer: state 0 when all were sent, 2 when they were not
+ * within timeout_ms (< 0: no limit; as a socket's timeout bounds its sendall); sent counts the bytes written.
+ * A failed sendmsg or poll raises OSError (a peer gone: BrokenPipeError or ConnectionResetError). */
+#define MAX_PARTS 64
+static PyObject *send_parts(PyObject *self, PyObject *args) {
+    int fd, timeout_ms;
+    PyObject *parts_arg;
+    if (!PyArg_ParseTuple(args, "iOi", &fd, &parts_arg, &timeout_ms))
+        return NULL;
+    PyObject *parts_seq = PySequence_Fast(parts_arg, "send_parts: parts must be a sequence of buffers");
+    if (parts_seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(parts_seq);
+    if (fd < 0 || count > MAX_PARTS) {
+        Py_DECREF(parts_seq);
+        PyErr_Format(PyExc_ValueError, "send_parts: a negative descriptor, or more than %d parts", MAX_PARTS);
+        return NULL;
+    }
+    Py_buffer views[MAX_PARTS];
+    struct iovec iov[MAX_PARTS];
+    Py_ssize_t held = 0;
+    for (; held < count; held++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts_seq, held), &views[held], PyBUF_SIMPLE) < 0)
+            break;
+        iov[held].iov_base = views[held].buf;
+        iov[held].iov_len = (size_t)views[held].len;
+    }
+    if (held < count) {
+        for (Py_ssize_t i = 0; i < held; i++)
+            PyBuffer_Release(&views[i]);
+        Py_DECREF(parts_seq);
+        return NULL;
+    }
+    size_t sent = 0;
+    int state = RECV_DONE, failure = 0;
+    Py_BEGIN_ALLOW_THREADS
+    long long until = timeout_ms >= 0 ? now_ms() + timeout_ms : -1;
+    struct iovec *next = iov;
+    int left = (int)count;
+    while (left > 0 && next->iov_len == 0) {
+        next++;
+        left--;
+    }
+    while (left > 0) {
+        struct msghdr message;
+        memset(&message, 0, sizeof(message));
+        message.msg_iov = next;
+        message.msg_iovlen = (size_t)left;
+        ssize_t wrote = sendmsg(fd, &message, MSG_NOSIGNAL);
+        if (wrote > 0) {
+            sent += (size_t)wrote;
+            size_t done = (size_t)wrote;
+            while (left > 0 && done >= next->iov_len) {
+                done -= next->iov_len;
+                next++;
+                left--;
+            }
+            if (left > 0) {
+                next->iov_base = (char *)next->iov_base + done;
+                next->iov_len -= done;
+            }
+            continue;
+        }
+        if (wrote < 0 && errno == EINTR)
+            continue;
+        if (wrote < 0 && errno != EAGAIN && errno != EWOULDBLOCK) {
+            failure = errno;
+            break;
+        }
+        int wait_ms = -1;
+        if (until >= 0) {
+            long long remaining = until - now_ms();
+            if (remaining <= 0) {
+                state = RECV_TIMEOUT;
+                break;
+            }
+            wait_ms = (int)remaining;
+        }
+        struct pollfd waiting = {fd, POLLOUT, 0};
+        int ready = poll(&waiting, 1, wait_ms);
+        if (ready == 0) {
+            state = RECV_TIMEOUT;
+            break;
+        }
+        if (ready < 0 && errno != EINTR) {
+            failure = errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        PyBuffer_Release(&views[i]);
+    Py_DECREF(parts_seq);
+    if (failure) {
+        errno = failure;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(ni)", (Py_ssize_t)sent, state);
+}
+
 /* mean_rows(out, rows, numel, divisor) -> finite
  *
  * out[i] = (((rows[0][i] + rows[1][i]) + rows[2][i]) + ...) / divisor in float32, each operation rounded once:
@@ -509,6 +613,7 @@ static PyObject *all_finite(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"recv_into", recv_into, METH_VARARGS, "recv_into(fd, target, start, timeout_ms, budget_ms, check_finite) -> "
                                            "(received, finite, state): 0 done, 1 closed, 2 timed out, 3 paused"},
+    {"send_parts", send_parts, METH_VARARGS, "send_parts(fd, parts, timeout_ms) -> (sent, state): 0 done, 2 timed out"},
     {"recv_head", recv_head, METH_VARARGS, "recv_head(fd, head_size, length_at, small, timeout_ms) -> (state, data)"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
     {"adam_moments", adam_moments, METH_VARARGS, "adam_moments(param, rows, numel, divisor, weight_decay, "

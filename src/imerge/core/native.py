@@ -89,6 +89,19 @@ class DataPlane:
         state, data = self._native.recv_head(sock.fileno(), head_size, length_at, small, timeout_ms)
         return int(state), data
 
+    def send_parts(self, sock: socket.socket, parts: Sequence[memoryview]) -> int | None:
+        """Write ``parts`` to a plain socket in gathered writes, the GIL released throughout (see ``_native.c``),
+        within the socket's timeout as its ``sendall`` would be (TimeoutError otherwise); the bytes written, or
+        None where the data plane is Python's (the caller writes them itself)."""
+        if self._native is None:
+            return None
+        timeout = sock.gettimeout()
+        timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
+        sent, state = self._native.send_parts(sock.fileno(), parts, timeout_ms)
+        if state == RECV_TIMEOUT:
+            raise TimeoutError(f"timed out: {sent} of {sum(len(part) for part in parts)} bytes written in {timeout}s")
+        return int(sent)
+
     def mean_rows(self, out: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int) -> bool:
         """``out`` = the rows added in their order, divided by ``divisor`` (all float32, contiguous, the same
         length); return whether every element of ``out`` is finite."""

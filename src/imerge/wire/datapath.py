@@ -44,6 +44,7 @@ TOKEN_BYTES = 16
 READ_CHUNK_BYTES = 64 << 10  # a meta or a dropped payload is read in pieces this large: memory grows as bytes come
 SMALL_META_BYTES = 4096  # a meta this small is read with its frame's header, where it came with it (read_head)
 META_LENGTH_AT = 8  # the offset of the meta's length in the header
+MAX_GATHERED = 64  # the most buffers the data plane writes in one call (a frame's header and payload parts)
 NATIVE_READ_BYTES = 64 << 10  # a read this large goes through the data plane's receive loop (see read_exact)
 _ERRORS = request_error_classes()
 
@@ -161,12 +162,16 @@ def read_header(conn: Conn, max_payload: int, what: str) -> FrameHeader:
     return FrameHeader.decode(raw, max_payload)
 
 
-def read_head(conn: Conn, max_payload: int, what: str, plain: socket.socket | None = None
-              ) -> tuple[FrameHeader, bytes]:
+def plain_socket(conn: Any) -> socket.socket | None:
+    """The plain socket ``conn`` is, or carries its frames on unchanged (a stream's ``plain``); None for a TLS
+    socket, whose bytes pass its own methods."""
+    return conn if type(conn) is socket.socket else getattr(conn, "plain", None)
+
+
+def read_head(conn: Conn, max_payload: int, what: str) -> tuple[FrameHeader, bytes]:
     """As :func:`read_header`, and the bytes of the frame's meta that came with the header (:func:`read_meta`
-    reads the rest). From a plain socket (``conn`` itself, or ``plain``: the socket under ``conn``) the data
-    plane reads both in one call, the GIL released once."""
-    plain = conn if plain is None and type(conn) is socket.socket else plain
+    reads the rest). From a plain socket the data plane reads both in one call, the GIL released once."""
+    plain = plain_socket(conn)
     head = data_plane().recv_head(plain, HEADER.size, META_LENGTH_AT, SMALL_META_BYTES) if plain else None
     if head is None:
         return read_header(conn, max_payload, what), b""
@@ -205,17 +210,20 @@ def expect(header: FrameHeader, *kinds: Kind, what: str) -> None:
 
 
 def send_frame(conn: Conn, kind: Kind, meta: Any = None, parts: Sequence[Any] = (), flags: int = 0) -> None:
-    """One frame: the header, the meta and each payload part, written from their own memory in one gathered
-    write where the connection takes one (the header goes out in the payload's first segment: the peer wakes
-    once for both), else one write each (TLS)."""
+    """One frame: the header, the meta and each payload part, written from their own memory in gathered writes
+    (the header goes out in the payload's first segment: the peer wakes once for both); on a plain socket by
+    the data plane, the GIL released throughout, else one write each (TLS)."""
     encoded = meta.SerializeToString() if meta is not None else b""
     views = [memoryview(part).cast("B") for part in parts]
     payload_len = sum(len(view) for view in views)
     head = FrameHeader(kind, len(encoded), payload_len, flags).encode() + encoded
+    buffers = [memoryview(head), *views]
+    plain = plain_socket(conn)
+    if plain is not None and len(buffers) <= MAX_GATHERED and data_plane().send_parts(plain, buffers) is not None:
+        return
     if not payload_len:
         conn.sendall(head)
         return
-    buffers = [memoryview(head), *views]
     try:
         sent = conn.sendmsg(buffers)
     except NotImplementedError:  # a TLS socket: a small frame in one record, a large one a buffer at a time
