@@ -90,8 +90,7 @@ class Shard(Pulls):
         self.on_restored: Callable[[int], None] | None = None  # called with the new generation after a restore
         self.failed_checkpoints = 0  # consecutive failed writes
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ps{index}-checkpoint")
-        self._writing: concurrent.futures.Future[None] | None = None  # the checkpoint submitted last
-        self._writes: list[concurrent.futures.Future[None]] = []  # those not written yet
+        self._writes: list[concurrent.futures.Future[None]] = []  # the checkpoints submitted and not seen written
         self._last_checkpoint = -1
         self._final: asyncio.Future[None] | None = None  # a final checkpoint awaited at the next common round
         self._final_written = False
@@ -149,9 +148,9 @@ class Shard(Pulls):
             return None
         self._last_checkpoint = round_
         images = [self.blocks[block_id].image() for block_id in sorted(self.blocks)]
-        self._writing = self._writer.submit(self._write_checkpoint, self.checkpoints, round_, images)
-        self._writes.append(self._writing)  # written in order, after those before it
-        return self._writing
+        writing = self._writer.submit(self._write_checkpoint, self.checkpoints, round_, images)
+        self._writes.append(writing)  # written in order, after those before it
+        return writing
 
     async def final_checkpoint(self) -> int | None:
         """Write a checkpoint at the blocks' next common round (now, if they agree); return that round.
@@ -165,12 +164,10 @@ class Shard(Pulls):
             self._final = asyncio.get_running_loop().create_future()
             await self._final
         round_ = self.common_round()
-        writing = self.maybe_checkpoint(final=True)
+        self.maybe_checkpoint(final=True)
         self._final_written = True
-        if writing is not None:
-            await asyncio.wrap_future(writing)
-        elif self._writing is not None:
-            await asyncio.wrap_future(self._writing)
+        if self._writes:  # the one just submitted, else the last one before it (they are written in order)
+            await asyncio.wrap_future(self._writes[-1])
         return round_
 
     def _write_checkpoint(self, store: CheckpointStore, round_: int, images: list[BlockImage]) -> None:

@@ -17,6 +17,8 @@ import runpy
 import sys
 import traceback
 
+from imerge.bench.ddp_baseline import leave
+
 
 def run(script: str, arguments: list[str]) -> int:
     sys.argv = [script, *arguments]
@@ -35,7 +37,4 @@ def run(script: str, arguments: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    status = run(sys.argv[1], sys.argv[2:])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave(run(sys.argv[1], sys.argv[2:]))
