@@ -25,7 +25,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from imerge.core.errors import AlreadyExists
+from imerge.core.errors import AlreadyExists, Unavailable
 from imerge.ps.checkpoint import CheckpointStore
 from imerge.ps.config import PSConfig
 from imerge.ps.server import ThreadedShard
@@ -180,6 +180,27 @@ def test_the_clients_threads_hold_no_payload_once_idle_and_are_ended_by_close(sh
 
     asyncio.run(run())
     assert not set(pool_threads()) - before
+
+
+def test_a_call_after_close_fails_at_once_and_starts_no_thread(shard):
+    """A push or a pull that comes after the client closed (a model's exit hook racing the comm loop) is refused
+    with Unavailable, saying so, instead of opening a connection or waiting on a thread that never runs it."""
+    pool_threads = lambda: [t for t in threading.enumerate() if t.name == "imerge-data"]  # noqa: E731
+
+    async def run() -> None:
+        client = ShardClient(shard.address, data_path="socket")
+        await client.push([PushItem(BLOCK, torch.zeros(NUMEL), 0)], 0, timeout_s=10)  # the pool has a connection
+        await client.close()
+        before = set(pool_threads())
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="closed"):
+            await client.push([PushItem(BLOCK, torch.zeros(NUMEL), 1)], 0, timeout_s=10)
+        with pytest.raises(Unavailable, match="closed"):
+            await client.pull_into([(BLOCK, torch.empty(NUMEL))], 0, 0, 10)
+        assert time.monotonic() - started < 2.0
+        assert not set(pool_threads()) - before
+
+    asyncio.run(run())
 
 
 def test_a_connection_without_its_token_is_refused_at_the_hello(shard):
