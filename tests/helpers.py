@@ -8,6 +8,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import fcntl
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -216,3 +220,21 @@ def status_of(call: Callable[[], Any]) -> tuple[Any, str]:
         if hasattr(result, "__iter__"):
             list(result)
     return info.value.code(), info.value.details()
+
+
+def run_imerge(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m imerge ARGS`` to its end, its output captured. One still running after ``timeout_s`` is asked
+    for every thread's stack (``kill -USR1``: what it waits for), then killed, and the test fails with that."""
+    process = subprocess.Popen([sys.executable, "-m", "imerge", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"imerge {' '.join(args)} still ran after {timeout_s:g}s; its output and its threads' "
+                             f"stacks:\n{stdout[-5000:]}\n{stderr[-30000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -5,11 +5,12 @@ import json
 import subprocess
 import sys
 
+from helpers import run_imerge
+
 
 def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "imerge", "bench", "datapath", "--iters", "6",
-                             "--strategies", "ddp,imerge", "--out", str(tmp_path)],  # gRPC's path: test_bench
-                            capture_output=True, text=True, timeout=400)
+    result = run_imerge(["bench", "datapath", "--iters", "6", "--strategies", "ddp,imerge",  # gRPC's: test_bench
+                         "--out", str(tmp_path)], 270)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["scenario"]["model_bytes"] == 4 * (2048 * 2048 + 2048) * 4

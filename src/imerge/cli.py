@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import importlib
 import dataclasses
+import faulthandler
 import logging
 import os
 import shutil
@@ -392,7 +393,9 @@ def _runnable(program: str) -> bool:
 def run() -> None:
     """The command's entry point: :func:`main`, then leave without tearing the interpreter down. With torch loaded
     that takes most of a second per process, and by then every role has joined its threads and closed its
-    files; only the logs and the standard streams are flushed first."""
+    files; only the logs and the standard streams are flushed first. ``kill -USR1`` makes any IMerge process
+    print every thread's stack to its standard error (its log) and go on: what a stuck one waits for."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -41,7 +41,16 @@ def markdown(report: BenchReport | ScalingReport) -> str:
         lines.append(f"| {name} | " + " | ".join(_cell(getattr(result, key), fmt, key) for key, _, fmt in COLUMNS)
                      + " |")
     lines += [decision_line(name, result) for name, result in report.strategies.items() if result.schedule]
+    lines += [retransmission_line(name, result) for name, result in report.strategies.items()
+              if result.tcp_retransmissions_per_host]
     return "\n".join(lines) + "\n"
+
+
+def retransmission_line(name: str, result: RunResult) -> str:
+    """Who retransmitted (the sender of a lost segment): shards for their pulls and acknowledgements, workers
+    for their pushes; a DDP rank for its ring's sends."""
+    hosts = sorted(result.tcp_retransmissions_per_host.items(), key=lambda item: (-item[1], item[0]))
+    return f"\n{name}: TCP segments retransmitted by " + ", ".join(f"{host} {count}" for host, count in hosts) + "."
 
 
 def decision_line(name: str, result: RunResult) -> str:

@@ -185,7 +185,7 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
     measured_hosts = [h for h in sampler.hosts if h.startswith("worker" if name == "ddp" else "ps")]
     utilization = {h: max(moved(h)) / (seconds * rate_bps) for h in measured_hosts}
     traces = trace_metrics(run_dir / "trace", scenario.workers, skip)
-    retrans = sum(last[h].tcp_retrans_segs - first[h].tcp_retrans_segs for h in sampler.hosts)
+    retrans = {h: last[h].tcp_retrans_segs - first[h].tcp_retrans_segs for h in sampler.hosts}
     iteration_s = [e["seconds"] for e in timed]
     chosen = [e for e in events if e.get("event") == "schedule"]
     return RunResult(
@@ -198,7 +198,8 @@ def measure(name: str, scenario: Scenario, events: list[dict[str, Any]], sampler
         link_utilization=statistics.fmean(utilization.values()) if utilization else None,
         link_utilization_per_shard=utilization,
         push_p50_ms=percentile(traces.push_ms, 0.5), push_p99_ms=percentile(traces.push_ms, 0.99),
-        tcp_retransmissions=retrans,
+        tcp_retransmissions=sum(retrans.values()),
+        tcp_retransmissions_per_host={host: count for host, count in retrans.items() if count},
         utilization_series=[(t, {h: max(counters[h].rx_bytes, counters[h].tx_bytes) for h in measured_hosts})
                             for t, counters in sampler.samples],
         trace_dir=str(run_dir / "trace"),

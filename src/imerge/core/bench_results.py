@@ -59,7 +59,8 @@ class RunResult:
     link_utilization_per_shard: dict[str, float] = dataclasses.field(default_factory=dict)
     push_p50_ms: float | None = None
     push_p99_ms: float | None = None
-    tcp_retransmissions: int = 0
+    tcp_retransmissions: int = 0            # TCP segments every host of the run retransmitted, summed ...
+    tcp_retransmissions_per_host: dict[str, int] = dataclasses.field(default_factory=dict)  # ... and by host
     utilization_series: list[tuple[float, dict[str, int]]] = dataclasses.field(default_factory=list)
     trace_dir: str = ""
     schedule: str = ""                      # what --tune chose (the strategy auto): its knobs, per round
