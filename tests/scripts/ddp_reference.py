@@ -19,12 +19,14 @@ import traceback
 
 from imerge.bench.ddp_baseline import leave
 
+_KEPT: list[object] = []
+
 
 def run(script: str, arguments: list[str]) -> int:
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
+    try:  # the script's globals (its model) are kept: leave() exits without freeing them
+        _KEPT.append(runpy.run_path(script, run_name="__main__"))
     except SystemExit as leaving:
         if leaving.code is None or isinstance(leaving.code, int):
             return leaving.code or 0

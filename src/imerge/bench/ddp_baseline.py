@@ -30,6 +30,7 @@ from imerge.workloads.models import build_model
 from imerge.workloads.job import JobConfig
 
 log = logging.getLogger("imerge.bench.ddp_baseline")
+_KEPT: list[object] = []  # the DDP model and its optimizer, never freed (see leave)
 STARTUP_WATCHDOG_S = 100.0  # the rendezvous and the first iteration (init_process_group's own timeout: 120 s)
 
 
@@ -76,16 +77,21 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     progress.report("summary", iterations=iteration, loss=loss.detach().item())
+    _KEPT.extend((model, optimizer))  # freed by no one: the process leaves without destructors (see leave)
     return 0
 
 
 def leave(status: int) -> NoReturn:
-    """Ends the process without the interpreter's teardown. torch 2.13's gloo worker thread drops its last
-    reference to a collective launched during backward() after the rank has seen it complete, and that drop
-    takes the GIL (the collective holds the autograd engine's Python context). When the rank reaches
-    finalization first, Python ends the waiting thread and its unwinding aborts the process ("terminate called
-    without an active exception"): 12 of 120 runs of examples/gpt_ddp.py under torchrun here, each after all
-    its work was done."""
+    """Ends the process without the interpreter's teardown, and without freeing the DDP model (``main`` keeps it
+    in ``_KEPT``). torch 2.13's gloo worker thread drops its last reference to a collective launched during
+    backward() after the rank has seen it complete, and that drop takes the GIL (the collective holds the
+    autograd engine's Python context). When the rank reaches finalization first, Python ends the waiting thread
+    and its unwinding aborts the process ("terminate called without an active exception"): 12 of 120 runs of
+    examples/gpt_ddp.py under torchrun here, each after all its work was done. When the model is freed first,
+    its Reducer's process group joins that thread while holding the GIL the thread waits for, and the rank
+    never ends: the tiny benchmark's hang, one clean-clone suite run in a few (``py-spy dump --native``: the
+    main thread in ``~ProcessGroupGloo`` -> ``std::thread::join``, the gloo thread in
+    ``~AsyncBarrierWork`` -> ``gil_scoped_acquire``)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
