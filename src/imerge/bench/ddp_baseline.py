@@ -47,8 +47,8 @@ def main() -> int:
         backend = "nccl" if device.type == "cuda" else "gloo"
     # A rank that has not finished its first iteration by then prints every thread's stack to its log and exits
     # 1, which the launcher restarts: a rank stuck in torch's rendezvous past init_process_group's own timeout.
-    # (The testbed's hang blamed on the rendezvous, one clean-clone suite run in three, was in the end the
-    # deadlock at the rank's exit that _KEPT prevents: see leave.)
+    # (The testbed's hang blamed on the rendezvous, one clean-clone suite run in three, was, where a stack was
+    # caught, the deadlock at the rank's exit that _KEPT prevents: see leave.)
     faulthandler.dump_traceback_later(float(os.environ.get("IMERGE_DDP_STARTUP_S", STARTUP_WATCHDOG_S)), exit=True)
     dist.init_process_group(backend, init_method=f"tcp://{os.environ.get('IMERGE_DDP_MASTER', '127.0.0.1:29500')}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
