@@ -119,6 +119,16 @@ def test_a_silent_peer_times_out_at_the_sockets_timeout(plane, pair):
     assert 0.25 < time.monotonic() - started < 3.0
 
 
+def test_a_payload_from_a_silent_peer_times_out_at_the_sockets_timeout(plane, pair):
+    left, right = pair
+    left.sendall(b"\x01" * 1000)  # some of it, then nothing
+    right.settimeout(0.6)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        read_exact(right, memoryview(bytearray(200_000)), "test")
+    assert 0.5 < time.monotonic() - started < 3.0
+
+
 def test_a_payload_cut_short_says_how_much_came(plane, pair):
     left, right = pair
     left.sendall(b"\x01" * 100_000)

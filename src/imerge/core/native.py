@@ -63,19 +63,20 @@ class DataPlane:
         return "native" if self._native is not None else "python"
 
     def recv_into(self, sock: socket.socket, target: memoryview, start: int, check_finite: bool,
-                  budget_s: float = PAUSE_S) -> tuple[int, bool, int]:
+                  budget_s: float | None = PAUSE_S) -> tuple[int, bool, int]:
         """Receive bytes ``start:`` of ``target`` (a contiguous byte view of a tensor's memory; those before
         ``start`` came in earlier calls) from ``sock``; return (bytes received by this call, every float32
         element it completed is finite, state): RECV_DONE when all arrived, RECV_CLOSED when the peer closed
         first, RECV_TIMEOUT when nothing arrived for the socket's timeout, RECV_PAUSED when the call returned
-        early (after ``budget_s``; the Python path after each ``recv``) so that the caller checks the sender's
+        early (after ``budget_s``, None: never; the Python path after each ``recv``) so that the caller checks the sender's
         rate before it calls again. The native path needs a plain socket (a TLS socket's bytes must pass its
         decryption)."""
         if self._native is not None and type(sock) is socket.socket:
             timeout = sock.gettimeout()
             timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
             count, finite, state = self._native.recv_into(sock.fileno(), target, start, timeout_ms,
-                                                          max(int(budget_s * 1000), 1), check_finite)
+                                                          -1 if budget_s is None else max(int(budget_s * 1000), 1),
+                                                          check_finite)
             return int(count), bool(finite), int(state)
         return _recv_into_python(sock, target, start, check_finite)
 

@@ -94,7 +94,7 @@ def read_exact(conn: Conn, view: memoryview, what: str) -> None:
     if size >= NATIVE_READ_BYTES and type(conn) is socket.socket:
         plane = data_plane()
         while received < size:
-            count, _, state = plane.recv_into(conn, view, received, False)
+            count, _, state = plane.recv_into(conn, view, received, False, budget_s=None)  # till the timeout
             received += count
             if state == RECV_CLOSED:
                 raise ChannelClosed(f"{what}: the connection closed after {received} of {size} bytes")
