@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Callable
 
 from imerge.control.messages import RoundScalars
 from imerge.core.errors import FailedPrecondition
-from imerge.core.rounds import RoundOptions
 
 
 

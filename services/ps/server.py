@@ -25,6 +25,7 @@ from imerge.core.planning import FIRST_PLAN
 from imerge.control.messages import PostedScalars, RoundScalars
 from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
+from imerge.core.memory import keep_freed_memory
 from imerge.core.native import data_plane
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
                                 ResourceExhausted)
@@ -488,6 +489,7 @@ async def serve(config: PSConfig) -> int:
     # split across torch's threads took the same time and twice the CPU (a 233k-element block: 0.75 ms of CPU
     # on one thread, 1.3-2.4 ms on two).
     torch.set_num_threads(1)
+    keep_freed_memory()  # a round's large buffers come back every round: their pages stay (core/memory.py)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

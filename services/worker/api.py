@@ -30,6 +30,7 @@ import torch
 from imerge.control.messages import FailureReport, Member, LayoutSubmission, WorkerInfo, WorkerPosition
 from imerge.control.store import WorkerStore
 from imerge.core.errors import IMergeError, StoreError, UnsupportedUse
+from imerge.core.memory import keep_freed_memory
 from imerge.core.optim import OptimizerSpec
 from imerge.core.planning import Plan
 from imerge.telemetry.metrics import MetricsServer
@@ -63,6 +64,7 @@ class DistributedModel(DDPIdioms):
         super().__init__()
         self.module = module
         self.config = config
+        keep_freed_memory()  # an iteration's large tensors come back every iteration: their pages stay
         torch_patches.install()  # torch's clipping, optimizers, GradScaler and the exit hooks, the PS way
         self._watch = OptimizerWatch(module, optimizer)
         self._optimizer: ShardOptimizer | None = None

@@ -77,7 +77,7 @@ class GroupRuntime:
         self.given: set[int] = set()  # parameters that got a gradient since the group's last sync
         self.latest: Sync | None = None  # the latest sync queued
         self.unsettled: set[str] = set()  # blocks of the latest sync the training thread has not waited for yet
-        self.dirty = False  # the accumulator's slice holds a pushed gradient (zeroed before the next one)
+        self.dirty = False  # the accumulator's slice holds a pushed gradient (overwritten piece by piece: grads.py)
 
     @property
     def index(self) -> int:

@@ -30,6 +30,9 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     options = {b.block_id: context.options(units[b.unit].group, assign) for b in group.blocks}
     no_grad = {b.block_id: tuple(i for i, pid in enumerate(table.pieces_of[b.block_id]) if pid not in group.given)
                for b in group.blocks}
+    if group.dirty:  # pieces of the last push that no gradient overwrote count as zeros
+        state.waits.pushed(group, "its previous push to finish")
+        state.grads.zero_stale(group)
     group.given.clear()
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from imerge.telemetry import progress
 from imerge.core.config import from_env, setup_logging
 from imerge.core.devices import resolve_device
+from imerge.core.memory import keep_freed_memory
 from imerge.workloads.data import make_dataset, worker_loader
 from imerge.workloads.models import build_model
 from imerge.workloads.job import JobConfig
@@ -38,6 +39,7 @@ def main() -> int:
     job = from_env(JobConfig)
     rank, world = int(os.environ["IMERGE_RANK"]), int(os.environ["IMERGE_WORLD_SIZE"])
     setup_logging(os.environ.get("IMERGE_LOG_LEVEL", "INFO"), f"ddp{rank}")
+    keep_freed_memory()  # as IMerge's workers do: the comparison is of the data paths, not of malloc's settings
     if job.torch_threads:
         torch.set_num_threads(job.torch_threads)
     local_rank = int(os.environ.get("IMERGE_LOCAL_RANK") or os.environ.get("LOCAL_RANK") or -1)
