@@ -1,12 +1,14 @@
 """Shard checkpoints: atomic on disk, verified on read, and a kill -9 mid-write leaves the previous one valid."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -37,7 +39,8 @@ def test_written_checkpoint_reads_back_exactly_and_only_the_newest_are_kept(tmp_
         assert torch.equal(got.state["momentum_buffer"], original.state["momentum_buffer"])
         assert got.optimizer == SGD and got.num_workers == 2 and got.init_digest == original.init_digest
     manifest = json.loads((store.folder / "round-000000000008" / MANIFEST).read_text())
-    assert manifest["round"] == 8 and len(manifest["sha256"]) == 64
+    assert manifest["round"] == 8 and manifest["format"] == 3
+    assert manifest["crc32"] == zlib.crc32((store.folder / "round-000000000008" / TENSORS).read_bytes())
     with pytest.raises(CheckpointError, match=r"round 0 .* does not exist \(complete rounds: \[4, 8\]\)"):
         store.read(0)
 
@@ -48,10 +51,30 @@ def test_a_corrupted_checkpoint_fails_its_checksum(tmp_path):
     data = bytearray((path / TENSORS).read_bytes())
     data[-5] ^= 0xFF
     (path / TENSORS).write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="fails its SHA-256 checksum"):
+    with pytest.raises(CheckpointError, match="fails its CRC-32 checksum"):
         store.read(2)
     (path / TENSORS).write_bytes(bytes(data[:-100]))
     with pytest.raises(CheckpointError, match="missing or not"):
+        store.read(2)
+
+
+def test_a_checkpoint_of_format_2_with_its_sha256_is_still_read_and_checked(tmp_path):
+    store = CheckpointStore(tmp_path, shard=0)
+    written = image("g0", 1000, 1)
+    path = store.write(2, [written])
+    manifest = json.loads((path / MANIFEST).read_text())
+    del manifest["crc32"]
+    manifest.update(format=2, sha256=hashlib.sha256((path / TENSORS).read_bytes()).hexdigest())
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert torch.equal(store.read(2).blocks["g0"].param, written.param)
+    data = bytearray((path / TENSORS).read_bytes())
+    data[-5] ^= 0xFF
+    (path / TENSORS).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="fails its SHA-256 checksum"):
+        store.read(2)
+    manifest["format"] = 1
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest has format 1"):
         store.read(2)
 
 

@@ -5,8 +5,9 @@ Pure: imports neither grpc nor redis. A checkpoint of shard ``i`` at round
 
 * ``blocks.safetensors``: per block its parameters (``{block}/param``) and
   every tensor of its optimizer state (``{block}/state/{name}``);
-* ``manifest.json``: the round, each block's spec, the SHA-256 and size of
-  the tensor file, and the manifest's own format version.
+* ``manifest.json``: the round, each block's spec, the CRC-32 and size of
+  the tensor file, and the manifest's own format version (format 2, which
+  held a SHA-256 instead, is still read).
 
 It is written into a hidden temporary folder, every file is fsynced, the
 folder is renamed into place and the parent fsynced, so a reader sees either
@@ -28,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,8 @@ from imerge.core.errors import IMergeError
 from imerge.core.optim import OptimizerSpec
 
 log = logging.getLogger(__name__)
-FORMAT = 2  # 2: optimizer specs as JSON, per-piece optimizer state
+FORMAT = 3  # 2: optimizer specs as JSON, per-piece optimizer state; 3: the file's CRC-32 instead of its SHA-256
+READ_FORMATS = (2, 3)
 TENSORS = "blocks.safetensors"
 MANIFEST = "manifest.json"
 _PREFIX = "round-"
@@ -83,6 +86,24 @@ def _sha256(path: Path) -> str:
         while chunk := stream.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _crc32(path: Path) -> int:
+    """The file's CRC-32: what a torn write or a flipped bit on the volume changes, at 3.5x SHA-256's speed
+    (4.6 against 16 ms for a 33.5 MB checkpoint here: the shard writes one every ``--checkpoint-every``
+    rounds). A checksum against accidents, not against someone who can write the volume."""
+    value = 0
+    with open(path, "rb") as stream:
+        while chunk := stream.read(4 << 20):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _checksum_problem(manifest: dict[str, Any], path: Path) -> str | None:
+    """Why the tensor file fails the manifest's checksum (CRC-32, or a format-2 SHA-256); None if it passes."""
+    if "crc32" in manifest:
+        return None if _crc32(path) == manifest["crc32"] else "fails its CRC-32 checksum"
+    return None if _sha256(path) == manifest.get("sha256") else "fails its SHA-256 checksum"
 
 
 class CheckpointStore:
@@ -146,7 +167,7 @@ class CheckpointStore:
         _fsync(temporary / TENSORS)
         manifest = {"format": FORMAT, "shard": self.shard, "run": self.run, "round": round_, "created": time.time(),
                     "file": TENSORS, "bytes": (temporary / TENSORS).stat().st_size,
-                    "sha256": _sha256(temporary / TENSORS),
+                    "crc32": _crc32(temporary / TENSORS),
                     "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
                                             "optimizer": b.optimizer.to_json(), "segments": list(b.segments),
                                             "compression": b.compression,
@@ -184,7 +205,7 @@ class CheckpointStore:
             raise CheckpointError(f"{what} does not exist (complete rounds: {self.rounds()})") from None
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"{what}: unreadable manifest: {exc}") from None
-        if manifest.get("format") != FORMAT or manifest.get("round") != round_:
+        if manifest.get("format") not in READ_FORMATS or manifest.get("round") != round_:
             raise CheckpointError(f"{what}: manifest has format {manifest.get('format')} and round "
                                   f"{manifest.get('round')}")
         if self.run is not None and manifest.get("run") != self.run:
@@ -192,8 +213,9 @@ class CheckpointStore:
         tensor_file = path / manifest["file"]
         if not tensor_file.is_file() or tensor_file.stat().st_size != manifest["bytes"]:
             raise CheckpointError(f"{what}: {manifest['file']} is missing or not {manifest['bytes']} bytes")
-        if _sha256(tensor_file) != manifest["sha256"]:
-            raise CheckpointError(f"{what}: {manifest['file']} fails its SHA-256 checksum")
+        problem = _checksum_problem(manifest, tensor_file)
+        if problem:
+            raise CheckpointError(f"{what}: {manifest['file']} {problem}")
         tensors = load_file(str(tensor_file))
         blocks = {}
         for block_id, spec in manifest["blocks"].items():
