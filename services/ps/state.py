@@ -457,7 +457,8 @@ class Shard(Pulls):
     def after_round(self, block: BlockState) -> None:
         """On the event loop, once a round of ``block`` completed: a checkpoint, if one is due."""
         if self.blocks.get(block.meta.block_id) is block:  # not replaced by a restore meanwhile
-            self.maybe_checkpoint()
+            if self._checkpoint_due(block.round):  # the blocks' common round, if they have one: no look at all
+                self.maybe_checkpoint()            # of them after every round of every block
             if self._final is not None and not self._final.done() and self.common_round() is not None:
                 self._final.set_result(None)
 
