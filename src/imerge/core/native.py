@@ -68,9 +68,9 @@ class DataPlane:
         ``start`` came in earlier calls) from ``sock``; return (bytes received by this call, every float32
         element it completed is finite, state): RECV_DONE when all arrived, RECV_CLOSED when the peer closed
         first, RECV_TIMEOUT when nothing arrived for the socket's timeout, RECV_PAUSED when the call returned
-        early (after ``budget_s``, None: never; the Python path after each ``recv``) so that the caller checks the sender's
-        rate before it calls again. The native path needs a plain socket (a TLS socket's bytes must pass its
-        decryption)."""
+        early (after ``budget_s``, None: never; the Python path after each ``recv``) so that the caller checks
+        the sender's rate before it calls again. The native path needs a plain socket (a TLS socket's bytes must
+        pass its decryption)."""
         if self._native is not None and type(sock) is socket.socket:
             timeout = sock.gettimeout()
             timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)

@@ -173,11 +173,11 @@ def read_head(conn: Conn, max_payload: int, what: str) -> tuple[FrameHeader, byt
     reads the rest). From a plain socket the data plane reads both in one call, the GIL released once."""
     plain = plain_socket(conn)
     head = data_plane().recv_head(plain, HEADER.size, META_LENGTH_AT, SMALL_META_BYTES) if plain else None
-    if head is None:
+    if plain is None or head is None:
         return read_header(conn, max_payload, what), b""
     state, data = head
     if state == RECV_TIMEOUT:
-        raise TimeoutError(f"{what}: nothing for {plain.gettimeout()}s")  # type: ignore[union-attr]
+        raise TimeoutError(f"{what}: nothing for {plain.gettimeout()}s")
     if state == RECV_CLOSED:
         if not data:
             raise ChannelClosed(f"{what}: the connection closed", clean=True)
