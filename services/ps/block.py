@@ -163,7 +163,7 @@ class BlockState:
         self.sparse = meta.mode.sparse
         self.held = init.clone() if self.sparse else None  # top-k: what every worker holds of the parameters
         # one dense fp32 row per worker, made on the first dense push, with the bytes of each row
-        self._grads: tuple[torch.Tensor, list[memoryview]] | None = None
+        self._grad_rows: tuple[torch.Tensor, list[memoryview]] | None = None
         self._mean: torch.Tensor | None = None   # the round's average of the rows (the steps' gradient)
         self.sparse_grads: list[Payload | None] = [None] * meta.num_workers  # top-k: each worker's, as it came
         self.rows = [Row() for _ in range(meta.num_workers)]  # each worker's pushes, serialized
@@ -204,12 +204,12 @@ class BlockState:
         return self._rows()[1][worker]
 
     def _rows(self) -> tuple[torch.Tensor, list[memoryview]]:
-        if self._grads is None:
+        if self._grad_rows is None:
             with _GRADS_MADE:
-                if self._grads is None:
+                if self._grad_rows is None:
                     grads = torch.zeros(self.meta.num_workers, self.meta.numel)
-                    self._grads = (grads, [tensor_view(row) for row in grads])
-        return self._grads
+                    self._grad_rows = (grads, [tensor_view(row) for row in grads])
+        return self._grad_rows
 
     def full_snapshot(self) -> Snapshot:
         """What a fetch sends: every element of what the workers hold (a top-k block's pull snapshot is an update
@@ -295,7 +295,7 @@ class BlockState:
         or AdamW, state that torch's first step has not made yet, or a machine whose probe of the variant
         found other bits than torch's."""
         buffers = self._buffers
-        if buffers is None or buffers.dtype != "float32" or self._grads is None or no_grad or options.assign or \
+        if buffers is None or buffers.dtype != "float32" or self._grad_rows is None or no_grad or options.assign or \
                 options.loss_scale or options.max_norm or options.clip_value or \
                 self.meta.num_workers > MAX_FUSED_ROWS:
             return None
