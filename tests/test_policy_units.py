@@ -138,7 +138,7 @@ def test_recovery_picks_the_newest_round_every_shard_holds_and_ignores_old_repor
 # -- the shards' agreement on a round's scalars (services/ps/rounds.py) -------------------------------------
 def test_every_block_of_a_round_steps_with_the_same_totals_of_every_shard():
     from imerge.control.messages import RoundScalars
-    from services.ps.rounds import Agreements
+    from imerge.ps.rounds import Agreements
 
     async def scenario():
         async def exchange(round_, mine):  # another shard contributes 4.0 and an inf
@@ -159,7 +159,7 @@ def test_every_block_of_a_round_steps_with_the_same_totals_of_every_shard():
 def test_a_failed_exchange_fails_every_block_of_the_round_and_a_second_report_is_refused():
     from imerge.core.errors import FailedPrecondition, WaitTimeout
     from imerge.control.messages import RoundScalars
-    from services.ps.rounds import Agreements
+    from imerge.ps.rounds import Agreements
 
     async def scenario():
         async def exchange(round_, mine):
@@ -184,7 +184,7 @@ def test_a_restore_forgets_the_rounds_awaiting_agreement():
     """After reset (a restore replaced the blocks), the restored blocks report the same round afresh: neither
     refused as reported twice nor summed with the scalars of the blocks they replaced."""
     from imerge.control.messages import RoundScalars
-    from services.ps.rounds import Agreements
+    from imerge.ps.rounds import Agreements
 
     async def scenario():
         agreements = Agreements()
