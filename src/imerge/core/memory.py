@@ -40,6 +40,13 @@ def user_allocator(environ: Mapping[str, str]) -> str | None:
     return next((f"LD_PRELOAD ({lib})" for lib in ("jemalloc", "tcmalloc", "mimalloc") if lib in preload), None)
 
 
+def _glibc() -> bool:
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (AttributeError, OSError, ValueError):  # no confstr (Windows), or a C library that does not know it (musl)
+        return False
+
+
 def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
     """Fix glibc's thresholds (see the module's doc) unless the user decides them; whether they are fixed now.
     Idempotent: the first call of a process decides."""
@@ -54,9 +61,12 @@ def _apply(environ: Mapping[str, str]) -> bool:
     if choice is not None:
         log.debug("malloc: left as %s sets it", choice)
         return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:  # not glibc (musl, macOS): its allocator is left alone
-        log.debug("malloc: no mallopt in this C library; left alone")
+    try:
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    except (OSError, TypeError):  # no C library to open by name (Windows)
+        mallopt = None
+    if mallopt is None or not _glibc():  # another C library's allocator is left alone
+        log.debug("malloc: not glibc's; left alone")
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     fixed = all(mallopt(option, value) == 1 for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
