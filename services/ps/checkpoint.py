@@ -30,6 +30,7 @@ import os
 import shutil
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,16 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as stream:
+        while chunk := stream.read(4 << 20):
+            yield chunk
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(1 << 20):
-            digest.update(chunk)
+    for chunk in _chunks(path):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -93,9 +99,8 @@ def _crc32(path: Path) -> int:
     (4.6 against 16 ms for a 33.5 MB checkpoint here: the shard writes one every ``--checkpoint-every``
     rounds). A checksum against accidents, not against someone who can write the volume."""
     value = 0
-    with open(path, "rb") as stream:
-        while chunk := stream.read(4 << 20):
-            value = zlib.crc32(chunk, value)
+    for chunk in _chunks(path):
+        value = zlib.crc32(chunk, value)
     return value
 
 

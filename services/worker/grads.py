@@ -41,7 +41,7 @@ class LocalGrads:
 
     def zero_stale(self, group: GroupRuntime) -> None:
         """The pieces of a pushed slice that got no gradient since become zeros (its push is out: the caller
-        waited); the whole slice is this sync's from here on."""
+        waited: ``rounds.settle_stale``); the whole slice is this sync's from here on."""
         if not group.dirty:
             return
         if not group.given or not self.bucket_views:

@@ -216,9 +216,7 @@ def _carry_out(state: HookState, actions: list[Action]) -> None:
             state.waits.pushed(group, "its previous push to finish")
         elif isinstance(action, Unfinished):  # the gradients that did not come count as zeros
             group.seen.clear()
-            if group.dirty:  # pieces of its slice still hold the last push
-                state.waits.pushed(group, "its previous push to finish")
-                state.grads.zero_stale(group)
+            rounds.settle_stale(state, group)
             state.grads.none_without_gradient(group)
         elif isinstance(action, Enqueue):
             _send(state, group)

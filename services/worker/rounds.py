@@ -30,9 +30,7 @@ def enqueue(state: HookState, group: GroupRuntime, context: RoundContext, assign
     options = {b.block_id: context.options(units[b.unit].group, assign) for b in group.blocks}
     no_grad = {b.block_id: tuple(i for i, pid in enumerate(table.pieces_of[b.block_id]) if pid not in group.given)
                for b in group.blocks}
-    if group.dirty:  # pieces of the last push that no gradient overwrote count as zeros
-        state.waits.pushed(group, "its previous push to finish")
-        state.grads.zero_stale(group)
+    settle_stale(state, group)
     group.given.clear()
     comm = state.comm
     ready = comm.staging.group_complete(group.group.offset, group.group.numel)  # returns at once
@@ -73,6 +71,14 @@ def assign(state: HookState) -> None:
     for group in state.table.groups:
         enqueue(state, group, context, assign=True)
     state.waits.all(state.table)
+
+
+def settle_stale(state: HookState, group: GroupRuntime) -> None:
+    """The pieces of the group's last push that no gradient overwrote since count as zeros: they are zeroed once
+    that push is out (a group whose slice holds no push is left as it is)."""
+    if group.dirty:
+        state.waits.pushed(group, "its previous push to finish")
+        state.grads.zero_stale(group)
 
 
 def settle_accumulator(state: HookState) -> None:

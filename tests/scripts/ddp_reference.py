@@ -17,16 +17,14 @@ import runpy
 import sys
 import traceback
 
-from imerge.bench.ddp_baseline import leave
-
-_KEPT: list[object] = []
+from imerge.bench.ddp_baseline import keep, leave
 
 
 def run(script: str, arguments: list[str]) -> int:
     sys.argv = [script, *arguments]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:  # the script's globals (its model) are kept: leave() exits without freeing them
-        _KEPT.append(runpy.run_path(script, run_name="__main__"))
+        keep(runpy.run_path(script, run_name="__main__"))
     except SystemExit as leaving:
         if leaving.code is None or isinstance(leaving.code, int):
             return leaving.code or 0

@@ -50,7 +50,7 @@ def main() -> int:
     # A rank that has not finished its first iteration by then prints every thread's stack to its log and exits
     # 1, which the launcher restarts: a rank stuck in torch's rendezvous past init_process_group's own timeout.
     # (The testbed's hang blamed on the rendezvous, one clean-clone suite run in three, was, where a stack was
-    # caught, the deadlock at the rank's exit that _KEPT prevents: see leave.)
+    # caught, the deadlock at the rank's exit that keep() prevents: see leave.)
     faulthandler.dump_traceback_later(float(os.environ.get("IMERGE_DDP_STARTUP_S", STARTUP_WATCHDOG_S)), exit=True)
     dist.init_process_group(backend, init_method=f"tcp://{os.environ.get('IMERGE_DDP_MASTER', '127.0.0.1:29500')}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
@@ -80,13 +80,18 @@ def main() -> int:
     dist.barrier()
     dist.destroy_process_group()
     progress.report("summary", iterations=iteration, loss=loss.detach().item())
-    _KEPT.extend((model, optimizer))  # freed by no one: the process leaves without destructors (see leave)
+    keep(model, optimizer)
     return 0
 
 
+def keep(*objects: object) -> None:
+    """Never free ``objects`` (a DDP model, what holds one): the process leaves without destructors (see leave)."""
+    _KEPT.extend(objects)
+
+
 def leave(status: int) -> NoReturn:
-    """Ends the process without the interpreter's teardown, and without freeing the DDP model (``main`` keeps it
-    in ``_KEPT``). torch 2.13's gloo worker thread drops its last reference to a collective launched during
+    """Ends the process without the interpreter's teardown, and without freeing the DDP model (``main`` passes
+    it to :func:`keep`). torch 2.13's gloo worker thread drops its last reference to a collective launched during
     backward() after the rank has seen it complete, and that drop takes the GIL (the collective holds the
     autograd engine's Python context). When the rank reaches finalization first, Python ends the waiting thread
     and its unwinding aborts the process ("terminate called without an active exception"): 12 of 120 runs of

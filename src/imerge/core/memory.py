@@ -16,6 +16,7 @@ PyTorch's caching allocator's and is not concerned.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -27,7 +28,6 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit): larger blocks are mapped
 TRIM_THRESHOLD_BYTES = 1 << 30   # free memory at the heap's top kept up to this much
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
-_applied: list[bool] = []  # once per process
 
 
 def user_allocator(environ: Mapping[str, str]) -> str | None:
@@ -47,13 +47,11 @@ def _glibc() -> bool:
         return False
 
 
-def keep_freed_memory(environ: Mapping[str, str] = os.environ) -> bool:
+@functools.cache
+def keep_freed_memory() -> bool:
     """Fix glibc's thresholds (see the module's doc) unless the user decides them; whether they are fixed now.
     Idempotent: the first call of a process decides."""
-    if _applied:
-        return _applied[0]
-    _applied.append(_apply(environ))
-    return _applied[0]
+    return _apply(os.environ)
 
 
 def _apply(environ: Mapping[str, str]) -> bool:
