@@ -744,7 +744,10 @@ def test_a_group_completion_returns_before_its_copy_and_the_push_waits_for_it(lo
     assert groups_pushed_in_the_second_round() == set()  # nothing left before its copy is done
     for gate in staging.gates:
         gate.done.set()
-    model.synchronize()
+    model.synchronize()  # (the pulls are done; a push's acknowledgement may reach the timeline a moment later)
+    deadline = time.monotonic() + 10
+    while len(groups_pushed_in_the_second_round()) < len(model.engine.groups) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert len(groups_pushed_in_the_second_round()) == len(model.engine.groups)
 
 
