@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.core.config import CommonConfig, TlsConfig, option, require
+from imerge.core.config import CommonConfig, ThreadPolicyConfig, TlsConfig, option, require
 from imerge.core.native import CHOICES
 
 
 @dataclasses.dataclass(frozen=True)
-class PSConfig(TlsConfig, CommonConfig):
+class PSConfig(ThreadPolicyConfig, TlsConfig, CommonConfig):
     shard_index: int = option(0, "index of this shard, 0-based")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "gRPC port to listen on (0: any free port)")

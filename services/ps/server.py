@@ -26,6 +26,7 @@ from imerge.control.messages import PostedScalars, RoundScalars
 from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.memory import keep_freed_memory
+from imerge.core.scheduling import apply_thread_policy
 from imerge.core.native import data_plane
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
                                 ResourceExhausted)
@@ -490,6 +491,7 @@ async def serve(config: PSConfig) -> int:
     # on one thread, 1.3-2.4 ms on two).
     torch.set_num_threads(1)
     keep_freed_memory()  # a round's large buffers come back every round: their pages stay (core/memory.py)
+    apply_thread_policy(config.thread_policy, f"shard {config.shard_index}", whole_process=True)  # the rest inherit
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -509,15 +511,20 @@ async def serve(config: PSConfig) -> int:
 
 
 class ThreadedShard:
-    """A shard served from a background thread's event loop (tests, embedding)."""
+    """A shard served from a background thread's event loop (tests, embedding), under ``--thread-policy``
+    (the threads it starts inherit it; the embedding process's own threads keep theirs)."""
 
     def __init__(self, config: PSConfig):
         self.server = ShardServer(config)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"shard-{config.shard_index}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config.thread_policy,),
+                                        name=f"shard-{config.shard_index}", daemon=True)
         self._thread.start()
         self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(30)
+
+    def _run(self, thread_policy: str) -> None:
+        apply_thread_policy(thread_policy, self._thread.name)
+        self._loop.run_forever()
 
     @property
     def shard(self) -> Shard:

@@ -23,6 +23,7 @@ from imerge.core.knobs import apply
 from imerge.core.modes import BlockMode, block_modes
 from imerge.core.planning import Plan
 from imerge.core.queue import STOP, CommQueue
+from imerge.core.scheduling import apply_thread_policy
 from imerge.core.slots import NoSlots, effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
 
@@ -40,12 +41,17 @@ T = TypeVar("T")
 
 
 class CommLoop:
-    """The worker's comm thread: an asyncio event loop running in a daemon thread."""
+    """The worker's comm thread: an asyncio event loop running in a daemon thread, under ``thread_policy``
+    (:mod:`imerge.core.scheduling`), which the data channel's call threads it starts inherit."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, thread_policy: str = "normal"):
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(thread_policy,), name=name, daemon=True)
         self._thread.start()
+
+    def _run(self, thread_policy: str) -> None:
+        apply_thread_policy(thread_policy, self._thread.name)
+        self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

@@ -5,7 +5,7 @@ import dataclasses
 
 from collections.abc import Mapping
 
-from imerge.core.config import CommonConfig, TlsConfig, flag_name, option, require
+from imerge.core.config import CommonConfig, ThreadPolicyConfig, TlsConfig, flag_name, option, require
 from imerge.core.errors import ConfigError
 from imerge.core.schedule_config import MIB, ScheduleConfig
 
@@ -14,7 +14,7 @@ TORCHRUN = "TORCHELASTIC_RUN_ID"  # torchrun (torch.distributed.run) sets it in 
 
 
 @dataclasses.dataclass(frozen=True)
-class WorkerConfig(ScheduleConfig, TlsConfig, CommonConfig):
+class WorkerConfig(ScheduleConfig, ThreadPolicyConfig, TlsConfig, CommonConfig):
     rank: int = option(0, "this worker's rank, 0-based", aliases=("RANK",))
     world_size: int = option(1, "number of workers in the job", aliases=("WORLD_SIZE",))
     pull_timeout_s: float = option(60.0, "longest a pull waits for the other workers")

@@ -73,7 +73,7 @@ class SyncEngine:
         self.params = [by_name[n] for n in names]
         self.names = {id(by_name[n]): n for n in names}  # id(param) -> its qualified name, for messages
         self.flat = FlatParams(self.params)
-        self.loop = CommLoop(f"imerge-comm-{config.rank}")
+        self.loop = CommLoop(f"imerge-comm-{config.rank}", config.thread_policy)
         self.comm = open_comm(self.loop, config, plan, store, self.flat, self.metrics, self.timeline, generation)
         self.blocks = ShardBlocks(self.comm.clients, self.flat, self.comm.compression, config.rpc_timeout_s,
                                   config.wait_timeout_s, generation)

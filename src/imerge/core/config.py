@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 from imerge.core.errors import ConfigError
+from imerge.core.scheduling import THREAD_POLICIES
 
 C = TypeVar("C", bound="DataclassInstance")
 LAUNCH_FLAGS_ENV = "IMERGE_LAUNCH_FLAGS"  # the fields whose flags ``imerge launch`` was given with a script
@@ -197,6 +198,18 @@ class CommonConfig:
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
                 f"expected redis://host:port/db, got {self.redis_url!r}")
         require(self.wait_timeout_s > 0, "wait_timeout_s", "must be positive")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadPolicyConfig:
+    """The scheduling policy of a shard's or a worker's data-path threads (:mod:`imerge.core.scheduling`)."""
+
+    thread_policy: str = option("batch", "Linux scheduling policy of the data path's threads (a shard's every "
+                                         "thread, a worker's comm threads; the training thread keeps its own): "
+                                         "batch (SCHED_BATCH: a woken thread does not preempt the one that woke "
+                                         "it, which holds the interpreter lock: half the context switches) or "
+                                         "normal (the system's default). A policy set with chrt is kept",
+                                choices=THREAD_POLICIES)
 
 
 @dataclasses.dataclass(frozen=True)
