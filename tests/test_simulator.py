@@ -208,7 +208,7 @@ def test_the_simulated_plan_is_the_one_the_coordinator_publishes(redis_url):
         store.register_shard(shard, f"ps{shard}")
     layout = layout_of(build_model("resnet18"))  # the real model's parameters, as the workers submit them
     for rank in range(3):
-        store.submit_layout(rank, LayoutSubmission(layout, schedule.plan_options()))
+        store.submit_layout(rank, LayoutSubmission(layout, schedule.plan_options(1000.0)))  # --link-mbps: 1 Gbit/s
     store.submit_profile(Profile(**job.submitted_profile))
     plan = Coordinator(CoordinatorConfig(job=name, redis_url=redis_url, num_workers=3, num_shards=2,
                                          wait_timeout_s=10), store).publish_plan()

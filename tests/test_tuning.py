@@ -41,7 +41,7 @@ def test_the_tuner_keeps_what_the_user_pinned_and_the_period():
     base = ScheduleConfig(fusion="size", slots="ack", slot_scope="group", slot_width=1, interleave_period=2)
     report = tune(PROFILE, CLUSTER, Constants(), base, {"fusion", "slot_scope", "partition_mib", "placement"})
     chosen = chosen_schedule(report, base)
-    assert (chosen.fusion, chosen.slot_scope, chosen.partition_mib, chosen.placement) == ("size", "group", 1.0, "lpt")
+    assert (chosen.fusion, chosen.slot_scope, chosen.partition_mib, chosen.placement) == ("size", "group", 0.0, "lpt")
     assert chosen.interleave_period == 2 and chosen.compression == "none"  # compression only where allowed
     assert set(report.chosen.knobs) == {"priority"}
     assert sorted(report.pinned) == ["fusion", "partition", "placement", "slots"]
@@ -83,7 +83,11 @@ def test_partitions_that_cut_the_same_blocks_are_simulated_once(monkeypatch):
     assert {t.knobs["partition"] for t in report.trials} == set(KNOBS["partition"])
     assert len({t.mean_iteration_s for t in report.trials}) == 1 and len(calls) == 1
     narrow = tune(PROFILE, CLUSTER, Constants(), ScheduleConfig(), pinned_except("partition"))  # 2 shards: they differ
-    assert len({t.mean_iteration_s for t in narrow.trials}) == 3 and len(calls) == 4
+    assert len({t.mean_iteration_s for t in narrow.trials}) == 4 and len(calls) == 5  # auto: 4.8 MiB at 10 Gbit/s
+    slow = tune(PROFILE, dataclasses.replace(CLUSTER, worker_gbit=1.0), Constants(), ScheduleConfig(),
+                pinned_except("partition"))  # at 1 Gbit/s auto cuts 1 MiB blocks: simulated once for both
+    by_knob = {t.knobs["partition"]: t.mean_iteration_s for t in slow.trials}
+    assert by_knob["auto"] == by_knob["1 MiB"] and len(set(by_knob.values())) == 3 and len(calls) == 8
 
 
 def test_explain_prints_the_choice_the_runner_up_and_auto_beside_the_strategies(tmp_path, capsys):

@@ -28,6 +28,7 @@ C = TypeVar("C", bound="DataclassInstance")
 LAUNCH_FLAGS_ENV = "IMERGE_LAUNCH_FLAGS"  # the fields whose flags ``imerge launch`` was given with a script
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+DEFAULT_LINK_MBPS = 10000.0  # --link-mbps: a 10 Gbit/s link
 
 
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
@@ -176,8 +177,9 @@ class CommonConfig:
                                   "start; -1: off)")
     metrics_host: str = option("", "address /metrics listens on (empty: a shard's --host, 127.0.0.1 for the other "
                                    "roles; 0.0.0.0 where a Prometheus on another host scrapes it)")
-    link_mbps: float = option(10000.0, "capacity of this host's network link, Mbit/s (the denominator of "
-                                       "link utilization)")
+    link_mbps: float = option(DEFAULT_LINK_MBPS, "capacity of this host's network link, Mbit/s (the denominator "
+                                                 "of link utilization; a worker's sets the blocks' size where "
+                                                 "--partition-mib is 0)")
     ports_file: str = option("", "once bound, write the ports this process listens on to this file (JSON: "
                                  "metrics, and a shard's grpc), so that whoever started it learns them: "
                                  "imerge launch binds every port 0")

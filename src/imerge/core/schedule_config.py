@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Self
 
 from imerge.core.modes import MODES, CompressionSpec
-from imerge.core.config import check_choices, option, require
+from imerge.core.config import DEFAULT_LINK_MBPS, check_choices, option, require
 from imerge.core.knobs import JOB_KNOBS, TUNE_AUTO, TUNE_NONE, free_job_knobs, parse_tune
-from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions
+from imerge.core.planning import FUSIONS, PLACEMENTS, PlanOptions, auto_partition_bytes
 from imerge.core.slots import SLOT_SCOPES, SLOTS
 
 BUFFER_MODES = ("broadcast", "average", "off")  # model buffers: see the worker's model_buffers
@@ -39,8 +39,9 @@ class ScheduleConfig:
                                  "cost (profiled cost model)", choices=FUSIONS)
     size_cap_mib: float = option(25.0, "byte cap of a group with --fusion size, MiB")
     first_cap_mib: float = option(1.0, "byte cap of the first group with --fusion size, MiB")
-    partition_mib: float = option(1.0, "blocks larger than this are split into partitions (a multiple of the "
-                                       "shard count per split layer), MiB")
+    partition_mib: float = option(0.0, "blocks larger than this are split into partitions (a multiple of the "
+                                       "shard count per split layer), MiB; 0: from --link-mbps, the bytes of 4 ms "
+                                       "on the link between 1 and 8 MiB (1 MiB up to 2 Gbit/s, 4.8 at 10)")
     placement: str = option("lpt", "block placement: lpt (blocks of at most the partition, smaller where the shards "
                             "are many, largest first onto the least loaded shard of their phase), stripe (every "
                             "shard exactly the same bytes of each phase in fewer blocks, but a group's layers on "
@@ -95,7 +96,8 @@ class ScheduleConfig:
             except ValueError as exc:
                 require(False, "tune", str(exc))
         for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
-            require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
+            require(getattr(self, name) * MIB >= 4 or (name == "partition_mib" and self.partition_mib == 0), name,
+                    "must be at least 4 bytes" + (" (or 0: from --link-mbps)" if name == "partition_mib" else ""))
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
         require(self.slot_width >= 0, "slot_width", "must be >= 0 (0: the number of shards)")
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
@@ -136,9 +138,14 @@ class ScheduleConfig:
         """The knobs the coordinator may choose for this job."""
         return parse_tune(self.tuned(self.explicit_fields()).tune)
 
-    def plan_options(self) -> PlanOptions:
+    def partition_bytes(self, link_mbps: float) -> int:
+        """The partition cap: ``--partition-mib``, or where it is 0 the one for a worker link of ``link_mbps``."""
+        return int(self.partition_mib * MIB) if self.partition_mib else auto_partition_bytes(link_mbps)
+
+    def plan_options(self, link_mbps: float = DEFAULT_LINK_MBPS) -> PlanOptions:
+        """The options the plan depends on, for workers whose links carry ``link_mbps`` (``--link-mbps``)."""
         return PlanOptions(fusion=self.fusion, size_cap_bytes=int(self.size_cap_mib * MIB),
                            first_cap_bytes=int(self.first_cap_mib * MIB),
-                           partition_bytes=int(self.partition_mib * MIB), placement=self.placement,
+                           partition_bytes=self.partition_bytes(link_mbps), placement=self.placement,
                            period=self.interleave_period, tune=",".join(self.tuned_knobs),
                            retune_window=self.retune_window if self.tuned_knobs else 0)

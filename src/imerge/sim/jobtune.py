@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from imerge.core.knobs import KNOBS
 from imerge.core.planning import Layout, Plan, PlanOptions, fuse_cost, make_plan
-from imerge.core.schedule_config import ScheduleConfig
+from imerge.core.schedule_config import MIB, ScheduleConfig
 
 from .cluster import GBIT, Cluster, Constants
 from .profiles import ModelProfile, from_measurement
@@ -159,7 +159,8 @@ def decide(profile: Profile, plan: Plan, options: PlanOptions, base: ScheduleCon
            queue_kb: float = 0.0, calibration: Constants | None = None,
            progress: Callable[[str], None] = lambda line: None) -> JobDecision:
     """The knobs of ``options.tune`` chosen for the job (the others as ``base`` has them)."""
-    base = dataclasses.replace(base, fusion=options.fusion, tune="none")
+    base = dataclasses.replace(base, fusion=options.fusion, tune="none",  # the job's own blocks, whatever the link
+                               partition_mib=options.partition_bytes / MIB)
     cluster, constants = job_cluster(profile, plan, link_gbit, queue_kb), job_constants(profile, calibration)
     model = uncontended(job_profile(profile, plan), cluster, constants, base, profile.iteration_s)
     report = tune(model, cluster, constants, base, only=options.tuned_knobs, progress=progress)

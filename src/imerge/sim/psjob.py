@@ -115,7 +115,8 @@ class WorkerClass:
 def first_plan(profile: ModelProfile, cluster: Cluster, schedule: ScheduleConfig) -> Plan:
     """The plan a simulated job starts with: the coordinator's for the same layout, workers, shards and options."""
     addresses = tuple(f"ps{s}" for s in range(cluster.shards))
-    return make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN, schedule.plan_options())
+    return make_plan(profile.layout(), cluster.workers, addresses, FIRST_PLAN,
+                     schedule.plan_options(cluster.worker_gbit * 1000))
 
 
 def lane_positions(schedule: ScheduleConfig, cluster: Cluster) -> list[tuple[int, int]]:
@@ -399,7 +400,7 @@ class PSJob:
             known = self.profile.cost_groups  # a job's own decision: the groups its coordinator will make
             groups = [list(g) for g in known] if known is not None else fuse_cost(ready, unit_bytes, alpha, beta)
             plan = make_plan(self.profile.layout(), self.cluster.workers, self.first_plan.shard_addresses, COST_PLAN,
-                             self.schedule.plan_options(), groups=groups,
+                             self.schedule.plan_options(self.cluster.worker_gbit * 1000), groups=groups,
                              blocks_of=self.first_plan.blocks)
             self.published = plan
             self._index_plan(plan)
