@@ -379,11 +379,11 @@ def test_the_cores_sweep_recommends_the_fewest_cores_within_5_percent_of_the_fre
     assert "| resnet50-like | 32 | 25 | imerge | 8 | 32 | 1.00 | 9.00 | 1.04 |" in table
     assert "| resnet50-like | 32 | 25 | ddp | - | 32+ | 0.80 | 2.00 | - |" in table
     # one real task of the sweep: a shard host of one core is the limit of ResNet-50 at 25 Gbit/s (a busy link
-    # each way needs 2 x 3.125 GB/s x 0.34 ns = 2.1 of its cores)
+    # each way needs 2 x 3.125 GB/s x 0.28 ns = 1.75 of its cores)
     config = SimConfig(iters=4)
     free, one = (run_task(Task("cores", "resnet50-like", 32, 16, 25.0, "imerge", shard_cores=c), config,
                           ScheduleConfig(), Constants()) for c in (0.0, 1.0))
-    assert one.mean_iteration_s > 1.3 * free.mean_iteration_s
+    assert one.mean_iteration_s > 1.2 * free.mean_iteration_s
 
 
 def test_projections_name_an_unknown_sweep(capsys, tmp_path, monkeypatch):

@@ -68,14 +68,15 @@ class Constants:
     host_gbit: float = 0.0          # the most one flow of a host's data path moves (0: only the link limits it)
     # On real hosts (cores = 0), every process's data path spends CPU on each byte it sends or receives, across
     # all its flows, on the cores the cluster gives it (``shard_cores``, ``worker_cores``): core seconds per
-    # byte, as `imerge bench datapath --rounds 3` measured them (commit 75af65f: the data channel, whose connection
-    # threads carry the pushes, pulls and steps, and gRPC's path, on the native data plane, freed pages kept;
-    # gloo, with the same allocator setting; docs/benchmarks.md, issue 46).
-    shard_cpu_per_byte: float = 0.34e-9       # a shard process, --data-path socket
-    worker_cpu_per_byte: float = 0.41e-9      # a worker process, --data-path socket
-    grpc_shard_cpu_per_byte: float = 0.79e-9  # the same on gRPC's data path (--data-path grpc)
-    grpc_worker_cpu_per_byte: float = 0.68e-9
-    ddp_cpu_per_byte: float = 0.48e-9         # a DDP worker's gloo ring, per byte it sends or receives
+    # byte, as `imerge bench datapath --rounds 3` measured them (commit 9a0786a: the data channel, whose connection
+    # threads carry the pushes, pulls and steps, and gRPC's path, on the native data plane, freed pages kept,
+    # threads under SCHED_BATCH, blocks of 4 ms of a 10 Gbit/s link; gloo, with the same allocator setting;
+    # docs/benchmarks.md, issue 46).
+    shard_cpu_per_byte: float = 0.28e-9       # a shard process, --data-path socket
+    worker_cpu_per_byte: float = 0.34e-9      # a worker process, --data-path socket
+    grpc_shard_cpu_per_byte: float = 0.68e-9  # the same on gRPC's data path (--data-path grpc)
+    grpc_worker_cpu_per_byte: float = 0.64e-9
+    ddp_cpu_per_byte: float = 0.46e-9         # a DDP worker's gloo ring, per byte it sends or receives
 
     def data_path_costs(self, data_path: str) -> tuple[float, float]:
         """(shard, worker) core seconds per byte on real hosts for ``data_path`` (socket or grpc)."""
