@@ -94,3 +94,16 @@ def test_a_workers_comm_and_data_threads_run_batch_and_the_training_thread_keeps
     assert any(name.startswith("imerge-data") for name in ours), f"no data channel thread among {sorted(ours)}"
     assert {name: thread_policy(tid) for name, tid in ours.items()} == {name: "SCHED_BATCH" for name in ours}
     assert thread_policy() == "SCHED_OTHER"
+
+
+def test_a_system_that_refuses_the_policy_leaves_the_default_with_one_log_line(monkeypatch, caplog):
+    def refused(*args):  # as a seccomp profile that forbids sched_setscheduler answers
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refused)
+    with caplog.at_level("INFO", logger="imerge.core.scheduling"):
+        assert in_thread(lambda: (apply_thread_policy("batch", "shard 3", whole_process=True), thread_policy())) \
+            == (False, "SCHED_OTHER")
+    assert [r.getMessage() for r in caplog.records] == [
+        "shard 3: the system refused SCHED_BATCH ([Errno 1] Operation not permitted); its threads keep the default "
+        "policy"]

@@ -35,8 +35,7 @@ def apply_thread_policy(policy: str, what: str, whole_process: bool = False) -> 
     batch = getattr(os, "SCHED_BATCH", None)
     if policy != "batch" or batch is None or not hasattr(os, "sched_setscheduler"):
         return False
-    others = [int(task) for task in os.listdir("/proc/self/task") if int(task) != threading.get_native_id()] \
-        if whole_process else []
+    others = _other_threads() if whole_process else []
     try:
         changed = _to_batch(0, batch)
         for tid in others:
@@ -46,6 +45,15 @@ def apply_thread_policy(policy: str, what: str, whole_process: bool = False) -> 
         log.info("%s: the system refused SCHED_BATCH (%s); its threads keep the default policy", what, exc)
         return False
     return changed
+
+
+def _other_threads() -> list[int]:
+    """The ids of this process's threads but the calling one (none where /proc cannot be read)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    return [int(task) for task in tasks if int(task) != threading.get_native_id()]
 
 
 def _to_batch(tid: int, batch: int) -> bool:
