@@ -95,9 +95,10 @@ class ScheduleConfig:
                 parse_tune(self.tune)
             except ValueError as exc:
                 require(False, "tune", str(exc))
-        for name in ("size_cap_mib", "first_cap_mib", "partition_mib"):
-            require(getattr(self, name) * MIB >= 4 or (name == "partition_mib" and self.partition_mib == 0), name,
-                    "must be at least 4 bytes" + (" (or 0: from --link-mbps)" if name == "partition_mib" else ""))
+        for name in ("size_cap_mib", "first_cap_mib"):
+            require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
+        require(self.partition_mib == 0 or self.partition_mib * MIB >= 4, "partition_mib",
+                "must be at least 4 bytes (or 0: from --link-mbps)")
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
         require(self.slot_width >= 0, "slot_width", "must be >= 0 (0: the number of shards)")
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")
