@@ -93,6 +93,22 @@ def test_layout_mismatch_names_the_first_differing_parameter(cluster):
         assert "worker 1 disagrees with worker 0 at parameter #0: 0.bias [3] vs fc2.bias [10]" in message
 
 
+def test_workers_whose_links_cut_other_blocks_are_refused_naming_the_flags(cluster):
+    """--partition-mib 0 sizes the blocks from each worker's --link-mbps: workers that disagree on it would cut
+    the model differently, and the refusal says which flags decide."""
+    c = cluster(2, 1)
+
+    def body(rank: int):
+        with pytest.raises(LayoutMismatchError) as info:
+            imerge.distribute(torch.nn.Linear(2048, 1024, bias=False), SGD,
+                              c.worker_config(rank, link_mbps=(1000.0, 10000.0)[rank]))
+        return str(info.value)
+
+    for message in c.run_workers(body):
+        assert ("worker 1 disagrees with worker 0 on option partition_bytes: 5000000 vs 1048576 (--partition-mib; "
+                "where it is 0, the workers' --link-mbps)") in message
+
+
 def test_missing_coordinator_times_out_naming_the_plan(redis_url):
     from imerge.worker.config import WorkerConfig
 

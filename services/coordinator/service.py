@@ -73,6 +73,12 @@ class CoordinatorConfig(CommonConfig):
             Constants.read(self.calibration)  # a ConfigError naming --calibration now, not at the plan switch
 
 
+OPTION_FLAGS = {  # where a plan option comes from, when its flag's name is not its own
+    "partition_bytes": " (--partition-mib; where it is 0, the workers' --link-mbps)",
+    "size_cap_bytes": " (--size-cap-mib)", "first_cap_bytes": " (--first-cap-mib)",
+    "period": " (--interleave-period)"}
+
+
 def check_layouts(submissions: dict[int, LayoutSubmission]) -> tuple[Layout, PlanOptions]:
     """The agreed layout and scheduling options, or LayoutMismatchError naming the first difference."""
     reference = submissions[0]
@@ -83,7 +89,7 @@ def check_layouts(submissions: dict[int, LayoutSubmission]) -> tuple[Layout, Pla
         for name, value in options.items():
             if theirs[name] != value:
                 raise LayoutMismatchError(f"worker {rank} disagrees with worker 0 on option {name}: "
-                                          f"{theirs[name]!r} vs {value!r}")
+                                          f"{theirs[name]!r} vs {value!r}{OPTION_FLAGS.get(name, '')}")
     return reference.layout, reference.options
 
 
