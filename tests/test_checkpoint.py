@@ -220,7 +220,7 @@ def test_a_stopping_shard_waits_for_the_steps_still_running_and_starts_none():
         time.sleep(0.5)
         events.append("stepped")
 
-    running = threading.Thread(target=shard._bounded, args=(step,))
+    running = threading.Thread(target=shard.run_arithmetic, args=(step,))
     running.start()
     time.sleep(0.1)
     shard.close()
@@ -228,4 +228,4 @@ def test_a_stopping_shard_waits_for_the_steps_still_running_and_starts_none():
     running.join(5)
     assert events == ["stepped", "closed"]
     with pytest.raises(Unavailable, match="shard 0 stopped"):
-        shard._bounded(step)
+        shard.run_arithmetic(step)

@@ -377,17 +377,17 @@ class Shard(Pulls):
         loop = asyncio.get_running_loop()
         try:
             if options.needs_agreement:  # every block of the job must have averaged before any steps
-                mean, scalars = await loop.run_in_executor(self._executor, self._bounded, block.average,
+                mean, scalars = await loop.run_in_executor(self._executor, self.run_arithmetic, block.average,
                                                            self.metrics, options)
                 agree = block.rounds.averaged(round_.round, scalars.sumsq, scalars.found_inf)
                 total = await self.agreements.agree(round_.round, block.meta.block_id, RoundScalars(*agree.scalars),
                                                     self.expected or set(self.blocks))
                 step = block.rounds.agreed(round_.round, total.sumsq, total.found_inf)
-                snapshot = await loop.run_in_executor(self._executor, self._bounded, block.step, self.metrics, mean,
-                                                      options, no_grad, RoundScalars(*step.total))
+                snapshot = await loop.run_in_executor(self._executor, self.run_arithmetic, block.step, self.metrics,
+                                                      mean, options, no_grad, RoundScalars(*step.total))
             else:  # one trip to a step thread
-                snapshot = await loop.run_in_executor(self._executor, self._bounded, block.aggregate, self.metrics,
-                                                      options, no_grad)
+                snapshot = await loop.run_in_executor(self._executor, self.run_arithmetic, block.aggregate,
+                                                      self.metrics, options, no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             self._round_failed(block, round_, exc)
             return
@@ -399,7 +399,7 @@ class Shard(Pulls):
         complete a checkpoint's round is published by the event loop (``on_loop(function, *args)``), which
         copies the blocks' images before any pull of it is answered (no block can step past it meanwhile)."""
         try:
-            snapshot = self._bounded(block.aggregate, self.metrics, round_.options, round_.no_grad)
+            snapshot = self.run_arithmetic(block.aggregate, self.metrics, round_.options, round_.no_grad)
         except Exception as exc:  # noqa: BLE001 - the round's pulls fail with it
             self._round_failed(block, round_, exc)
             return
@@ -418,7 +418,7 @@ class Shard(Pulls):
         final = self._final
         return final is not None and not final.done()
 
-    def _bounded(self, arithmetic: Callable[..., T], *args: Any) -> T:
+    def run_arithmetic(self, arithmetic: Callable[..., T], *args: Any) -> T:
         """A block's averaging or step, at most --threads at once (the step threads and the connections')."""
         if self._closed:
             raise Unavailable(f"shard {self.index} stopped")
