@@ -234,3 +234,6 @@ def test_the_automatic_partition_is_4_ms_of_the_workers_link_between_1_and_8_mib
     assert ScheduleConfig(partition_mib=2).plan_options(100000).partition_bytes == 2 * MIB  # given: kept
     with pytest.raises(ConfigError, match="--partition-mib.*or 0: from --link-mbps"):
         ScheduleConfig(partition_mib=-1)
+    for name in ("partition_mib", "size_cap_mib", "first_cap_mib"):  # a size of inf: a message, not a traceback
+        with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')}.*finite"):
+            ScheduleConfig(**{name: float("inf")})

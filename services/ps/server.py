@@ -13,7 +13,6 @@ import contextlib
 import functools
 import logging
 import signal
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,7 +25,7 @@ from imerge.control.messages import PostedScalars, RoundScalars
 from imerge.control.store import ShardStore
 from imerge.core.codec import CHUNK_BYTES
 from imerge.core.memory import keep_freed_memory
-from imerge.core.scheduling import apply_thread_policy
+from imerge.core.scheduling import apply_thread_policy, thread_under
 from imerge.core.native import data_plane
 from imerge.core.errors import (ConfigError, FailedPrecondition, IMergeError, InvalidArgument, RequestError,
                                 ResourceExhausted)
@@ -517,14 +516,9 @@ class ThreadedShard:
     def __init__(self, config: PSConfig):
         self.server = ShardServer(config)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(config.thread_policy,),
-                                        name=f"shard-{config.shard_index}", daemon=True)
+        self._thread = thread_under(config.thread_policy, self._loop.run_forever, f"shard-{config.shard_index}")
         self._thread.start()
         self.address = asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(30)
-
-    def _run(self, thread_policy: str) -> None:
-        apply_thread_policy(thread_policy, self._thread.name)
-        self._loop.run_forever()
 
     @property
     def shard(self) -> Shard:

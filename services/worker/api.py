@@ -138,8 +138,7 @@ class DistributedModel(DDPIdioms):
         if self.rejoined and self._plan is not None:
             plan = self._plan
         else:
-            self._store.submit_layout(config.rank,
-                                      LayoutSubmission(layout, config.plan_options(config.link_mbps), config))
+            self._store.submit_layout(config.rank, LayoutSubmission(layout, config.plan_options(), config))
             plan = wait_plan(self._store, config)
             self.generation = self._store.generation() or 0
         self._engine = SyncEngine(self.module, [p.name for p in layout.params], plan, config, self._optimizer,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -23,7 +22,7 @@ from imerge.core.knobs import apply
 from imerge.core.modes import BlockMode, block_modes
 from imerge.core.planning import Plan
 from imerge.core.queue import STOP, CommQueue
-from imerge.core.scheduling import apply_thread_policy
+from imerge.core.scheduling import thread_under
 from imerge.core.slots import NoSlots, effective_policy, make_slots, resolve_width
 from imerge.telemetry.timeline import Timeline
 
@@ -46,12 +45,8 @@ class CommLoop:
 
     def __init__(self, name: str, thread_policy: str = "normal"):
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, args=(thread_policy,), name=name, daemon=True)
+        self._thread = thread_under(thread_policy, self.loop.run_forever, name)
         self._thread.start()
-
-    def _run(self, thread_policy: str) -> None:
-        apply_thread_policy(thread_policy, self._thread.name)
-        self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

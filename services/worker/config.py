@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from imerge.core.config import CommonConfig, ThreadPolicyConfig, TlsConfig, flag_name, option, require
 from imerge.core.errors import ConfigError
+from imerge.core.planning import PlanOptions
 from imerge.core.schedule_config import MIB, ScheduleConfig
 
 __all__ = ["MIB", "ScheduleConfig", "WorkerConfig", "torchrun_identity"]
@@ -25,6 +26,10 @@ class WorkerConfig(ScheduleConfig, ThreadPolicyConfig, TlsConfig, CommonConfig):
     nproc_per_node: int = option(1, "imerge worker: start this many worker processes on this node (one per GPU), "
                                     "ranks node_rank * N + i with local rank i, and wait for them")
     node_rank: int = option(-1, "with --nproc-per-node > 1: this node's index (default: --rank)")
+
+    def plan_options(self, link_mbps: float | None = None) -> PlanOptions:
+        """The options the plan depends on, for this worker's own link (``--link-mbps``) unless told another."""
+        return ScheduleConfig.plan_options(self, self.link_mbps if link_mbps is None else link_mbps)
 
     def __post_init__(self) -> None:
         CommonConfig.__post_init__(self)

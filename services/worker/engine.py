@@ -82,7 +82,7 @@ class SyncEngine:
         optimizer.state_source = lambda: saving.optimizer_state(self)
         optimizer.round_result = self.last_round_result
         self.retuning: Retuning | None = None  # online re-tuning, from --tune's plan switch on
-        switches = config.plan_options(config.link_mbps).switches
+        switches = config.plan_options().switches
         if switches or (config.profile_out and config.rank == 0):
             self._start_profiling(switches)
         self._remove_hooks = hooks.install(self.state, model, self.params)
@@ -202,7 +202,7 @@ class SyncEngine:
     def _start_retuning(self) -> None:
         """After --tune's plan switch: look at the plans at each window boundary (worker 0: and measure each
         window), and switch where a re-tuned plan says."""
-        window = self.config.plan_options(self.config.link_mbps).retune_window
+        window = self.config.plan_options().retune_window
         if not (window and self.plan.knobs) or self.retuning is not None:
             return
         self.retuning = Retuning(self.store, self.config.rank, window, self.plan.version)

@@ -7,6 +7,7 @@ Every mechanism can be switched off to measure what it buys; a strategy of
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Self
 
@@ -96,9 +97,10 @@ class ScheduleConfig:
             except ValueError as exc:
                 require(False, "tune", str(exc))
         for name in ("size_cap_mib", "first_cap_mib"):
-            require(getattr(self, name) * MIB >= 4, name, "must be at least 4 bytes")
-        require(self.partition_mib == 0 or self.partition_mib * MIB >= 4, "partition_mib",
-                "must be at least 4 bytes (or 0: from --link-mbps)")
+            require(math.isfinite(getattr(self, name)) and getattr(self, name) * MIB >= 4, name,
+                    "must be a finite size of at least 4 bytes")
+        require(self.partition_mib == 0 or (math.isfinite(self.partition_mib) and self.partition_mib * MIB >= 4),
+                "partition_mib", "must be a finite size of at least 4 bytes (or 0: from --link-mbps)")
         require(self.interleave_period >= 1, "interleave_period", "must be at least 1")
         require(self.slot_width >= 0, "slot_width", "must be >= 0 (0: the number of shards)")
         require(self.slot_bandwidth_mbps >= 0, "slot_bandwidth_mbps", "must be >= 0")

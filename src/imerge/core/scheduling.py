@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 THREAD_POLICIES = ("batch", "normal")
@@ -45,6 +46,16 @@ def apply_thread_policy(policy: str, what: str, whole_process: bool = False) -> 
         log.info("%s: the system refused SCHED_BATCH (%s); its threads keep the default policy", what, exc)
         return False
     return changed
+
+
+def thread_under(policy: str, target: Callable[[], object], name: str) -> threading.Thread:
+    """A daemon thread (not started) that takes ``policy`` for itself, then runs ``target``: an event loop
+    whose threads inherit the policy, while the thread that made it keeps its own."""
+    def run() -> None:
+        apply_thread_policy(policy, name)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
 
 
 def _other_threads() -> list[int]:
