@@ -25,6 +25,18 @@ def image(block_id: str, numel: int, seed: int) -> BlockImage:
                       {"momentum_buffer": torch.randn(numel, generator=generator)})
 
 
+def test_the_round_the_shards_hold_in_common_survives_the_prune(tmp_path):
+    """A shard a checkpoint ahead of another (shard 1 still writing round 8 when it is killed) keeps the round they
+    share: pruning it too would leave a recovery no round held by every shard."""
+    store = CheckpointStore(tmp_path, shard=0, keep=2)
+    for round_ in (0, 4, 8):
+        store.write(round_, [image("g0", 10, round_)], held=4 if round_ == 8 else None)
+    store.write(12, [image("g0", 10, 12)], held=4)
+    assert store.rounds() == [4, 8, 12]
+    store.write(16, [image("g0", 10, 16)], held=12)  # the others caught up: the old one goes
+    assert store.rounds() == [12, 16]
+
+
 def test_written_checkpoint_reads_back_exactly_and_only_the_newest_are_kept(tmp_path):
     store = CheckpointStore(tmp_path, shard=3, keep=2)
     written = {r: [image("g0", 10, r), image("g1.p0", 7, r + 100)] for r in (0, 4, 8)}

@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from imerge.control.messages import FailureReport
+from imerge.control.messages import FailureReport, common_round
 from imerge.core.errors import JobFailed
+
+
+__all__ = ["RecoveryImpossible", "RecoveryPolicy", "common_round"]
 
 
 class RecoveryImpossible(JobFailed):
     """The job cannot recover; the message says why."""
-
-
-def common_round(rounds_by_shard: dict[int, list[int]], num_shards: int) -> int | None:
-    """The newest checkpoint round every shard 0..num_shards-1 holds, or None."""
-    if any(shard not in rounds_by_shard for shard in range(num_shards)):
-        return None
-    common = set.intersection(*(set(rounds_by_shard[shard]) for shard in range(num_shards)))
-    return max(common) if common else None
 
 
 @dataclasses.dataclass

@@ -140,8 +140,10 @@ class CheckpointStore:
         """Rounds of this run's complete checkpoints, oldest first."""
         return sorted(r for r, run in self._complete().items() if self.run is None or run == self.run)
 
-    def write(self, round_: int, blocks: list[BlockImage]) -> Path:
-        """Write the checkpoint of ``round_`` atomically; return its folder."""
+    def write(self, round_: int, blocks: list[BlockImage], held: int | None = None) -> Path:
+        """Write the checkpoint of ``round_`` atomically; return its folder. ``held``: a round the other shards
+        hold in common with this one (the round a recovery would restore), kept even when it is no longer among
+        the newest ``keep``."""
         started = time.monotonic()
         self.folder.mkdir(parents=True, exist_ok=True)
         final = self._path(round_)
@@ -158,7 +160,7 @@ class CheckpointStore:
         shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of the same round (no manifest)
         os.rename(temporary, final)
         _fsync(self.folder)
-        self._prune()
+        self._prune(held)
         log.info("shard %d: checkpoint of round %d written to %s (%d bytes, %.3fs)", self.shard, round_, final,
                  manifest["bytes"], time.monotonic() - started)
         return final
@@ -185,10 +187,11 @@ class CheckpointStore:
         _fsync(temporary)
         return manifest
 
-    def _prune(self) -> None:
-        """Keep the newest ``keep`` of this run; remove other runs' checkpoints and dead writers' folders."""
+    def _prune(self, held: int | None = None) -> None:
+        """Keep the newest ``keep`` of this run, and ``held``; remove other runs' checkpoints and dead writers'
+        folders."""
         ours = self.rounds()
-        for round_ in ours[:-self.keep] + sorted(set(self._complete()) - set(ours)):
+        for round_ in [r for r in ours[:-self.keep] if r != held] + sorted(set(self._complete()) - set(ours)):
             shutil.rmtree(self._path(round_), ignore_errors=True)
         for entry in self.folder.iterdir():  # temporaries of writers that died
             if entry.name.startswith(".tmp-") and not entry.name.endswith(f"-{os.getpid()}"):

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from imerge.core.planning import FIRST_PLAN
 from imerge.control.store import ShardStore
-from imerge.control.messages import FailureReport, GenerationEvent, Member, Restored
+from imerge.control.messages import FailureReport, GenerationEvent, Member, Restored, common_round
 from imerge.core.errors import IMergeError, StoreError, WaitTimeout
 
 from .state import Shard
@@ -44,6 +44,7 @@ class ShardMembership:
         self._handled = 0  # the newest generation restored or attempted
         self.checkpoint_failures = checkpoint_failures  # failed writes in a row that end the job (0: never)
         shard.on_checkpoint = self._published
+        shard.held_in_common = self._held_in_common
         shard.on_checkpoint_failed = self._checkpoint_failed
 
     def _published(self, rounds: list[int]) -> None:
@@ -51,6 +52,17 @@ class ShardMembership:
             self.store.publish_checkpoints(self.shard.index, rounds)
         except StoreError as exc:
             log.warning("shard %d: could not publish checkpoint rounds %s: %s", self.shard.index, rounds, exc)
+
+    def _held_in_common(self) -> int | None:
+        """The newest round every shard that published has complete: what a recovery restores now, which this
+        shard's prune must not remove while it writes newer ones (a shard a checkpoint behind the others would
+        otherwise leave no round in common). None where the store cannot say."""
+        try:
+            rounds = self.store.checkpoint_rounds()
+        except StoreError as exc:
+            log.warning("shard %d: could not read the shards' checkpoint rounds: %s", self.shard.index, exc)
+            return None
+        return common_round(rounds, max(rounds, default=-1) + 1)
 
     def _checkpoint_failed(self, round_: int, reason: str, in_a_row: int) -> None:
         """After --checkpoint-failures writes in a row failed, end the job: training on would only pile up work

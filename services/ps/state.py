@@ -86,6 +86,8 @@ class Shard(Pulls):
         self.checkpoints: CheckpointStore | None = None
         self.checkpoint_every = 0
         self.on_checkpoint: Callable[[list[int]], None] | None = None  # called with the complete rounds
+        # the round every shard holds complete as they published it (None: none, or unknown): kept by the prune
+        self.held_in_common: Callable[[], int | None] = lambda: None
         self.on_checkpoint_failed: Callable[[int, str, int], None] | None = None  # (round, why, failures in a row)
         self.on_restored: Callable[[int], None] | None = None  # called with the new generation after a restore
         self.failed_checkpoints = 0  # consecutive failed writes
@@ -173,7 +175,7 @@ class Shard(Pulls):
     def _write_checkpoint(self, store: CheckpointStore, round_: int, images: list[BlockImage]) -> None:
         try:
             with self.metrics.checkpoint_write.time():
-                store.write(round_, images)
+                store.write(round_, images, self.held_in_common())
         except Exception as exc:  # noqa: BLE001 - a failed write leaves the previous checkpoint in place
             self.counters.checkpoint_failures += 1
             self.failed_checkpoints += 1

@@ -323,6 +323,15 @@ class CheckpointRounds(Message):
     rounds: list[int]
 
 
+def common_round(rounds_by_shard: dict[int, list[int]], num_shards: int) -> int | None:
+    """The newest checkpoint round every shard 0..num_shards-1 holds (as each published its
+    :class:`CheckpointRounds`), or None: the round a recovery restores."""
+    if num_shards < 1 or any(shard not in rounds_by_shard for shard in range(num_shards)):
+        return None
+    common = set.intersection(*(set(rounds_by_shard[shard]) for shard in range(num_shards)))
+    return max(common) if common else None
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Member:
     """A member of the job whose heartbeat the coordinator watches: ``worker 0``, ``shard 1``."""
