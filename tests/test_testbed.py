@@ -161,3 +161,37 @@ def test_a_run_killed_midway_leaves_nothing(tmp_path, sig):
     while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert alive == [], [Path(f"/proc/{pid}/stat").read_text() for pid in alive if Path(f"/proc/{pid}").exists()]
+
+
+def _metric(exposition: str, name: str) -> float:
+    found = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", exposition, re.MULTILINE)
+    assert found, f"{name} is not in the shard's metrics"
+    return float(found.group(1))
+
+
+def test_the_shard_serves_a_rounds_pulls_in_the_order_they_were_asked(tmp_path):
+    """On a 50 Mbit/s link a round's two pulls want the shard's uplink at once: the pull asked second waits
+    while the first one's blocks are queued on the shard's host (--pull-order arrival, the default)."""
+    run = subprocess.Popen(IMERGE + ["testbed", "--shards", "1", "--workers", "2", "--model", "digits-cnn",
+                                     "--rate-mbit", "50", "--iters", "1000000", "--log-dir", str(tmp_path)],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, log = time.monotonic() + 180, tmp_path / "worker1.log"
+        while not (log.exists() and "iteration=30 " in log.read_text()):
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline, "the job never trained 30 iterations"
+            time.sleep(0.5)
+        namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        worker0 = next(n for n in namespaces if n.startswith("imtb") and n.endswith("-3"))
+        exposition = subprocess.run(["ip", "netns", "exec", worker0, sys.executable, "-c",
+                                     "import urllib.request; print(urllib.request.urlopen("
+                                     "'http://ps0:9400/metrics', timeout=10).read().decode())"],
+                                    capture_output=True, text=True, timeout=60).stdout
+        waits = _metric(exposition, "imerge_shard_pull_turn_waits_total")
+        waited_s = _metric(exposition, "imerge_shard_pull_turn_wait_seconds_total")
+        pulled = _metric(exposition, "imerge_shard_pulls_total")
+        assert waits > 10 and 0 < waited_s <= waits * 0.06, (waits, waited_s, pulled)
+    finally:
+        run.send_signal(signal.SIGINT)
+        run.communicate(timeout=60)
+    assert leftovers() == []

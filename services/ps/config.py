@@ -6,6 +6,8 @@ import dataclasses
 from imerge.core.config import CommonConfig, ThreadPolicyConfig, TlsConfig, option, require
 from imerge.core.native import CHOICES
 
+from .turns import PULL_ORDERS
+
 
 @dataclasses.dataclass(frozen=True)
 class PSConfig(ThreadPolicyConfig, TlsConfig, CommonConfig):
@@ -33,6 +35,11 @@ class PSConfig(ThreadPolicyConfig, TlsConfig, CommonConfig):
     data_plane: str = option("auto", "what receives the payloads and sums the rows: native (the C extension "
                                      "pip install builds where a C compiler exists; the shard refuses to start "
                                      "without it), python, or auto (native where built, else python, logged once)")
+    pull_order: str = option("arrival", "the order in which pulls on the data channel share this shard's uplink: "
+                                        "arrival (a pull's blocks go out before those of pulls asked after it, "
+                                        "while it has bytes queued on this host: the first worker to ask has "
+                                        "its parameters at the link's full rate and pushes again while the next "
+                                        "one's go out) or off (the connections share the uplink as TCP does)")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     register: bool = option(True, "register this shard's address in the coordinator's store")
     checkpoint_dir: str = option("", "folder of this job's checkpoints (shard-{i}/ under it); empty: none, "
@@ -72,6 +79,7 @@ class PSConfig(ThreadPolicyConfig, TlsConfig, CommonConfig):
                 "must lie in 1..65536 (at most --max-data-connections are used)")
         require(self.handshake_timeout_s > 0, "handshake_timeout_s", "must be positive")
         require(self.data_plane in CHOICES, "data_plane", f"must be one of {', '.join(CHOICES)}")
+        require(self.pull_order in PULL_ORDERS, "pull_order", f"must be one of {', '.join(PULL_ORDERS)}")
         require(self.threads >= 0, "threads", "must be >= 0 (0: one per core)")
         require(self.checkpoint_every >= 1, "checkpoint_every", "must be at least 1")
         require(self.checkpoint_keep >= 2, "checkpoint_keep", "must be at least 2 (the previous checkpoint "

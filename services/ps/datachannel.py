@@ -43,7 +43,8 @@ from imerge.core.errors import (Busy, DeadlineExceeded, Internal, InvalidArgumen
 from imerge.core.identity import certificate_names, require_worker
 from imerge.core.limits import check_block_ids, clip
 from imerge.wire.datapath import (HEADER, READ_CHUNK_BYTES, ChannelClosed, FrameHeader, Kind, channel_token,
-                                  error_meta, expect, read_head, read_header, read_meta, send_frame, skip)
+                                  error_meta, expect, host_queued_bytes, read_head, read_header, read_meta,
+                                  send_frame, skip)
 from imerge.wire.encoding import push_of, tensor_meta
 from imerge.wire.rpc import ps_pb2
 
@@ -53,6 +54,7 @@ from .block import BlockState
 from .direct import Wakeup, pull_here, push_here
 from .pace import Pace, payload_budget_s
 from .state import Shard
+from .turns import PullTurns
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -313,6 +315,7 @@ class DataChannel:
         self._links: set[Link] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self.turns = PullTurns(config.pull_order == "arrival")
         self.port = 0
 
     def token(self, worker: int, generation: int) -> bytes:
@@ -538,13 +541,18 @@ class Connection:
         request = read_meta(self.stream, frame, ps_pb2.PullRequest, "pull", received)
         self._check_call(request.worker, request.generation, "Pull")
         check_block_ids(request.block_ids, len(self.shard.blocks), "Pull")
-        wakeup = Wakeup()
+        conn = self.stream.conn
+        turn = self.channel.turns.ask(self.link, lambda: host_queued_bytes(conn))
+        wakeup = Wakeup(turn.ready, turn.idle)
         pulled = pull_here(self.shard, request.block_ids, request.worker, request.round,
                            self.config.pull_wait(request.timeout_s), request.generation, wakeup)
         stopped = ConnectionAbortedError(f"pull by worker {request.worker}: the shard stopped")
-        with self.link.waking(lambda: wakeup.end(stopped)), contextlib.closing(pulled):
+        with self.link.waking(lambda: wakeup.end(stopped)), contextlib.closing(pulled), \
+                contextlib.closing(turn):
             for blocks in pulled:
                 for block_id, round_, snapshot, result in blocks:
+                    if waited_s := turn.wait():
+                        self.shard.counters.add(pull_turn_waits=1, pull_turn_wait_s=waited_s)
                     send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype,
                                                                     snapshot.numel, snapshot.nnz, result),
                                snapshot.parts)

@@ -68,11 +68,16 @@ class Wakeup:
     """What a pull on a connection's thread waits on: a block's round changed (set by the thread that completed
     or failed it, or by the event loop), or the connection ended (the shard stops: ``ended`` says why)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: Callable[[], None] | None = None, on_wait: Callable[[], None] | None = None
+                 ) -> None:
         self._event = threading.Event()
+        self._on_change = on_change  # run by the thread that changed the round, before the pull wakes
+        self._on_wait = on_wait  # run before the pull waits (it found nothing to send)
         self.ended: BaseException | None = None
 
     def changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
         self._event.set()
 
     def end(self, why: BaseException) -> None:
@@ -83,6 +88,8 @@ class Wakeup:
         self._event.clear()
 
     def wait(self, timeout_s: float) -> bool:
+        if self._on_wait is not None:
+            self._on_wait()
         woken = self._event.wait(max(timeout_s, 0.0))
         if self.ended is not None:
             raise self.ended

@@ -33,9 +33,11 @@ class ShardCounters:
     checkpoints_written: int = 0
     checkpoint_failures: int = 0
     strangers_ended: int = 0
+    pull_turn_waits: int = 0
+    pull_turn_wait_s: float = 0.0
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         """Add to counters from any thread (the event loop and the data connections' threads count)."""
         with self._lock:
             for name, count in counts.items():
@@ -64,6 +66,9 @@ COUNTERS = (  # (ShardCounters field, metric name without _total, help)
     ("strangers_ended", "imerge_shard_data_connections_ended_before_hello", "Data connections ended before a valid "
                                                                             "HELLO: past --handshake-timeout-s, or "
                                                                             "evicted to make room for newer ones"),
+    ("pull_turn_waits", "imerge_shard_pull_turn_waits", "Pulled blocks that waited for a pull asked before theirs "
+                                                        "to drain from this host's uplink queue (--pull-order)"),
+    ("pull_turn_wait_s", "imerge_shard_pull_turn_wait_seconds", "Seconds pulled blocks waited so (--pull-order)"),
 )
 
 

@@ -30,6 +30,7 @@ import hashlib
 import hmac
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -47,6 +48,9 @@ META_LENGTH_AT = 8  # the offset of the meta's length in the header
 MAX_GATHERED = 64  # the most buffers the data plane writes in one call (a frame's header and payload parts)
 NATIVE_READ_BYTES = 64 << 10  # a read this large goes through the data plane's receive loop (see read_exact)
 _ERRORS = request_error_classes()
+SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)  # Linux: a socket's memory counters (struct sk_meminfo)
+MEMINFO = struct.Struct("=9I")
+WMEM_ALLOC = 2  # SK_MEMINFO_WMEM_ALLOC: the bytes of its packets below TCP that have not left the host yet
 
 
 class Kind(enum.IntEnum):
@@ -166,6 +170,16 @@ def plain_socket(conn: Any) -> socket.socket | None:
     """The plain socket ``conn`` is, or carries its frames on unchanged (a stream's ``plain``); None for a TLS
     socket, whose bytes pass its own methods."""
     return conn if type(conn) is socket.socket else getattr(conn, "plain", None)
+
+
+def host_queued_bytes(sock: socket.socket) -> int:
+    """The bytes ``sock`` has handed below TCP that have not left this host yet: in its queueing discipline
+    and the device's queue, where they wait for the host's uplink (Linux's SK_MEMINFO_WMEM_ALLOC, packet
+    overhead included). Bytes TCP still holds (its window is full: the path beyond is slower) do not count.
+    0 where the system does not tell; OSError once the socket is closed."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    return int(MEMINFO.unpack(sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, MEMINFO.size))[WMEM_ALLOC])
 
 
 def read_head(conn: Conn, max_payload: int, what: str) -> tuple[FrameHeader, bytes]:
