@@ -105,7 +105,7 @@ def test_workers_whose_links_cut_other_blocks_are_refused_naming_the_flags(clust
         return str(info.value)
 
     for message in c.run_workers(body):
-        assert ("worker 1 disagrees with worker 0 on option partition_bytes: 8388608 vs 1000000 (--partition-mib; "
+        assert ("worker 1 disagrees with worker 0 on option partition_bytes: 8388608 vs 1048576 (--partition-mib; "
                 "where it is 0, the workers' --link-mbps)") in message
 
 

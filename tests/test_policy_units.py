@@ -223,13 +223,13 @@ def test_pace_tells_a_dripping_stream_from_a_slow_honest_one():
     assert not Pace(0.0, 2.0, lambda: now[0]).too_slow()  # no minimum
 
 
-def test_the_automatic_partition_is_8_ms_of_the_workers_link_between_64_kib_and_8_mib():
+def test_the_automatic_partition_is_the_power_of_two_nearest_8_ms_of_the_link_between_64_kib_and_8_mib():
     from imerge.core.planning import auto_partition_bytes
     from imerge.core.schedule_config import MIB, ScheduleConfig
 
-    assert [auto_partition_bytes(mbps) for mbps in (10, 100, 1000, 2000, 10000, 25000)] == \
-        [64 << 10, 100_000, 1_000_000, 2_000_000, 8 * MIB, 8 * MIB]
-    assert ScheduleConfig().plan_options(100).partition_bytes == 100_000
+    assert [auto_partition_bytes(mbps) for mbps in (1, 10, 100, 1000, 1500, 2000, 10000, 25000)] == \
+        [64 << 10, 64 << 10, 128 << 10, MIB, 2 * MIB, 2 * MIB, 8 * MIB, 8 * MIB]
+    assert ScheduleConfig().plan_options(100).partition_bytes == 128 << 10
     assert ScheduleConfig().plan_options().partition_bytes == 8 * MIB  # --link-mbps's default, 10 Gbit/s
     assert ScheduleConfig(partition_mib=2).plan_options(100000).partition_bytes == 2 * MIB  # given: kept
     with pytest.raises(ConfigError, match="--partition-mib.*or 0: from --link-mbps"):

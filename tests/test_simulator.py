@@ -143,7 +143,7 @@ def test_a_sync_costs_the_comm_loop_its_cpu_once_per_shard_it_touches():
 
 
 def test_one_worker_and_one_shard_take_bytes_over_rate_plus_latency_each_way():
-    numel, latency = 1 << 17, 1e-3  # one block (a partition at 1 Gbit/s is 1 MB)
+    numel, latency = 1 << 18, 1e-3
     rate = GBIT  # 1 Gbit/s
     result = simulate_one("ps-naive", one_layer(numel), Cluster(1, 1, 1.0, 1.0),
                           dataclasses.replace(QUIET, latency_s=latency), 8)
