@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from imerge.wire.datapath import host_queued_bytes
-from services.ps.turns import LOW_WATER_BYTES, MAX_WAIT_S, PullTurns
+from services.ps.turns import LOW_WATER_BYTES, MAX_WAIT_S, POLL_S, PullTurns
 
 CLONE_NEWNET = 0x40000000
 
@@ -135,6 +135,36 @@ def test_a_connections_newer_pull_takes_the_place_of_its_older_one():
     middle = order.ask("worker 1", Queue(0))
     order.ask("worker 0", Queue(1 << 20)).ready()  # worker 0's next pull, on the same connection
     assert middle.wait() == 0.0
+
+
+def test_many_waiting_pulls_go_in_order_and_only_the_first_one_polls():
+    """With many workers, a round's pulls wait together: one thread looks at the queue, the others sleep until
+    the one before them goes, and they go in the order they were asked."""
+    order = PullTurns(max_wait_s=2.0)  # none waits its longest: the order shows
+    until = time.monotonic() + 0.05
+    looks = []
+
+    def earlier_queue() -> int:
+        looks.append(1)
+        return 1 << 20 if time.monotonic() < until else 0
+
+    order.ask("earlier", earlier_queue).wait()
+    waiters = [order.ask(f"worker {i}", Queue(0)) for i in range(8)]
+    went: list[int] = []
+    lock = threading.Lock()
+
+    def run(turn) -> None:
+        turn.wait()
+        with lock:
+            went.append(turn.number)
+
+    threads = [threading.Thread(target=run, args=(turn,)) for turn in reversed(waiters)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert went == sorted(went) and len(went) == 8
+    assert len(looks) < 0.05 / POLL_S * 2 + 40, len(looks)  # one poller at a time, not eight
 
 
 def test_off_never_waits():

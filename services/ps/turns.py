@@ -41,6 +41,8 @@ class PullTurns:
         self._numbers = itertools.count()
         self._lock = threading.Lock()
         self._sending: dict[object, Turn] = {}  # connection -> its pull that sent last, or has a block ready
+        self._waiting: set[int] = set()  # the numbers of the blocks waiting their turn: only the first one polls
+        self._moved = threading.Condition(self._lock)  # a waiting block went: the next one polls
 
     def ask(self, connection: object, queued: QueuedBytes) -> Turn:
         """A pull was asked on ``connection``: its place in the order."""
@@ -77,12 +79,30 @@ class PullTurns:
         if not self._ahead(turn):
             return 0.0
         start = self._clock()
-        while self._ahead(turn):
-            if self._clock() - start >= self.max_wait_s:
-                self._pass_over(turn)
-                break
-            self._sleep(POLL_S)
+        with self._lock:
+            self._waiting.add(turn.number)
+        try:
+            while self._first_waiting(turn, start) and self._ahead(turn):
+                if self._clock() - start >= self.max_wait_s:
+                    self._pass_over(turn)
+                    break
+                self._sleep(POLL_S)
+        finally:
+            with self._lock:
+                self._waiting.discard(turn.number)
+                self._moved.notify_all()
         return self._clock() - start
+
+    def _first_waiting(self, turn: Turn, start: float) -> bool:
+        """Block (without polling) while a block asked before ``turn``'s waits too: with many workers one thread
+        polls, not one per pull. False where ``turn`` waited its longest meanwhile."""
+        with self._lock:
+            while min(self._waiting) != turn.number:
+                left = self.max_wait_s - (self._clock() - start)
+                if left <= 0:
+                    return False
+                self._moved.wait(left)
+        return True
 
     def _pass_over(self, turn: Turn) -> None:
         """``turn`` waited its longest: the earlier pulls whose threads have not sent their ready block by now
