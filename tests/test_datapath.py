@@ -20,6 +20,8 @@ def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
     for result_of in (ddp, ps):
         assert result_of["median_iteration_s"] > 0
         assert 0 < result_of["worker_gb_per_s"] < 100 and 0 < result_of["worker_cpu_s_per_gb"] < 100
+        # the comm threads: all but the training thread, whose forward and backward cost CPU of their own
+        assert 0 < result_of["worker_comm_cpu_s_per_gb"] < result_of["worker_cpu_s_per_gb"]
     assert 0 < ps["shard_gb_per_s"] < 100 and 0 < ps["shard_cpu_s_per_gb"] < 100
     limits = report["socket_limit"]  # the machine's raw-socket limit, measured beside them
     assert [limit["frame_bytes"] for limit in limits] == [1 << 20, 4 << 20]
@@ -28,7 +30,8 @@ def test_datapath_reports_time_throughput_and_cpu_per_gb(tmp_path):
     assert ddp["shard_gb_per_s"] is None  # a DDP rank is reported in the worker columns only
     table = (tmp_path / "results.md").read_text()
     assert "| ddp |" in table and "| imerge |" in table
-    assert "worker CPU s/GB" in table and "| raw socket, 4 MiB frames |" in table
+    assert "worker CPU s/GB" in table and "worker comm threads CPU s/GB" in table
+    assert "| raw socket, 4 MiB frames |" in table
 
 
 def test_datapath_names_an_unknown_strategy(tmp_path):

@@ -46,9 +46,9 @@ class Queue:
         return queued
 
 
-def turns(enabled: bool = True) -> tuple[PullTurns, FakeTime]:
+def turns(order: str = "arrival") -> tuple[PullTurns, FakeTime]:
     fake = FakeTime()
-    return PullTurns(enabled, clock=fake.clock, sleep=fake.sleep), fake
+    return PullTurns(order, clock=fake.clock, sleep=fake.sleep), fake
 
 
 def test_a_later_pull_waits_until_the_earlier_ones_bytes_have_left_the_host():
@@ -76,15 +76,41 @@ def test_a_reader_that_stalls_holds_the_others_back_for_at_most_the_longest_wait
     assert MAX_WAIT_S <= waited < MAX_WAIT_S + 0.001
 
 
-def test_a_ready_pull_whose_thread_is_stuck_holds_the_others_back_once():
+def test_a_ready_pull_whose_thread_does_not_run_holds_the_others_back_once():
     order, fake = turns()
-    stuck = order.ask("stuck in a write", Queue(0))
-    stuck.ready()  # its next block is ready; its thread still writes the last one to a worker that stopped reading
+    stuck = order.ask("its thread does not run", Queue(0))
+    stuck.ready()  # its block is ready; its thread, woken with the others, does not get to send it
     assert MAX_WAIT_S <= order.ask("next", Queue(0)).wait() < MAX_WAIT_S + 0.001
     assert order.ask("after", Queue(0)).wait() == 0.0  # passed over until it sends
     stuck.wait()
+    stuck.sent()
     stuck.ready()  # it sent, and is ready again: it holds its place
     assert order.ask("last", Queue(0)).wait() >= MAX_WAIT_S
+
+
+def test_with_several_shards_a_ready_pull_whose_thread_is_still_writing_holds_nobody_back():
+    """With several shards, a pull whose path beyond the host is the slower one (a worker's downlink that every
+    shard serves at once) writes its block into its socket, not onto the host: a block of it that is ready
+    meanwhile does not hold the later pulls back; once the write is done, its ready mark does again."""
+    fake = FakeTime()
+    order = PullTurns("arrival", clock=fake.clock, sleep=fake.sleep, shards=3)
+    writing = order.ask("worker 0, its downlink congested", Queue(0))
+    assert writing.wait() == 0.0  # its turn: its thread now writes the block
+    writing.ready()  # its next block's round completed meanwhile
+    assert order.ask("worker 1", Queue(0)).wait() == 0.0 and fake.sleeps == 0
+    writing.sent()
+    writing.ready()
+    assert order.ask("worker 2", Queue(0)).wait() >= MAX_WAIT_S  # free to send it, it goes first
+
+
+def test_with_one_shard_a_ready_pull_holds_the_others_back_while_its_thread_writes():
+    """With one shard, a write that takes its time is the shard's own uplink at work: the pull asked first keeps
+    its turn for its next block."""
+    order, fake = turns()
+    writing = order.ask("worker 0", Queue(0))
+    assert writing.wait() == 0.0
+    writing.ready()
+    assert order.ask("worker 1", Queue(0)).wait() >= MAX_WAIT_S
 
 
 def test_a_pull_woken_first_sends_first_whichever_thread_runs_first():
@@ -168,9 +194,21 @@ def test_many_waiting_pulls_go_in_order_and_only_the_first_one_polls():
 
 
 def test_off_never_waits():
-    order, fake = turns(enabled=False)
+    order, fake = turns("off")
     order.ask("a", Queue(1 << 20)).ready()
     assert order.ask("b", Queue(0)).wait() == 0.0 and fake.sleeps == 0
+
+
+def test_auto_takes_turns_only_where_one_shard_holds_the_jobs_blocks():
+    order, fake = turns("auto")
+    assert order.enabled  # one shard until the plan says otherwise
+    order.ask("a", Queue(1 << 20)).ready()
+    assert order.ask("b", Queue(0)).wait() >= MAX_WAIT_S
+    order.shards = 3  # several shards would all serve the same worker first
+    order.ask("c", Queue(1 << 20)).ready()
+    assert not order.enabled and order.ask("d", Queue(0)).wait() == 0.0
+    with pytest.raises(ValueError, match="one of auto, arrival, off"):
+        PullTurns("fifo")
 
 
 # -- the meter, on a real shaped queue ---------------------------------------------------------------------------
@@ -254,3 +292,22 @@ def test_the_meter_counts_the_bytes_waiting_in_the_hosts_queue_until_they_leave(
         assert _until(lambda: host_queued_bytes(sender) == 0, 2.0)
     with pytest.raises(OSError):
         host_queued_bytes(sender)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_shard_takes_the_jobs_shard_count_from_its_plan(cluster, shards):
+    """Whether a ready pull's mark holds the others back while its thread writes depends on how many shards
+    feed a worker: each shard reads the count from the job's plan."""
+    import torch
+
+    import imerge
+    from imerge.core.optim import OptimizerSpec
+
+    c = cluster(1, shards)
+    model = imerge.distribute(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                              OptimizerSpec("sgd", lr=0.01), c.worker_config(0, partition_mib=0.01))
+    model(torch.randn(4, 64)).square().mean().backward()
+    model.synchronize()
+    model.close()
+    assert [shard.server.channel.turns.shards for shard in c.shards] == [shards] * shards
+

@@ -171,7 +171,8 @@ def _metric(exposition: str, name: str) -> float:
 
 def test_the_shard_serves_a_rounds_pulls_in_the_order_they_were_asked(tmp_path):
     """On a 50 Mbit/s link a round's two pulls want the shard's uplink at once: the pull asked second waits
-    while the first one's blocks are queued on the shard's host (--pull-order arrival, the default)."""
+    while the first one's blocks are queued on the shard's host (--pull-order auto, the default: arrival where
+    one shard holds the job's blocks)."""
     run = subprocess.Popen(IMERGE + ["testbed", "--shards", "1", "--workers", "2", "--model", "digits-cnn",
                                      "--rate-mbit", "50", "--iters", "1000000", "--log-dir", str(tmp_path)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -35,11 +35,13 @@ class PSConfig(ThreadPolicyConfig, TlsConfig, CommonConfig):
     data_plane: str = option("auto", "what receives the payloads and sums the rows: native (the C extension "
                                      "pip install builds where a C compiler exists; the shard refuses to start "
                                      "without it), python, or auto (native where built, else python, logged once)")
-    pull_order: str = option("arrival", "the order in which pulls on the data channel share this shard's uplink: "
-                                        "arrival (a pull's blocks go out before those of pulls asked after it, "
-                                        "while it has bytes queued on this host: the first worker to ask has "
-                                        "its parameters at the link's full rate and pushes again while the next "
-                                        "one's go out) or off (the connections share the uplink as TCP does)")
+    pull_order: str = option("auto", "the order in which pulls on the data channel share this shard's uplink: "
+                                     "arrival (a pull's blocks go out before those of pulls asked after it, "
+                                     "while it has bytes queued on this host: the first worker to ask has "
+                                     "its parameters at the link's full rate and pushes again while the next "
+                                     "one's go out), off (the connections share the uplink as TCP does) or "
+                                     "auto (arrival where this shard is the job's only one, else off: several "
+                                     "shards would all serve the same worker first)")
     grace_s: float = option(5.0, "seconds in-flight calls get to finish on SIGTERM")
     register: bool = option(True, "register this shard's address in the coordinator's store")
     checkpoint_dir: str = option("", "folder of this job's checkpoints (shard-{i}/ under it); empty: none, "

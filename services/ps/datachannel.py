@@ -315,7 +315,7 @@ class DataChannel:
         self._links: set[Link] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self.turns = PullTurns(config.pull_order == "arrival")
+        self.turns = PullTurns(config.pull_order)
         self.port = 0
 
     def token(self, worker: int, generation: int) -> bytes:
@@ -556,6 +556,7 @@ class Connection:
                     send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype,
                                                                     snapshot.numel, snapshot.nnz, result),
                                snapshot.parts)
+                    turn.sent()
                     self.shard.counters.add(bytes_sent=snapshot.nbytes)
         send_frame(self.stream, Kind.END)
 

@@ -173,11 +173,21 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                                      self.config.checkpoint_keep, start.run if start else "")
         self._owned = {b.block_id for b in plan.blocks if b.shard == self.shard.index}
         self._holders = sorted({b.shard for b in plan.blocks})
+        self._tell_channel()
         self._mapping = {b.block_id: b.shard for b in plan.blocks}
         self._numels = {b.block_id: b.numel for b in plan.blocks}
         self.shard.metrics.planned_bytes.set(plan.shard_bytes(self.shard.index))
         self._num_workers = plan.num_workers
         self.shard.expected = set(self._owned)
+
+    def attach_channel(self, channel: DataChannel) -> None:
+        self.channel = channel
+        self._tell_channel()
+
+    def _tell_channel(self) -> None:
+        """The data channel's pulls take turns by how many shards feed a worker (:mod:`.turns`)."""
+        if self.channel is not None and self._holders:
+            self.channel.turns.shards = len(self._holders)
 
     async def exchange(self, round_: int, scalars: RoundScalars) -> RoundScalars:
         """The job's scalars of ``round_``: this shard's, plus every other block-holding shard's (summed in shard
@@ -394,6 +404,11 @@ class ShardServer:
         self._channel: DataChannel | None = None
         self.shard.checkpoint_every = config.checkpoint_every
 
+    @property
+    def channel(self) -> DataChannel | None:
+        """The data channel while the shard serves one."""
+        return self._channel
+
     async def start(self) -> str:
         cfg = self.config
         self._server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -417,8 +432,9 @@ class ShardServer:
         await self._server.start()
         report_port(cfg.ports_file, "grpc", port)
         if cfg.data_port >= 0:
-            servicer.channel = self._channel = DataChannel(self.shard, cfg, asyncio.get_running_loop(),
-                                                           server_ssl_context(cfg) if cfg.tls_server else None)
+            self._channel = DataChannel(self.shard, cfg, asyncio.get_running_loop(),
+                                        server_ssl_context(cfg) if cfg.tls_server else None)
+            servicer.attach_channel(self._channel)
             try:
                 report_port(cfg.ports_file, "data", self._channel.start())
                 self.shard.on_restored = self._channel.end_generations_before

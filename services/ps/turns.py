@@ -1,4 +1,5 @@
-"""Which pull's blocks go out on the shard's uplink first: the pull asked first (``--pull-order arrival``).
+"""Which pull's blocks go out on the shard's uplink first: the pull asked first (``--pull-order arrival``, and
+``auto`` where one shard holds the job's blocks).
 
 When a round completes, every worker's pull of it wants the shard's uplink at once. Shared evenly, each worker
 has its parameters only once all have them, and meanwhile the shard's downlink, which the next round's pushes
@@ -11,10 +12,15 @@ connection when no pull asked before it has more than ``low_water`` bytes queued
 queueing discipline's and the device's queues, which our uplink drains; :func:`~imerge.wire.datapath.
 host_queued_bytes`), nor a block ready that its thread has yet to send (a round's completion wakes its pulls
 together: the one asked first sends first, whichever thread runs first). A pull whose path is slower than the
-shard's uplink (a worker's congested downlink) keeps its bytes in its socket, not on the host, and holds nobody
-back; a block waits at most ``max_wait_s``, after which the pulls it waited for lose their ready mark until
-they send (a worker that stops reading holds the others back once, not at every block). Pure: the meters of
-queued bytes, the clock and the sleep are given.
+shard's uplink (a worker's congested downlink) keeps its bytes in its socket, not on the host. Where the job has
+several shards, every shard would serve the same worker first and its downlink would be the limit: there a
+ready block of a pull whose thread is still writing the one before holds nobody back (that write is what the
+path allows); with one shard it does, since that write is then the shard's uplink at work. Even so, several shards that
+each serve the same worker first cost a job of as many shards as workers 2% (``imerge bench B2`` at 100 Mbit/s)
+against leaving the order to TCP: ``auto``, the default, takes turns only where one shard holds the job's
+blocks. A block waits at most ``max_wait_s``, after which the pulls it waited for lose their ready mark until they send (a thread that
+does not run holds the others back once, not at every block). Pure: the meters of queued bytes, the clock and
+the sleep are given.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import time
 from collections.abc import Callable
 
 QueuedBytes = Callable[[], int]  # bytes a connection has queued on this host (raises OSError once it is closed)
-PULL_ORDERS = ("arrival", "off")
+PULL_ORDERS = ("auto", "arrival", "off")
 LOW_WATER_BYTES = 16 << 10  # about 1.3 ms of a 100 Mbit/s uplink: the next pull's block starts as this drains
 MAX_WAIT_S = 0.05           # the longest a block waits for its turn (a stalled reader delays others this much)
 POLL_S = 0.0003             # how often a waiting block looks again
@@ -33,9 +39,13 @@ POLL_S = 0.0003             # how often a waiting block looks again
 class PullTurns:
     """The shard's pulls in the order they were asked, each with a meter of its connection's queued bytes."""
 
-    def __init__(self, enabled: bool = True, low_water: int = LOW_WATER_BYTES, max_wait_s: float = MAX_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
-        self.enabled = enabled
+    def __init__(self, order: str = "arrival", low_water: int = LOW_WATER_BYTES, max_wait_s: float = MAX_WAIT_S,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 shards: int = 1):
+        if order not in PULL_ORDERS:
+            raise ValueError(f"pull order {order!r}: one of {', '.join(PULL_ORDERS)}")
+        self.order = order
+        self.shards = shards  # the job's shards that hold blocks (the shard sets it once it has read the plan)
         self.low_water, self.max_wait_s = low_water, max_wait_s
         self._clock, self._sleep = clock, sleep
         self._numbers = itertools.count()
@@ -43,6 +53,11 @@ class PullTurns:
         self._sending: dict[object, Turn] = {}  # connection -> its pull that sent last, or has a block ready
         self._waiting: set[int] = set()  # the numbers of the blocks waiting their turn: only the first one polls
         self._moved = threading.Condition(self._lock)  # a waiting block went: the next one polls
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pulls take turns: ``arrival``, or ``auto`` with one shard."""
+        return self.order == "arrival" or (self.order == "auto" and self.shards <= 1)
 
     def ask(self, connection: object, queued: QueuedBytes) -> Turn:
         """A pull was asked on ``connection``: its place in the order."""
@@ -60,7 +75,7 @@ class PullTurns:
         with self._lock:
             earlier = [other for other in self._sending.values() if other.number < turn.number]
         for other in earlier:
-            if other.pending:
+            if other.pending and (self.shards <= 1 or not other.sending):
                 return True
             try:
                 if other.queued() > self.low_water:
@@ -116,13 +131,14 @@ class PullTurns:
 class Turn:
     """One pull's place in the order. The thread that completes one of its blocks' rounds marks it ready
     (:meth:`ready`), so that it is in the order before a later pull woken with it sends; before each block it
-    sends it waits its turn (:meth:`wait`); where it found nothing to send, or ended, it is no longer ready
-    (:meth:`idle`)."""
+    sends it waits its turn (:meth:`wait`) and once the block is written it says so (:meth:`sent`); where it
+    found nothing to send, or ended, it is no longer ready (:meth:`idle`)."""
 
     def __init__(self, turns: PullTurns, number: int, connection: object, queued: QueuedBytes):
         self._turns = turns
         self.number, self.connection, self.queued = number, connection, queued
         self.pending = False  # a block of it is ready and its thread has yet to send it
+        self.sending = False  # its thread is writing a block (from its turn to sent)
 
     def ready(self) -> None:
         self._turns._enter(self, pending=True)
@@ -130,9 +146,18 @@ class Turn:
     def idle(self) -> None:
         self.pending = False
 
-    close = idle  # the pull ended (answered, refused or failed): its bytes still queued keep their place
+    def close(self) -> None:
+        """The pull ended (answered, refused or failed): its bytes still queued keep their place."""
+        self.pending = self.sending = False
 
     def wait(self) -> float:
-        """Wait (at most the turns' ``max_wait_s``) until no pull asked before this one has a block ready or
-        bytes queued on the host; return the seconds waited."""
-        return self._turns._wait(self)
+        """Wait (at most the turns' ``max_wait_s``) until no pull asked before this one has a block ready (and
+        its thread free to send it) or bytes queued on the host; return the seconds waited. The block's write
+        follows, until :meth:`sent`."""
+        waited = self._turns._wait(self)
+        self.sending = True
+        return waited
+
+    def sent(self) -> None:
+        """The block is written to the connection (its bytes are in the socket or on the host)."""
+        self.sending = False

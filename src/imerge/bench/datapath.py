@@ -11,7 +11,11 @@ not socket counters (loopback has none per process): a PS worker sends and
 receives M; a shard sends and receives W x its share of M; a DDP rank sends
 and receives 2 (W - 1) / W x M (ring all-reduce). CPU is each process's
 utime + stime over the timed iterations, read from ``/proc``; a worker's
-includes its (small) compute, a DDP rank's its local optimizer step.
+includes its compute (forward, backward, its hooks' gradient copies: the
+training thread), a DDP rank's also its local optimizer step. The worker
+columns also give the CPU of every thread but the training thread (the
+process's main thread): what the data path alone costs a worker (a DDP rank:
+gloo's threads).
 """
 from __future__ import annotations
 
@@ -44,13 +48,22 @@ def model_bytes() -> int:
     return model_size(MODEL)
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """utime + stime of a live process (all its threads), from /proc; None once it is gone."""
+def cpu_seconds(pid: int, thread: int | None = None) -> float | None:
+    """utime + stime of a live process (all its threads), or of one of its threads, from /proc; None once it is
+    gone."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def cpu_of(pid: int) -> tuple[float, float] | None:
+    """A live process's CPU seconds: all its threads, and all but its main thread (where a worker and a DDP rank
+    train); None once it is gone."""
+    whole, main = cpu_seconds(pid), cpu_seconds(pid, pid)
+    return None if whole is None or main is None else (whole, whole - main)
 
 
 class CpuSampler:
@@ -58,13 +71,13 @@ class CpuSampler:
 
     def __init__(self, launcher: Launcher, interval_s: float = 0.1):
         self.launcher, self.interval_s = launcher, interval_s
-        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.samples: list[tuple[float, dict[str, tuple[float, float]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            taken = {child.role: cpu_seconds(child.process.pid) for child in list(self.launcher.children)}
+            taken = {child.role: cpu_of(child.process.pid) for child in list(self.launcher.children)}
             self.samples.append((time.time(), {role: cpu for role, cpu in taken.items() if cpu is not None}))
 
     def __enter__(self) -> "CpuSampler":
@@ -75,14 +88,15 @@ class CpuSampler:
         self._stop.set()
         self._thread.join(10)
 
-    def used(self, role: str, start: float, end: float) -> float:
-        """CPU seconds ``role`` used between the samples nearest to ``start`` and ``end``."""
+    def used(self, role: str, start: float, end: float) -> tuple[float, float]:
+        """CPU seconds ``role`` used between the samples nearest to ``start`` and ``end``: all its threads, and all
+        but its main thread."""
         mine = [(t, cpu[role]) for t, cpu in self.samples if role in cpu]
         if len(mine) < 2:
             raise IMergeError(f"datapath: too few CPU samples of {role}; run more --iters")
-        first = min(mine, key=lambda s: abs(s[0] - start))
-        last = min(mine, key=lambda s: abs(s[0] - end))
-        return last[1] - first[1]
+        first = min(mine, key=lambda s: abs(s[0] - start))[1]
+        last = min(mine, key=lambda s: abs(s[0] - end))[1]
+        return last[0] - first[0], last[1] - first[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,7 @@ class DatapathRun:
     shard_gb_per_s: float | None = None     # DDP has no shard
     shard_cpu_s_per_gb: float | None = None
     ratio_to_ddp: float | None = None
+    worker_comm_cpu_s_per_gb: float | None = None  # all of a worker's threads but the training thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,9 +170,11 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
     rates: dict[str, float] = {}
     for kind, role in roles.items():
         window_bytes = moved[kind] * iterations
-        cpu = sampler.used(role, start, end)
+        cpu, besides_main = sampler.used(role, start, end)
         rates[f"{kind}_gb_per_s"] = window_bytes / (end - start) / 1e9
         rates[f"{kind}_cpu_s_per_gb"] = cpu / (window_bytes / 1e9)
+        if kind == "worker":
+            rates["worker_comm_cpu_s_per_gb"] = besides_main / (window_bytes / 1e9)
     return DatapathRun(strategy, seconds, len(timed), **rates)
 
 
@@ -208,4 +225,5 @@ def _merged(runs: list[DatapathRun]) -> DatapathRun:
     return DatapathRun(first.strategy, statistics.median(r.median_iteration_s for r in runs), first.iterations,
                        statistics.median(r.worker_gb_per_s for r in runs),
                        statistics.median(r.worker_cpu_s_per_gb for r in runs),
-                       median([r.shard_gb_per_s for r in runs]), median([r.shard_cpu_s_per_gb for r in runs]))
+                       median([r.shard_gb_per_s for r in runs]), median([r.shard_cpu_s_per_gb for r in runs]),
+                       worker_comm_cpu_s_per_gb=median([r.worker_comm_cpu_s_per_gb for r in runs]))

@@ -202,6 +202,7 @@ def write_scaling_report(report: ScalingReport, out: Path) -> None:
 
 DATAPATH_COLUMNS = [("median_iteration_s", "median s/it", "{:.3f}"), ("ratio_to_ddp", "x ddp", "{:.2f}"),
                     ("worker_gb_per_s", "worker GB/s", "{:.2f}"), ("worker_cpu_s_per_gb", "worker CPU s/GB", "{:.2f}"),
+                    ("worker_comm_cpu_s_per_gb", "worker comm threads CPU s/GB", "{:.2f}"),
                     ("shard_gb_per_s", "shard GB/s", "{:.2f}"), ("shard_cpu_s_per_gb", "shard CPU s/GB", "{:.2f}")]
 
 
@@ -210,7 +211,9 @@ def datapath_markdown(report: DatapathReport) -> str:
     lines = [f"{scenario.model} ({scenario.model_bytes / 1e6:.1f} MB), batch 1, {scenario.workers} workers, "
              f"{scenario.shards} shards (DDP: {scenario.workers} ranks), {scenario.network}, {scenario.iters} "
              f"iterations x {scenario.rounds} rounds. GB/s and CPU s/GB count payload bytes sent plus "
-             "received by one process (DDP: a rank, in the worker columns).", "",
+             "received by one process (DDP: a rank, in the worker columns); a worker's CPU includes its "
+             "training thread (forward, backward, its hooks' gradient copies), its comm threads' CPU is all its "
+             "threads but that one (DDP: gloo's threads).", "",
              "| strategy | " + " | ".join(title for _, title, _ in DATAPATH_COLUMNS) + " |",
              "|---|" + "---|" * len(DATAPATH_COLUMNS)]
     for name, run in report.strategies.items():
@@ -218,7 +221,8 @@ def datapath_markdown(report: DatapathReport) -> str:
                      + " |")
     for limit in report.socket_limit:
         lines.append(f"| raw socket, {limit.frame_bytes >> 20} MiB frames | - | - | {limit.gb_per_s:.2f} | "
-                     f"send {limit.send_cpu_s_per_gb:.2f} | - | receive {limit.receive_cpu_s_per_gb:.2f} |")
+                     f"send {limit.send_cpu_s_per_gb:.2f} | send {limit.send_cpu_s_per_gb:.2f} | - | "
+                     f"receive {limit.receive_cpu_s_per_gb:.2f} |")
     if report.command:
         lines += ["", f"Command: `{report.command}`"]
     return "\n".join(lines) + "\n"
