@@ -235,6 +235,12 @@ class Child:
             return "(no log)"
 
 
+def worker_threads(workers: int) -> int:
+    """Threads of torch per worker where ``workers`` share this host's cores: each its share, at least one (torch's
+    default, every core per process, leaves several workers' OpenMP threads spinning on each other's cores)."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 class Launcher:
     def __init__(self, config: LaunchConfig, job_env: dict[str, str], command: list[str] | None = None,
                  console: Console | None = None, schedule_env: dict[str, str] | None = None,
@@ -371,7 +377,7 @@ class Launcher:
 
     def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
         cfg = self.config
-        threads = str(max(1, (os.cpu_count() or 1) // cfg.workers))
+        threads = str(worker_threads(cfg.workers))
         master = self.hosts.master()
         for rank in range(cfg.workers):
             extra = {"IMERGE_RANK": str(rank), "IMERGE_WORLD_SIZE": str(cfg.workers), **self.schedule_env,
@@ -385,6 +391,8 @@ class Launcher:
             if not self.command or self.workers_only:
                 if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
                     extra["IMERGE_TORCH_THREADS"] = threads
+            if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
+                extra["OMP_NUM_THREADS"] = threads  # a script's torch: the host's cores shared, as torchrun does
             fds: tuple[int, ...] = ()
             if rank == 0:
                 extra[PROGRESS_FD_ENV] = str(progress_fd)
@@ -600,6 +608,10 @@ class Launcher:
             if not self.quiet:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
                                    f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
+                if self.command and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in self.job_env:
+                    self.console.print(f"workers: OMP_NUM_THREADS={worker_threads(self.config.workers)} each (this "
+                                       f"host's {os.cpu_count()} cores shared by {self.config.workers} workers; set "
+                                       "OMP_NUM_THREADS to choose)")
             self._start_roles(redis_url, write_fd)
             if not self.hosts.reports_ports:  # fixed ports (the testbed): known now
                 self._write_prometheus_config()
