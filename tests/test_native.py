@@ -280,6 +280,75 @@ def test_a_blocks_native_step_gives_torchs_bits(name, hypers):
                 assert torch.equal(value, states[1][key]) and value.dtype == states[1][key].dtype, key
 
 
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 4099, 100_003])
+def test_the_sum_of_squares_is_a_double_precision_sum_in_a_fixed_order(numel):
+    """What clipping needs of a round's mean: one native pass, the float64 sum's value to rounding, the same bits
+    every time (and whatever part of the machine's vector width the length fills)."""
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    values = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1e3
+    mine, torchs = data_plane("native").sum_of_squares(values), data_plane("python").sum_of_squares(values)
+    assert mine == pytest.approx(torchs, rel=1e-12, abs=0.0)
+    assert mine == data_plane("native").sum_of_squares(values.clone())
+    with pytest.raises(InvalidArgument, match="not contiguous float32"):
+        data_plane("native").sum_of_squares(values.double())
+
+
+CLIPPED = {"norm": dict(max_norm=0.5), "value then norm": dict(clip_value=0.02, max_norm=0.5),
+           "unscaled then norm": dict(loss_scale=1024.0, max_norm=0.5)}
+
+
+@pytest.mark.parametrize("clipping", CLIPPED)
+@pytest.mark.parametrize("name,hypers", OPTIMIZERS[2:], ids=lambda v: v if isinstance(v, str) else ",".join(v) or "-")
+def test_a_clipped_rounds_native_step_gives_torchs_bits(monkeypatch, name, hypers, clipping):
+    """A round whose mean is unscaled or clipped (the shards agree on the norm first) steps natively on that one
+    row (divisor 1) from its second round on: the same bits as torch's step on the Python path, optimizer state
+    included."""
+    import imerge.ps.block as block_module
+    from imerge.control.messages import RoundScalars
+    from imerge.core.optim import OptimizerSpec, hyper_delta
+    from imerge.core.rounds import RoundOptions
+    from imerge.ps.block import BlockMeta, BlockState
+    from imerge.ps.metrics import ShardCounters, ShardMetrics
+
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    torch_steps = {"native": 0, "python": 0}
+    plane_of: dict[int, str] = {}
+
+    def counted(optimizer: torch.optim.Optimizer) -> None:
+        torch_steps[plane_of[id(optimizer)]] += 1
+        eager_step(optimizer)
+
+    eager_step = block_module.eager_step
+    monkeypatch.setattr(block_module, "eager_step", counted)
+    spec = OptimizerSpec(name, lr=0.05, **hypers)
+    meta = BlockMeta("b", "float32", 10_007, 3, spec, (1, 4_000, 6_006))
+    init = torch.randn(10_007, generator=torch.Generator().manual_seed(1))
+    blocks = {plane: BlockState(meta, init.clone(), "d", data_plane(plane)) for plane in PLANES}
+    plane_of.update({id(block.optimizer): plane for plane, block in blocks.items()})
+    metrics = ShardMetrics(0, ShardCounters(), 1e4)
+    generator = torch.Generator().manual_seed(2)
+    for round_ in range(4):
+        rows = torch.randn(3, 10_007, generator=generator) * CLIPPED[clipping].get("loss_scale", 1.0)
+        options = RoundOptions(hypers=hyper_delta({"lr": 0.05 / (round_ + 1)}, {"lr": 0.05}), **CLIPPED[clipping])
+        snapshots, means = {}, {}
+        for plane, block in blocks.items():
+            block.grads.copy_(rows)
+            means[plane], _ = block.average(metrics, options)
+        total = RoundScalars(data_plane("python").sum_of_squares(means["python"]))  # one norm for both: the step's
+        for plane, block in blocks.items():  # bits, not the sum's order (tested above), are what is compared here
+            snapshots[plane] = block.step(metrics, means[plane], options, set(), total)
+        assert torch.equal(bits(blocks["native"].flat), bits(blocks["python"].flat)), round_
+        assert bytes(snapshots["native"].parts[0]) == bytes(snapshots["python"].parts[0])
+    assert torch_steps == {"native": 1, "python": 4}  # torch's first step makes the state; native after it
+    for native_piece, python_piece in zip(blocks["native"].pieces, blocks["python"].pieces):
+        states = [blocks["native"].optimizer.state[native_piece], blocks["python"].optimizer.state[python_piece]]
+        for key, value in states[0].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, states[1][key]), key
+
+
 def test_a_variant_whose_probe_disagrees_steps_with_torch(monkeypatch, caplog):
     """Where the probe of a variant finds other bits than torch's (another machine, another torch), the shard
     steps with torch: logged once, and the result is torch's."""

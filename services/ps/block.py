@@ -277,7 +277,7 @@ class BlockState:
                 mean.clamp_(-options.clip_value, options.clip_value)
             if not options.needs_agreement:
                 return mean, RoundScalars()
-            return mean, RoundScalars(float(mean.double().square().sum()) if finite else 0.0, not finite)
+            return mean, RoundScalars(self.plane.sum_of_squares(mean) if finite else 0.0, not finite)
 
     def aggregate(self, metrics: ShardMetrics, options: RoundOptions, no_grad: Collection[int]) -> Snapshot:
         """:meth:`average`, then :meth:`step`: a round that needs no agreement of the shards (runs off the event
@@ -290,16 +290,25 @@ class BlockState:
 
     def _fused_step(self, metrics: ShardMetrics, options: RoundOptions, no_grad: Collection[int]) -> Snapshot | None:
         """The round's mean, optimizer step and float32 snapshot in native passes over each piece (SGD: one;
-        Adam: two, and torch's square root); None where that does not apply: compressed or sparse blocks,
-        options that change the mean, pieces without gradient, an optimizer other than single-tensor SGD, Adam
-        or AdamW, state that torch's first step has not made yet, or a machine whose probe of the variant
-        found other bits than torch's."""
-        buffers = self._buffers
-        if buffers is None or buffers.dtype != "float32" or self._grad_rows is None or no_grad or options.assign or \
-                options.loss_scale or options.max_norm or options.clip_value or \
-                self.meta.num_workers > MAX_FUSED_ROWS:
+        Adam: two, and torch's square root); None where that does not apply: options that change the mean (they
+        step by :meth:`step`, natively where :meth:`_native_step` can), or more workers than a fused pass takes."""
+        if self._grad_rows is None or options.assign or options.loss_scale or options.max_norm or \
+                options.clip_value or self.meta.num_workers > MAX_FUSED_ROWS:
             return None
-        apply_hypers(self.optimizer, self.hypers, options.hypers)
+        with metrics.aggregation.time():  # the round's one pass: the sum, the step and the snapshot
+            return self._native_step(list(self.grads), self.meta.num_workers, no_grad, options.hypers)
+
+    def _native_step(self, rows: list[torch.Tensor], divisor: int, no_grad: Collection[int], hypers: str
+                     ) -> Snapshot | None:
+        """The optimizer's step on the mean of ``rows`` (the workers' gradients, or one row already averaged,
+        unscaled and clipped, with divisor 1: the same bits as torch's step on it) and the float32 snapshot, in
+        native passes per piece; None where that does not apply: compressed or sparse blocks, pieces without
+        gradient, an optimizer other than single-tensor SGD, Adam or AdamW, state that torch's first step has not
+        made yet, or a machine whose probe of the variant found other bits than torch's."""
+        buffers = self._buffers
+        if buffers is None or buffers.dtype != "float32" or no_grad:
+            return None
+        apply_hypers(self.optimizer, self.hypers, hypers)
         step = SgdStep.of(self.optimizer) or AdamStep.of(self.optimizer)
         if step is None or not self.plane.fused_step(step):
             return None
@@ -308,21 +317,18 @@ class BlockState:
             ("momentum_buffer",) if step.momentum else ()
         if any(state.get(name) is None for state in states for name in needed):
             return None
-        rows = list(self.grads)
 
         def write(snapshot: torch.Tensor) -> None:
             with torch.no_grad():
                 for piece, state, (start, end) in zip(self.pieces, states, self.meta.bounds()):
                     piece_rows = [row[start:end] for row in rows]
                     if isinstance(step, AdamStep):
-                        adam_step(self.plane, piece, piece_rows, self.meta.num_workers, step, state,
-                                  snapshot[start:end])
+                        adam_step(self.plane, piece, piece_rows, divisor, step, state, snapshot[start:end])
                     else:
-                        self.plane.sgd_step(piece, piece_rows, self.meta.num_workers, step,
-                                            state.get("momentum_buffer"), snapshot[start:end])
+                        self.plane.sgd_step(piece, piece_rows, divisor, step, state.get("momentum_buffer"),
+                                            snapshot[start:end])
 
-        with metrics.aggregation.time():  # the round's one pass: the sum, the step and the snapshot
-            return buffers.written(write)
+        return buffers.written(write)
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: Collection[int],
              total: RoundScalars) -> Snapshot:
@@ -341,6 +347,11 @@ class BlockState:
             if options.max_norm:
                 mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
                           .clamp(max=1.0))
+        with metrics.optimizer_step.time():  # the mean unscaled and clipped: one row, stepped natively where it can
+            native = self._native_step([mean], 1, no_grad, options.hypers) \
+                if mean.dtype == torch.float32 and mean.is_contiguous() else None
+        if native is not None:
+            return native
         for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
             piece.grad = None if index in no_grad else mean[start:end]
         apply_hypers(self.optimizer, self.hypers, options.hypers)

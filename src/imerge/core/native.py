@@ -123,6 +123,15 @@ class DataPlane:
         return all_finite(out)
 
 
+    def sum_of_squares(self, values: torch.Tensor) -> float:
+        """The sum of the squares of float32 ``values`` in double precision (a round's share of the global norm
+        that clipping needs): one native pass (eight running sums in a fixed order), else torch's float64 sum."""
+        if values.dtype != torch.float32 or not values.is_contiguous():
+            raise InvalidArgument("sum_of_squares: values that are not contiguous float32")
+        if self._native is not None:
+            return float(self._native.sum_squares(values.data_ptr(), values.numel()))
+        return float(values.double().square().sum())
+
     def fused_step(self, step: "SgdStep | AdamStep") -> bool:
         """Whether the native step may run ``step``'s variant here: the extension is built, and a probe of that
         variant (SGD: weight decay, momentum, dampening, Nesterov; Adam: weight decay, AdamW's) gave torch's
