@@ -76,41 +76,15 @@ def test_a_reader_that_stalls_holds_the_others_back_for_at_most_the_longest_wait
     assert MAX_WAIT_S <= waited < MAX_WAIT_S + 0.001
 
 
-def test_a_ready_pull_whose_thread_does_not_run_holds_the_others_back_once():
+def test_a_ready_pull_whose_thread_is_stuck_holds_the_others_back_once():
     order, fake = turns()
-    stuck = order.ask("its thread does not run", Queue(0))
-    stuck.ready()  # its block is ready; its thread, woken with the others, does not get to send it
+    stuck = order.ask("stuck in a write", Queue(0))
+    stuck.ready()  # its next block is ready; its thread still writes the last one to a worker that stopped reading
     assert MAX_WAIT_S <= order.ask("next", Queue(0)).wait() < MAX_WAIT_S + 0.001
     assert order.ask("after", Queue(0)).wait() == 0.0  # passed over until it sends
     stuck.wait()
-    stuck.sent()
     stuck.ready()  # it sent, and is ready again: it holds its place
     assert order.ask("last", Queue(0)).wait() >= MAX_WAIT_S
-
-
-def test_with_several_shards_a_ready_pull_whose_thread_is_still_writing_holds_nobody_back():
-    """With several shards, a pull whose path beyond the host is the slower one (a worker's downlink that every
-    shard serves at once) writes its block into its socket, not onto the host: a block of it that is ready
-    meanwhile does not hold the later pulls back; once the write is done, its ready mark does again."""
-    fake = FakeTime()
-    order = PullTurns("arrival", clock=fake.clock, sleep=fake.sleep, shards=3)
-    writing = order.ask("worker 0, its downlink congested", Queue(0))
-    assert writing.wait() == 0.0  # its turn: its thread now writes the block
-    writing.ready()  # its next block's round completed meanwhile
-    assert order.ask("worker 1", Queue(0)).wait() == 0.0 and fake.sleeps == 0
-    writing.sent()
-    writing.ready()
-    assert order.ask("worker 2", Queue(0)).wait() >= MAX_WAIT_S  # free to send it, it goes first
-
-
-def test_with_one_shard_a_ready_pull_holds_the_others_back_while_its_thread_writes():
-    """With one shard, a write that takes its time is the shard's own uplink at work: the pull asked first keeps
-    its turn for its next block."""
-    order, fake = turns()
-    writing = order.ask("worker 0", Queue(0))
-    assert writing.wait() == 0.0
-    writing.ready()
-    assert order.ask("worker 1", Queue(0)).wait() >= MAX_WAIT_S
 
 
 def test_a_pull_woken_first_sends_first_whichever_thread_runs_first():
@@ -296,8 +270,8 @@ def test_the_meter_counts_the_bytes_waiting_in_the_hosts_queue_until_they_leave(
 
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_shard_takes_the_jobs_shard_count_from_its_plan(cluster, shards):
-    """Whether a ready pull's mark holds the others back while its thread writes depends on how many shards
-    feed a worker: each shard reads the count from the job's plan."""
+    """Whether the pulls take turns by default depends on how many shards feed a worker (--pull-order auto):
+    each shard reads the count from the job's plan, and takes turns only where it is the job's one shard."""
     import torch
 
     import imerge
@@ -310,4 +284,5 @@ def test_a_shard_takes_the_jobs_shard_count_from_its_plan(cluster, shards):
     model.synchronize()
     model.close()
     assert [shard.server.channel.turns.shards for shard in c.shards] == [shards] * shards
+    assert [shard.server.channel.turns.enabled for shard in c.shards] == [shards == 1] * shards
 

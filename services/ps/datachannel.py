@@ -556,7 +556,6 @@ class Connection:
                     send_frame(self.stream, Kind.BLOCK, tensor_meta(block_id, round_, snapshot.dtype,
                                                                     snapshot.numel, snapshot.nnz, result),
                                snapshot.parts)
-                    turn.sent()
                     self.shard.counters.add(bytes_sent=snapshot.nbytes)
         send_frame(self.stream, Kind.END)
 

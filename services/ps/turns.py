@@ -12,15 +12,13 @@ connection when no pull asked before it has more than ``low_water`` bytes queued
 queueing discipline's and the device's queues, which our uplink drains; :func:`~imerge.wire.datapath.
 host_queued_bytes`), nor a block ready that its thread has yet to send (a round's completion wakes its pulls
 together: the one asked first sends first, whichever thread runs first). A pull whose path is slower than the
-shard's uplink (a worker's congested downlink) keeps its bytes in its socket, not on the host. Where the job has
-several shards, every shard would serve the same worker first and its downlink would be the limit: there a
-ready block of a pull whose thread is still writing the one before holds nobody back (that write is what the
-path allows); with one shard it does, since that write is then the shard's uplink at work. Even so, several shards that
-each serve the same worker first cost a job of as many shards as workers 2% (``imerge bench B2`` at 100 Mbit/s)
-against leaving the order to TCP: ``auto``, the default, takes turns only where one shard holds the job's
-blocks. A block waits at most ``max_wait_s``, after which the pulls it waited for lose their ready mark until they send (a thread that
-does not run holds the others back once, not at every block). Pure: the meters of queued bytes, the clock and
-the sleep are given.
+shard's uplink (a worker's congested downlink) keeps its bytes in its socket, not on the host, and holds nobody
+back by them. Where the job has several shards, each would serve the same worker first, and that worker's
+downlink, fed by all of them, becomes the limit (``imerge bench B2`` at 100 Mbit/s, 3 shards: 2% slower than
+leaving the order to TCP): ``auto``, the default, takes turns only where one shard holds the job's blocks. A
+block waits at most ``max_wait_s``, after which the pulls it waited for lose their ready mark until they send (a
+worker that stops reading holds the others back once, not at every block). Pure: the meters of queued bytes,
+the clock and the sleep are given.
 """
 from __future__ import annotations
 
@@ -75,7 +73,7 @@ class PullTurns:
         with self._lock:
             earlier = [other for other in self._sending.values() if other.number < turn.number]
         for other in earlier:
-            if other.pending and (self.shards <= 1 or not other.sending):
+            if other.pending:
                 return True
             try:
                 if other.queued() > self.low_water:
@@ -131,14 +129,13 @@ class PullTurns:
 class Turn:
     """One pull's place in the order. The thread that completes one of its blocks' rounds marks it ready
     (:meth:`ready`), so that it is in the order before a later pull woken with it sends; before each block it
-    sends it waits its turn (:meth:`wait`) and once the block is written it says so (:meth:`sent`); where it
-    found nothing to send, or ended, it is no longer ready (:meth:`idle`)."""
+    sends it waits its turn (:meth:`wait`); where it found nothing to send, or ended, it is no longer ready
+    (:meth:`idle`)."""
 
     def __init__(self, turns: PullTurns, number: int, connection: object, queued: QueuedBytes):
         self._turns = turns
         self.number, self.connection, self.queued = number, connection, queued
         self.pending = False  # a block of it is ready and its thread has yet to send it
-        self.sending = False  # its thread is writing a block (from its turn to sent)
 
     def ready(self) -> None:
         self._turns._enter(self, pending=True)
@@ -146,18 +143,9 @@ class Turn:
     def idle(self) -> None:
         self.pending = False
 
-    def close(self) -> None:
-        """The pull ended (answered, refused or failed): its bytes still queued keep their place."""
-        self.pending = self.sending = False
+    close = idle  # the pull ended (answered, refused or failed): its bytes still queued keep their place
 
     def wait(self) -> float:
-        """Wait (at most the turns' ``max_wait_s``) until no pull asked before this one has a block ready (and
-        its thread free to send it) or bytes queued on the host; return the seconds waited. The block's write
-        follows, until :meth:`sent`."""
-        waited = self._turns._wait(self)
-        self.sending = True
-        return waited
-
-    def sent(self) -> None:
-        """The block is written to the connection (its bytes are in the socket or on the host)."""
-        self.sending = False
+        """Wait (at most the turns' ``max_wait_s``) until no pull asked before this one has a block ready or
+        bytes queued on the host; return the seconds waited."""
+        return self._turns._wait(self)
