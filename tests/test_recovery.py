@@ -205,11 +205,18 @@ def test_redis_killed_and_restarted_empty_fails_fast_with_the_reason(tmp_path):
         redis.process.wait(10)
         killed = time.monotonic()
         redis = RedisServer(port=redis.port)  # the same address, without the job's keys
+        restarted_s = time.monotonic() - killed
         code, output = run.finish()
         assert code == 1
         text = " ".join(output.split())
-        assert "failed: coordinator: exited with code 1" in text
-        assert "Redis lost the job's state: the plan and generation keys are gone" in text
+        if "Connection refused" in text:
+            # the new server (up after {restarted_s:.1f} s) came too late for a role whose retries (redis-py's
+            # jittered backoff, 10 tries) had run out, as on a loaded machine: it fails fast, naming Redis
+            assert f"Error 111 connecting to 127.0.0.1:{redis.port}" in text and "the job cannot go on" in text, \
+                (restarted_s, text[-2000:])
+        else:
+            assert "failed: coordinator: exited with code 1" in text
+            assert "Redis lost the job's state: the plan and generation keys are gone" in text, text[-2000:]
         assert time.monotonic() - killed < 30
     finally:
         redis.stop()
