@@ -210,7 +210,7 @@ def test_redis_killed_and_restarted_empty_fails_fast_with_the_reason(tmp_path):
         assert code == 1
         text = " ".join(output.split())
         if "Connection refused" in text:
-            # the new server (up after {restarted_s:.1f} s) came too late for a role whose retries (redis-py's
+            # the new server (up restarted_s after the kill) came too late for a role whose retries (redis-py's
             # jittered backoff, 10 tries) had run out, as on a loaded machine: it fails fast, naming Redis
             assert f"Error 111 connecting to 127.0.0.1:{redis.port}" in text and "the job cannot go on" in text, \
                 (restarted_s, text[-2000:])
