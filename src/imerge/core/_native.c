@@ -593,19 +593,31 @@ static PyObject *adam_update(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The (address, numel) of a run of float32 elements, as all_finite and sum_squares take it; 0 with an exception
+ * set where the arguments are not that. */
+static int parsed_floats(PyObject *args, const char *what, const float **floats, size_t *numel) {
+    unsigned long long address;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &count))
+        return 0;
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: negative length", what);
+        return 0;
+    }
+    *floats = (const float *)(uintptr_t)address;
+    *numel = (size_t)count;
+    return 1;
+}
+
 /* all_finite(address, numel) -> whether the numel float32 elements at address are all finite (GIL released). */
 static PyObject *all_finite(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t numel;
-    if (!PyArg_ParseTuple(args, "Kn", &address, &numel))
+    const float *floats;
+    size_t numel;
+    if (!parsed_floats(args, "all_finite", &floats, &numel))
         return NULL;
-    if (numel < 0) {
-        PyErr_SetString(PyExc_ValueError, "all_finite: negative length");
-        return NULL;
-    }
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = floats_finite((const float *)(uintptr_t)address, (size_t)numel);
+    finite = floats_finite(floats, numel);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(finite);
 }
@@ -627,19 +639,15 @@ CLONES static double squares_sum(const float *p, size_t n) {
     return ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
 }
 
-/* sum_squares(address, numel) -> float: what a round's clipping needs of its mean, in one pass */
+/* sum_squares(address, numel) -> float: what a round's clipping needs of its mean, in one pass (GIL released) */
 static PyObject *sum_squares(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    Py_ssize_t numel;
-    if (!PyArg_ParseTuple(args, "Kn", &address, &numel))
+    const float *floats;
+    size_t numel;
+    if (!parsed_floats(args, "sum_squares", &floats, &numel))
         return NULL;
-    if (numel < 0) {
-        PyErr_SetString(PyExc_ValueError, "sum_squares: negative length");
-        return NULL;
-    }
     double total;
     Py_BEGIN_ALLOW_THREADS
-    total = squares_sum((const float *)(uintptr_t)address, (size_t)numel);
+    total = squares_sum(floats, numel);
     Py_END_ALLOW_THREADS
     return PyFloat_FromDouble(total);
 }

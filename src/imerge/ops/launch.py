@@ -375,6 +375,10 @@ class Launcher:
                                               **self.hosts.shard_env(index)}), shard=index)
         self._start_workers(redis_url, progress_fd, role)
 
+    def _threads_chosen(self) -> bool:
+        """Whether the user set the workers' OMP_NUM_THREADS (the launcher's environment, or the job's)."""
+        return "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in self.job_env
+
     def _start_workers(self, redis_url: str, progress_fd: int, role: list[str]) -> None:
         cfg = self.config
         threads = str(worker_threads(cfg.workers))
@@ -391,7 +395,7 @@ class Launcher:
             if not self.command or self.workers_only:
                 if self.job_env.get("IMERGE_TORCH_THREADS", "0") == "0":
                     extra["IMERGE_TORCH_THREADS"] = threads
-            if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
+            if not self._threads_chosen() and "OMP_NUM_THREADS" not in extra:
                 extra["OMP_NUM_THREADS"] = threads  # a script's torch: the host's cores shared, as torchrun does
             fds: tuple[int, ...] = ()
             if rank == 0:
@@ -608,7 +612,7 @@ class Launcher:
             if not self.quiet:
                 self.console.print(f"job {self.job}: {self.config.shards} shards, {self.config.workers} workers, "
                                    f"Redis {redacted(redis_url)}, logs in {self.log_dir}/")
-                if self.command and "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in self.job_env:
+                if self.command and not self._threads_chosen():
                     self.console.print(f"workers: OMP_NUM_THREADS={worker_threads(self.config.workers)} each (this "
                                        f"host's {os.cpu_count()} cores shared by {self.config.workers} workers; set "
                                        "OMP_NUM_THREADS to choose)")
