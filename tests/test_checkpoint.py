@@ -70,6 +70,24 @@ def test_a_corrupted_checkpoint_fails_its_checksum(tmp_path):
         store.read(2)
 
 
+def test_the_manifests_crc_taken_from_memory_is_the_files(tmp_path):
+    """The CRC-32 a checkpoint's manifest records is taken from the tensors' memory, laid out as the file's
+    header says: it equals the CRC of the file's bytes for every dtype and shape a block's state holds (a 0-d
+    step, an empty piece, bfloat16, int64), and a file whose layout is not the tensors' is checksummed as read."""
+    from imerge.ps.checkpoint import _crc32, _written_crc32
+
+    generator = torch.Generator().manual_seed(3)
+    state = {"0/step": torch.tensor(7.0), "0/exp_avg": torch.randn(999, generator=generator),
+             "1/empty": torch.zeros(0), "1/half": torch.randn(33, generator=generator).to(torch.bfloat16),
+             "1/count": torch.arange(5)}
+    block = BlockImage("g0", 2, SGD, "d", torch.randn(1001, generator=generator), state)
+    path = CheckpointStore(tmp_path, shard=0).write(0, [block])
+    assert json.loads((path / MANIFEST).read_text())["crc32"] == _crc32(path / TENSORS) == \
+        zlib.crc32((path / TENSORS).read_bytes())
+    other = {"g0/param": torch.zeros(1001)}  # not what the file holds: the file is read
+    assert _written_crc32(path / TENSORS, other) == _crc32(path / TENSORS)
+
+
 def test_a_checkpoint_of_format_2_with_its_sha256_is_still_read_and_checked(tmp_path):
     store = CheckpointStore(tmp_path, shard=0)
     written = image("g0", 1000, 1)

@@ -602,6 +602,46 @@ def test_close_ends_a_connection_whose_shard_never_answers_the_hello():
     assert isinstance(error, Unavailable) and "closed" in str(error) and took < 2, (error, took)
 
 
+def test_a_refusal_that_cuts_a_large_push_short_reaches_the_worker_by_its_name():
+    """A shard that refuses a push as soon as it read the frame's header answers an ERROR frame and closes without
+    reading the rest (as a shard does once it has dropped --drain's bytes): the worker's write of the payload
+    fails, and the worker reads the refusal that came before the close, not a broken pipe."""
+    from imerge.wire.datapath import error_meta
+    from imerge.worker.datachannel import SocketDataPath
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    refused = AlreadyExists("push of block b by worker 0 for round 0: two clients push as worker 0")
+
+    def abrupt_shard() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            read_meta(conn, read_header(conn, 1 << 20, "test"), ps_pb2.ChannelHello, "test")
+            send_frame(conn, Kind.WELCOME)
+            read_meta(conn, read_header(conn, 1 << 30, "test"), ps_pb2.PushHeader, "test")
+            send_frame(conn, Kind.ERROR, error_meta(refused, ps_pb2.ChannelError))
+            time.sleep(0.2)  # the worker goes on writing; the close resets its connection
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    async def open_channel(worker: int, generation: int) -> ps_pb2.ChannelReply:
+        return ps_pb2.ChannelReply(port=listener.getsockname()[1], token=b"t", idle_s=30)
+
+    async def run() -> None:
+        path = SocketDataPath("127.0.0.1:1", open_channel)
+        try:
+            await path.push([PushItem(BLOCK, torch.zeros(16 << 20), 0)], 0, timeout_s=30)  # 64 MiB
+        finally:
+            await path.close()
+
+    shard_thread = threading.Thread(target=abrupt_shard, daemon=True)
+    shard_thread.start()
+    try:
+        with pytest.raises(AlreadyExists, match="two clients push as worker 0"):
+            asyncio.run(run())
+    finally:
+        shard_thread.join(10)
+        listener.close()
+
+
 def test_a_round_due_for_a_checkpoint_waits_until_the_previous_checkpoint_is_written(redis_url, tmp_path):
     """A shard never runs more than one checkpoint ahead of its disk: a round due for a checkpoint is answered
     only once the previous checkpoint is written (here the writer is held), so that shards whose disks differ

@@ -37,3 +37,44 @@ def test_a_cast_snapshot_rounds_as_tensor_to_does(dtype):
     snapshot = SnapshotBuffers(dtype, param.numel()).snapshot(param)
     expected = param.to(getattr(torch, dtype)).view(torch.uint8).numpy().tobytes()
     assert bytes(snapshot.parts[0]) == expected and snapshot.dtype == dtype and snapshot.nbytes == 20_000
+
+
+@pytest.mark.parametrize("compression", ["", "fp16"])
+def test_a_checkpoints_image_keeps_its_rounds_parameters_while_the_block_steps_on(compression):
+    """A dense float32 block's image holds its published snapshot (no copy), a block that sends fp16 copies its
+    float32 parameters: either way the image is the parameters of its round, bit for bit, however many rounds
+    the block steps and publishes while the checkpoint is being written."""
+    from imerge.core.optim import OptimizerSpec
+    from imerge.core.rounds import RoundOptions
+    from imerge.ps.block import BlockMeta, BlockState
+    from imerge.ps.metrics import ShardCounters, ShardMetrics
+
+    meta = BlockMeta("b", "float32", 5_000, 2, OptimizerSpec("sgd", lr=0.1, momentum=0.9), (1_000, 4_000),
+                     compression)
+    block = BlockState(meta, torch.randn(5_000, generator=torch.Generator().manual_seed(0)), "d")
+    metrics, generator = ShardMetrics(0, ShardCounters(), 1e4), torch.Generator().manual_seed(1)
+
+    def round_() -> None:
+        block.grads.copy_(torch.randn(2, 5_000, generator=generator))
+        block.snapshot = block.aggregate(metrics, RoundOptions(), set())
+
+    for _ in range(3):
+        round_()
+    image, expected = block.image(), block.flat.clone()
+    momentum = block.optimizer.state[block.pieces[1]]["momentum_buffer"].clone()
+    assert (image.owner is block.snapshot) == (compression == "")  # fp16: its snapshot is not the parameters
+    for _ in range(10):
+        round_()
+    gc.collect()
+    assert not torch.equal(block.flat, expected)
+    assert torch.equal(image.param, expected) and image.param.dtype == torch.float32
+    assert torch.equal(image.state["1/momentum_buffer"], momentum)
+    second = block.image()  # while the first is still held: copies of its own
+    assert torch.equal(image.state["1/momentum_buffer"], momentum)
+    kept = image.state["1/momentum_buffer"].data_ptr()
+    del image
+    gc.collect()
+    round_()
+    third = block.image()  # the first one's copies, reused
+    assert third.state["1/momentum_buffer"].data_ptr() == kept != second.state["1/momentum_buffer"].data_ptr()
+    assert torch.equal(third.state["1/momentum_buffer"], block.optimizer.state[block.pieces[1]]["momentum_buffer"])

@@ -39,6 +39,7 @@ from .pulled import PulledBlocks, apply_payload
 
 log = logging.getLogger(__name__)
 OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
+REFUSAL_READ_S = 2.0  # a push whose write the shard cut short: how long its refusal may take to be read
 
 
 class CallThreads:
@@ -263,8 +264,11 @@ class SocketDataPath:
 
     def _push(self, sock: socket.socket, frames: list[tuple[ps_pb2.PushHeader, list[memoryview]]],
               on_written: Callable[[], Any] | None) -> list[ps_pb2.BlockPushResult]:
-        for header, parts in frames:
-            send_frame(sock, Kind.PUSH, header, parts)
+        try:
+            for header, parts in frames:
+                send_frame(sock, Kind.PUSH, header, parts)
+        except (BrokenPipeError, ConnectionResetError) as exc:  # the shard refused a frame and closed
+            raise self._refusal_behind(sock, exc) from None
         if on_written is not None:
             on_written()
         results = []
@@ -272,6 +276,16 @@ class SocketDataPath:
             results.append(self._expect(sock, Kind.RESULT, f"push of block {header.block_id}",
                                         ps_pb2.BlockPushResult)[1])
         return results
+
+    def _refusal_behind(self, sock: socket.socket, failed: OSError) -> BaseException:
+        """The shard's refusal that cut a push's write short (it answers an ERROR frame, reads what it may of the
+        rest and closes: the data that came before the close is still readable), else the failed write."""
+        with contextlib.suppress(OSError, ChannelClosed, RequestError):
+            sock.settimeout(REFUSAL_READ_S)
+            header, received = read_head(sock, 0, "push")
+            if header.kind == Kind.ERROR:
+                return error_from_meta(read_meta(sock, header, ps_pb2.ChannelError, "push", received), self.address)
+        return failed
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
                         generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:
