@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from imerge.core.codec import tensor_view
 from imerge.core.errors import IMergeError
 from imerge.core.optim import OptimizerSpec
 
@@ -126,7 +127,7 @@ def _written_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> int:
         data = tensors.get(name)
         if data is None or start != end or stop - start != data.numel() * data.element_size():
             return _crc32(path)
-        value, end = zlib.crc32(memoryview(data.reshape(-1).view(torch.uint8).numpy()), value), stop
+        value, end = zlib.crc32(tensor_view(data.reshape(-1).view(torch.uint8)), value), stop
     return value if 8 + length + end == size else _crc32(path)
 
 
