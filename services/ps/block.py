@@ -123,8 +123,9 @@ class SnapshotBuffers:
 
 class StateCopies:
     """Copies of a block's optimizer state for its checkpoints' images, in tensors kept from one checkpoint to
-    the next (a fresh copy of an Adam block's two moments paid its page faults at every checkpoint: 30 ms per
-    33.5 MB of parameters here, a copy into kept tensors 4 ms); a set is reused once no image holds it."""
+    the next (fresh copies paid their page faults at every checkpoint: the images of 4 AdamW blocks of 32 MiB
+    took 181 ms of CPU here, 26 with kept tensors, see ``scripts/bench_checkpoint.py``); a set is reused once
+    no image holds it."""
 
     KEPT = 1  # sets kept for reuse: checkpoints are written one after the other
 
