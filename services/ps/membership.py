@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -158,9 +159,11 @@ class ShardMembership:
                 log.warning("shard %d: watching the job generation: %s", self.shard.index, exc)
                 self._stop.wait(1.0)
                 continue
-            if event.error:  # the job ended: there is nothing to restore
+            if event.error:  # the job ended: there is nothing to restore; the calls still waiting end now
                 self._handled = max(self._handled, target)
                 log.error("shard %d: the job failed: %s", self.shard.index, event.error)
+                with contextlib.suppress(RuntimeError):  # the loop closed: the shard stopped
+                    self.loop.call_soon_threadsafe(self.shard.fail_job, event.error)
                 continue
             log.info("shard %d: the job moved to generation %d", self.shard.index, target)
             future = asyncio.run_coroutine_threadsafe(self.restore(event), self.loop)

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
-from imerge.core.errors import DeadlineExceeded, FutureGeneration, InvalidArgument, NotFound, StaleGeneration
+from imerge.core.errors import (DeadlineExceeded, FailedPrecondition, FutureGeneration, InvalidArgument, NotFound,
+                                StaleGeneration)
 from imerge.core.limits import clip
 
 from .block import BlockState, Snapshot
@@ -27,9 +28,24 @@ class Pulls:
     blocks: dict[str, BlockState]
     counters: ShardCounters
     metrics: ShardMetrics
+    job_failure: tuple[int, str] | None = None  # (the generation it ended, why): the job failed for good
 
     # -- generations ------------------------------------------------------------
+    def fail_job(self, why: str) -> None:
+        """The job failed for good (the coordinator said so): the calls of the shard's generation are refused
+        with ``why`` from now on, and the pulls waiting for a round end at once instead of at their timeout."""
+        self.job_failure = (self.generation, why)
+        for block in list(self.blocks.values()):
+            block.wake()
+
+    def check_job(self, what: str) -> None:
+        """Refuse a call once the job failed (in the shard's generation: a restore to a later one lifts it)."""
+        failure = self.job_failure
+        if failure is not None and failure[0] == self.generation:
+            raise FailedPrecondition(f"{what}: shard {self.index}: the job failed: {failure[1]}")
+
     def check_generation(self, generation: int, what: str) -> None:
+        self.check_job(what)
         if generation < self.generation:
             self.counters.stale_generation += 1
             raise StaleGeneration(f"{what}: generation {generation} is stale; the job is at generation "
@@ -101,6 +117,7 @@ class Pulls:
     def pull_ready(self, waiting: list[tuple[str, BlockState]], worker: int, round_: int
                    ) -> tuple[list[PulledBlock], list[tuple[str, BlockState]]]:
         """Of the blocks a pull waits for, those whose round completed (in the order asked), and the rest."""
+        self.check_job(f"pull by worker {worker} for round {round_}")
         ready, still = [], []
         for block_id, block in waiting:
             item = self.pulled(block_id, block, worker, round_)
