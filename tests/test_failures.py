@@ -52,6 +52,38 @@ def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
         assert waited < 2.0 + 3.0
 
 
+def test_abort_from_another_thread_ends_a_forward_waiting_for_its_pull_at_once(cluster):
+    """A watchdog's (or a signal handler thread's) ``abort()`` while the training thread's forward waits for a
+    pull that cannot complete (the other worker never pushes): the forward raises at once, saying the worker
+    left the job, instead of waiting out its 80 s wait timeout."""
+    from imerge.core.errors import Cancelled
+
+    c = cluster(2, 1)
+    joined = threading.Barrier(2)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    models = [build_model("digits-cnn") for _ in range(2)]
+
+    def body(rank: int):
+        model = imerge.distribute(models[rank], SGD, c.worker_config(rank, pull_timeout_s=30.0))
+        joined.wait(30)
+        if rank == 1:  # joins, never pushes, and leaves once the other has seen its abort
+            time.sleep(6)
+            model.abort()
+            return None
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        aborted: list[float] = []
+        watchdog = threading.Timer(1.0, lambda: (aborted.append(time.monotonic()), model.abort()))
+        watchdog.start()
+        with pytest.raises(Cancelled, match="the worker left the job") as info:
+            model(x)  # waits for the pulls of round 0
+        ended = time.monotonic()
+        watchdog.join(10)
+        return ended - aborted[0], info.value
+
+    waited, error = c.run_workers(body)[0]
+    assert waited < 3.0, (waited, error)
+
+
 @pytest.mark.parametrize("broken", ["consumer", "sender"])
 def test_a_bug_on_the_comm_thread_fails_the_iteration_at_once_naming_it(lone, monkeypatch, broken):
     """An exception the comm thread's own loops do not expect (a bug, not a failed RPC) fails every sync waiting

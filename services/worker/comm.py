@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from imerge.control.store import WorkerStore
-from imerge.core.errors import IMergeError, WaitTimeout
+from imerge.core.errors import Cancelled, IMergeError, WaitTimeout
 from imerge.core.knobs import apply
 from imerge.core.modes import BlockMode, block_modes
 from imerge.core.planning import Plan
@@ -189,6 +189,10 @@ class Communicator:
             sync.future.set_result(sync.round + 1)
         except Exception as exc:
             sync.fail(exc)
+        except asyncio.CancelledError:  # a failed push (which failed the sync first: no-op) or the worker leaving
+            sync.fail(Cancelled(f"{group}: the pull of round {sync.round} ended: the worker left the job "
+                                "(abort or close) while it was waited for"))
+            raise
 
     async def _pull_shard(self, sync: Sync, shard: int, blocks: list[Any]) -> None:
         group = sync.group
