@@ -21,15 +21,28 @@ from helpers import new_job
 SGD = imerge.OptimizerSpec("sgd", lr=0.01)  # given: the job is joined in imerge.distribute
 
 
+X, Y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))  # one batch of digits
+
+
+def joined_workers(c, pull_timeout_s: float):
+    """``join(rank)``: rank's digits CNN wrapped for cluster ``c``, once every worker has joined."""
+    models = [build_model("digits-cnn") for _ in range(c.num_workers)]
+    barrier = threading.Barrier(c.num_workers)
+
+    def join(rank: int):
+        model = imerge.distribute(models[rank], SGD, c.worker_config(rank, pull_timeout_s=pull_timeout_s))
+        barrier.wait(30)
+        return model
+
+    return join
+
+
 def test_worker_that_never_pushes_fails_the_others_within_the_timeout(cluster):
     c = cluster(3, 2)
-    joined = threading.Barrier(3)
-    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
-    models = [build_model("digits-cnn") for _ in range(3)]
+    join, x, y = joined_workers(c, 2.0), X, Y
 
     def body(rank: int):
-        model = imerge.distribute(models[rank], SGD, c.worker_config(rank, pull_timeout_s=2.0))
-        joined.wait(30)
+        model = join(rank)
         try:
             if rank == 2:  # joins, then never pushes
                 time.sleep(4)
@@ -59,13 +72,10 @@ def test_abort_from_another_thread_ends_a_forward_waiting_for_its_pull_at_once(c
     from imerge.core.errors import Cancelled
 
     c = cluster(2, 1)
-    joined = threading.Barrier(2)
-    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
-    models = [build_model("digits-cnn") for _ in range(2)]
+    join, x, y = joined_workers(c, 30.0), X, Y
 
     def body(rank: int):
-        model = imerge.distribute(models[rank], SGD, c.worker_config(rank, pull_timeout_s=30.0))
-        joined.wait(30)
+        model = join(rank)
         if rank == 1:  # joins, never pushes, and leaves once the other has seen its abort
             time.sleep(6)
             model.abort()
