@@ -342,6 +342,8 @@ def test_a_clipped_rounds_native_step_gives_torchs_bits(monkeypatch, name, hyper
         assert torch.equal(bits(blocks["native"].flat), bits(blocks["python"].flat)), round_
         assert bytes(snapshots["native"].parts[0]) == bytes(snapshots["python"].parts[0])
     assert torch_steps == {"native": 1, "python": 4}  # torch's first step makes the state; native after it
+    steps_timed = metrics.registry.get_sample_value("imerge_shard_optimizer_step_seconds_count", {"shard": "0"})
+    assert steps_timed == 4 * len(blocks)  # one observation per round and block, whichever step took it
     for native_piece, python_piece in zip(blocks["native"].pieces, blocks["python"].pieces):
         states = [blocks["native"].optimizer.state[native_piece], blocks["python"].optimizer.state[python_piece]]
         for key, value in states[0].items():

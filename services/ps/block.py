@@ -393,19 +393,23 @@ class BlockState:
             if options.max_norm:
                 mean.mul_((options.max_norm / (torch.tensor(total.grad_norm, dtype=torch.float32) + 1e-6))
                           .clamp(max=1.0))
-        with metrics.optimizer_step.time():  # the mean unscaled and clipped: one row, stepped natively where it can
+        with metrics.optimizer_step.time():  # one observation per round, whichever step takes it
+            # the mean unscaled and clipped: one row, stepped natively where it can (the snapshot written with it)
             native = self._native_step([mean], 1, no_grad, options.hypers) \
                 if mean.dtype == torch.float32 and mean.is_contiguous() else None
-        if native is not None:
-            return native
+            if native is None:
+                self._torch_step(mean, no_grad, options.hypers)
+        return native if native is not None else self.publish()
+
+    def _torch_step(self, mean: torch.Tensor, no_grad: Collection[int], hypers: str) -> None:
+        """``torch.optim``'s step on ``mean`` with the round's hyperparameters, the pieces without gradient
+        skipped."""
         for index, (piece, (start, end)) in enumerate(zip(self.pieces, self.meta.bounds())):
             piece.grad = None if index in no_grad else mean[start:end]
-        apply_hypers(self.optimizer, self.hypers, options.hypers)
-        with metrics.optimizer_step.time():
-            eager_step(self.optimizer)  # no hooks, never compiled: without torch.compile's wrapper
+        apply_hypers(self.optimizer, self.hypers, hypers)
+        eager_step(self.optimizer)  # no hooks, never compiled: without torch.compile's wrapper
         for piece in self.pieces:
             piece.grad = None
-        return self.publish()
 
     def check_push(self, push: Push) -> None:
         """Refuse a push whose pieces without gradient do not exist, or whose hyperparameters the block's optimizer
