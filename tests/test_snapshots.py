@@ -28,7 +28,7 @@ def test_a_dropped_snapshot_gives_its_buffer_back_and_no_more_than_two_are_kept(
     many = [buffers.snapshot(param) for _ in range(5)]  # five held at once: five buffers
     del many, current
     gc.collect()
-    assert len(buffers._free) == SnapshotBuffers.KEPT
+    assert buffers.waiting == SnapshotBuffers.KEPT
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

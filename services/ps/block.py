@@ -27,7 +27,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ from imerge.core.blockround import BlockRound
 from imerge.core.rounds import Push, RoundOptions
 from .streams import Row
 
+K = TypeVar("K")
 _GRADS_MADE = threading.Lock()  # a block's rows are made once, whichever thread's push comes first
 
 
@@ -79,19 +80,48 @@ def snapshot_of(param: torch.Tensor, mode: BlockMode = BlockMode(), held: torch.
                     sum(len(part) for part in parts))
 
 
+class Kept(Generic[K]):
+    """Things kept for reuse: each given back once the object that holds it (a snapshot, a checkpoint's image)
+    is gone, and at most ``kept`` of them waiting (more would only hold memory). Any thread may take one or
+    drop the last reference to a holder."""
+
+    def __init__(self, kept: int):
+        self.kept = kept
+        self._free: list[K] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> K | None:
+        """One given back earlier, if any waits."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give_back_with(self, holder: object, item: K) -> None:
+        """Reuse ``item`` once ``holder`` is gone."""
+        weakref.finalize(holder, self._give_back, item)
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def _give_back(self, item: K) -> None:
+        with self._lock:
+            if len(self._free) < self.kept:
+                self._free.append(item)
+
+
 class SnapshotBuffers:
     """The buffers a dense block's snapshots are written into, each one reused once no pull holds the snapshot
-    that was written into it (the snapshot's finalizer gives it back). A fresh buffer per round costs its page
-    faults every round: publishing a 33.5 MB block took 26.5 ms that way here, 5 ms into a kept buffer); kept
-    buffers are two in the steady state (the snapshot of the round before, still being sent, and this one's)."""
+    that was written into it. A fresh buffer per round costs its page faults every round: publishing a 33.5 MB
+    block took 26.5 ms that way here, 5 ms into a kept buffer); kept buffers are two in the steady state (the
+    snapshot of the round before, still being sent, and this one's)."""
 
     KEPT = 2  # free buffers kept for reuse (more would only hold memory)
 
     def __init__(self, dtype: str, numel: int):
         self._dtype_name, self._dtype, self._numel = dtype, WIRE_DTYPES[dtype], numel
         self._nbytes = numel * self._dtype.itemsize
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()  # the step threads publish, any thread may drop the last reference
+        self._kept: Kept[bytearray] = Kept(self.KEPT)  # the step threads publish, any thread drops a snapshot
         self.allocated = 0  # buffers made so far (a test's view of the reuse)
 
     def snapshot(self, param: torch.Tensor) -> Snapshot:
@@ -101,42 +131,37 @@ class SnapshotBuffers:
 
     def written(self, write: Callable[[torch.Tensor], object]) -> Snapshot:
         """A snapshot of what ``write`` puts into the tensor it is given (the buffer, as the buffers' dtype)."""
-        with self._lock:
-            buffer = self._free.pop() if self._free else None
+        buffer = self._kept.take()
         if buffer is None:
             buffer = bytearray(self._nbytes)
             self.allocated += 1
         write(torch.frombuffer(buffer, dtype=self._dtype))
         snapshot = Snapshot((memoryview(buffer),), self._numel, self._dtype_name, -1, self._nbytes)
-        weakref.finalize(snapshot, self._give_back, buffer)
+        self._kept.give_back_with(snapshot, buffer)
         return snapshot
 
     @property
     def dtype(self) -> str:
         return self._dtype_name
 
-    def _give_back(self, buffer: bytearray) -> None:
-        with self._lock:
-            if len(self._free) < self.KEPT:
-                self._free.append(buffer)
+    @property
+    def waiting(self) -> int:
+        """Free buffers kept for the next snapshots."""
+        return self._kept.waiting
 
 
 class StateCopies:
     """Copies of a block's optimizer state for its checkpoints' images, in tensors kept from one checkpoint to
     the next (fresh copies paid their page faults at every checkpoint: the images of 4 AdamW blocks of 32 MiB
     took 181 ms of CPU here, 26 with kept tensors, see ``scripts/bench_checkpoint.py``); a set is reused once
-    no image holds it."""
-
-    KEPT = 1  # sets kept for reuse: checkpoints are written one after the other
+    no image holds it (checkpoints are written one after the other: one set waits)."""
 
     def __init__(self) -> None:
-        self._free: list[dict[str, torch.Tensor]] = []
-        self._lock = threading.Lock()  # the image is taken on the event loop, dropped on the writer's thread
+        self._kept: Kept[dict[str, torch.Tensor]] = Kept(1)  # taken on the event loop, dropped by the writer
 
     def copied(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state``'s tensors copied (into kept tensors of the same shape and dtype where there are some)."""
-        with self._lock:
-            kept = self._free.pop() if self._free else {}
+        kept = self._kept.take() or {}
         copies = {}
         for name, value in state.items():
             target = kept.get(name)
@@ -148,12 +173,7 @@ class StateCopies:
 
     def give_back_with(self, holder: object, copies: dict[str, torch.Tensor]) -> None:
         """Reuse ``copies`` once ``holder`` (the image) is gone."""
-        weakref.finalize(holder, self._give_back, copies)
-
-    def _give_back(self, copies: dict[str, torch.Tensor]) -> None:
-        with self._lock:
-            if len(self._free) < self.KEPT:
-                self._free.append(copies)
+        self._kept.give_back_with(holder, copies)
 
 
 @dataclasses.dataclass(frozen=True)
