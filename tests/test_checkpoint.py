@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -70,22 +71,58 @@ def test_a_corrupted_checkpoint_fails_its_checksum(tmp_path):
         store.read(2)
 
 
-def test_the_manifests_crc_taken_from_memory_is_the_files(tmp_path):
-    """The CRC-32 a checkpoint's manifest records is taken from the tensors' memory, laid out as the file's
-    header says: it equals the CRC of the file's bytes for every dtype and shape a block's state holds (a 0-d
-    step, an empty piece, bfloat16, int64), and a file whose layout is not the tensors' is checksummed as read."""
-    from imerge.ps.checkpoint import _crc32, _written_crc32
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
+def test_the_tensor_file_is_safetensors_and_its_crc_the_files(tmp_path, direct):
+    """The tensor file, written past the page cache or through it, is read back by safetensors bit for bit for
+    every dtype and shape a block's state holds (a 0-d step, an empty piece, bfloat16, int64, a piece larger
+    than the staging buffer and not a multiple of the disk's block), and the CRC-32 taken while writing is the
+    file's."""
+    from safetensors.torch import load_file
+
+    from imerge.ps import tensorfile
 
     generator = torch.Generator().manual_seed(3)
-    state = {"0/step": torch.tensor(7.0), "0/exp_avg": torch.randn(999, generator=generator),
-             "1/empty": torch.zeros(0), "1/half": torch.randn(33, generator=generator).to(torch.bfloat16),
-             "1/count": torch.arange(5)}
-    block = BlockImage("g0", 2, SGD, "d", torch.randn(1001, generator=generator), state)
-    path = CheckpointStore(tmp_path, shard=0).write(0, [block])
-    assert json.loads((path / MANIFEST).read_text())["crc32"] == _crc32(path / TENSORS) == \
-        zlib.crc32((path / TENSORS).read_bytes())
-    other = {"g0/param": torch.zeros(1001)}  # not what the file holds: the file is read
-    assert _written_crc32(path / TENSORS, other) == _crc32(path / TENSORS)
+    tensors = {"g0/state/0/step": torch.tensor(7.0), "g0/state/0/exp_avg": torch.randn(999, generator=generator),
+               "g0/state/1/empty": torch.zeros(0), "g0/state/1/count": torch.arange(5),
+               "g0/state/1/half": torch.randn(33, generator=generator).to(torch.bfloat16),
+               "g0/state/1/flag": torch.tensor([True, False, True]),
+               "g0/param": torch.randn(tensorfile.CHUNK // 4 + 1001, generator=generator)}
+    written = tensorfile.write_tensors(tmp_path / TENSORS, tensors, direct=direct)
+    data = (tmp_path / TENSORS).read_bytes()
+    assert (written.size, written.crc32, written.direct) == (len(data), zlib.crc32(data), direct)
+    loaded = load_file(str(tmp_path / TENSORS))
+    assert sorted(loaded) == sorted(tensors)
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    assert (8 + int.from_bytes(data[:8], "little")) % 8 == 0  # the data start 8-aligned
+
+
+def test_a_file_system_that_refuses_o_direct_gets_the_page_cache(tmp_path, monkeypatch, caplog):
+    """Where opening with O_DIRECT fails with EINVAL the checkpoint is written through the page cache, the same
+    bytes, and the log says so once; the checkpoint reads back."""
+    import errno
+
+    from imerge.ps import tensorfile
+
+    opened = []
+
+    def refusing(path, direct):
+        opened.append(direct)
+        if direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    monkeypatch.setattr(tensorfile, "_open", refusing)
+    monkeypatch.setattr(tensorfile, "_refused", set())
+    store, written = CheckpointStore(tmp_path, shard=0), image("g0", 1000, 1)
+    with caplog.at_level(logging.INFO, logger="imerge.ps.tensorfile"):
+        store.write(1, [written])
+        store.write(2, [written])
+    assert opened == [True, False, False]  # the refusal is remembered for the device
+    assert [r.message for r in caplog.records].count(
+        f"checkpoints in {tmp_path / 'shard-0' / '.tmp-000000000001-'}{os.getpid()} go through the page cache: "
+        "its file system refuses O_DIRECT") == 1
+    assert torch.equal(store.read(2).blocks["g0"].param, written.param)
 
 
 def test_a_checkpoint_of_format_2_with_its_sha256_is_still_read_and_checked(tmp_path):

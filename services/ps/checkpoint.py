@@ -9,7 +9,8 @@ Pure: imports neither grpc nor redis. A checkpoint of shard ``i`` at round
   the tensor file, and the manifest's own format version (format 2, which
   held a SHA-256 instead, is still read).
 
-It is written into a hidden temporary folder, every file is fsynced, the
+The tensor file is written past the page cache where the file system allows
+it (:mod:`.tensorfile`). A checkpoint is written into a hidden temporary folder, every file is fsynced, the
 folder is renamed into place and the parent fsynced, so a reader sees either
 a complete checkpoint or none: a process killed while writing leaves only a
 temporary folder, which is ignored and cleaned up later, and the previous
@@ -35,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from imerge.core.codec import tensor_view
 from imerge.core.errors import IMergeError
 from imerge.core.optim import OptimizerSpec
+
+from .tensorfile import write_tensors
 
 log = logging.getLogger(__name__)
 FORMAT = 3  # 2: optimizer specs as JSON, per-piece optimizer state; 3: the file's CRC-32 instead of its SHA-256
@@ -108,29 +110,6 @@ def _crc32(path: Path) -> int:
     return value
 
 
-def _written_crc32(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    """The CRC-32 of the safetensors file just written from ``tensors``, taken from their memory as the file's
-    header lays them out (its header read back, their bytes not: reading a 33.5 MB file back cost 10 ms of CPU
-    here, the checksum of the memory 5); the file's own bytes where the layout is not the one expected."""
-    size = path.stat().st_size
-    with open(path, "rb") as stream:
-        prefix = stream.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else size
-        header = stream.read(length) if length <= size - 8 else b""
-    try:
-        layout = sorted((tuple(spec["data_offsets"]), name) for name, spec in json.loads(header).items()
-                        if name != "__metadata__")
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return _crc32(path)
-    value, end = zlib.crc32(header, zlib.crc32(prefix)), 0
-    for (start, stop), name in layout:
-        data = tensors.get(name)
-        if data is None or start != end or stop - start != data.numel() * data.element_size():
-            return _crc32(path)
-        value, end = zlib.crc32(tensor_view(data.reshape(-1).view(torch.uint8)), value), stop
-    return value if 8 + length + end == size else _crc32(path)
-
-
 def _checksum_problem(manifest: dict[str, Any], path: Path) -> str | None:
     """Why the tensor file fails the manifest's checksum (CRC-32, or a format-2 SHA-256); None if it passes."""
     if "crc32" in manifest:
@@ -197,11 +176,9 @@ class CheckpointStore:
         tensors = {f"{b.block_id}/param": b.param.contiguous() for b in blocks}
         tensors.update({f"{b.block_id}/state/{name}": value.contiguous()
                         for b in blocks for name, value in b.state.items()})
-        save_file(tensors, str(temporary / TENSORS))
-        _fsync(temporary / TENSORS)
+        written = write_tensors(temporary / TENSORS, tensors)
         manifest = {"format": FORMAT, "shard": self.shard, "run": self.run, "round": round_, "created": time.time(),
-                    "file": TENSORS, "bytes": (temporary / TENSORS).stat().st_size,
-                    "crc32": _written_crc32(temporary / TENSORS, tensors),
+                    "file": TENSORS, "bytes": written.size, "crc32": written.crc32,
                     "blocks": {b.block_id: {"numel": b.param.numel(), "num_workers": b.num_workers,
                                             "optimizer": b.optimizer.to_json(), "segments": list(b.segments),
                                             "compression": b.compression,
