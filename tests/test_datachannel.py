@@ -677,3 +677,52 @@ def test_a_round_due_for_a_checkpoint_waits_until_the_previous_checkpoint_is_wri
     finally:
         held.set()
         server.stop()
+
+
+def test_an_aborted_connection_keeps_its_descriptor_until_the_call_in_it_returns():
+    """A worker's connection aborted (a cancelled call, the channel closed) while a thread is in a call on it is
+    shut down at once, which ends the call's wait in the data plane's native read, but its descriptor stays
+    open until that call returns: closed at once, its number went to the next socket opened, and a call still
+    holding the number (the native loops do, the GIL released) waited on, or read, that stranger's connection.
+    A call asked for after the abort does not begin."""
+    from imerge.core.native import data_plane
+    from imerge.wire.datapath import ChannelClosed
+    from imerge.worker.datachannel import PooledConnection
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    connection, seen = PooledConnection(client), {}
+    in_call, aborted = threading.Event(), threading.Event()
+
+    def read_a_head(sock: socket.socket) -> int:
+        seen["fd"] = sock.fileno()
+        in_call.set()
+        assert aborted.wait(10)
+        state, _ = data_plane().recv_head(sock, HEADER.size, 8, 64) or (None, b"")
+        seen["after"] = sock.fileno()
+        return state
+
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(connection.call(read_a_head)))
+    thread.start()
+    try:
+        assert in_call.wait(10)
+        connection.abort()
+        fresh = socket.socket()  # the lowest free descriptor
+        try:
+            assert fresh.fileno() != seen["fd"], "the aborted connection's descriptor was reused under its call"
+        finally:
+            fresh.close()
+        aborted.set()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert seen["after"] == seen["fd"] and client.fileno() == -1  # open throughout the call, closed after it
+        if data_plane().name == "native":
+            assert result == [1]  # the native read saw the shutdown: closed
+        with pytest.raises(ChannelClosed, match="ended before its call began"):
+            connection.call(read_a_head)
+    finally:
+        aborted.set()
+        server.close()
+        listener.close()

@@ -20,8 +20,10 @@ import logging
 import queue
 import socket
 import ssl
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,6 +42,7 @@ from .pulled import PulledBlocks, apply_payload
 log = logging.getLogger(__name__)
 OpenChannel = Callable[[int, int], Awaitable[ps_pb2.ChannelReply]]  # (worker, generation) -> the shard's reply
 REFUSAL_READ_S = 2.0  # a push whose write the shard cut short: how long its refusal may take to be read
+CLOSE_THREADS_S = 5.0  # how long a closed channel waits for its threads' calls to end (they were shut down)
 
 
 class CallThreads:
@@ -96,21 +99,56 @@ class CallThreads:
         deadline = time.monotonic() + timeout_s
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        running = [thread.name for thread in threads if thread.is_alive()]
+        running = [thread for thread in threads if thread.is_alive()]
         if running:
+            frames = sys._current_frames()
             log.warning("%d data channel thread(s) still in a call %gs after the channel closed: %s", len(running),
-                        timeout_s, ", ".join(running))
+                        timeout_s, "; ".join(f"{thread.name} at {where(frames.get(thread.ident))}" for thread in running))
+
+
+def where(frame: Any) -> str:
+    """The innermost calls of a thread's stack (what a thread that does not end is waiting in)."""
+    if frame is None:
+        return "(gone)"
+    return " <- ".join(f"{entry.name} ({entry.filename.rpartition('/')[2]}:{entry.lineno})"
+                       for entry in reversed(traceback.extract_stack(frame)[-6:]))
 
 
 @dataclasses.dataclass(eq=False)
 class PooledConnection:
+    """A connection of the pool. While a thread is in a call on it, ``abort`` only shuts it down (the thread's
+    read or write fails) and the thread closes it once its call returns: closing the descriptor under a call
+    that holds its number (the data plane's native loops do, the GIL released) would let the next socket
+    opened take that number, and the call would wait on, or read, a stranger's connection."""
+
     sock: socket.socket
     idle_since: float = 0.0
+    _in_call: bool = False
+    _aborted: bool = False
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def abort(self) -> None:
+        """End the connection from any thread: shut down now, closed now or when the call in it returns."""
+        with self._lock:
+            self._aborted, in_call = True, self._in_call
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
+        if not in_call:
+            self.sock.close()
+
+    def call(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(sock, *args)`` on the calling thread, unless the connection was aborted first."""
+        with self._lock:
+            if self._aborted:
+                raise ChannelClosed("the connection was ended before its call began")
+            self._in_call = True
+        try:
+            return function(self.sock, *args)
+        finally:
+            with self._lock:
+                self._in_call, aborted = False, self._aborted
+            if aborted:
+                self.sock.close()
 
 
 class SocketDataPath:
@@ -135,7 +173,7 @@ class SocketDataPath:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._idle.clear()
-        self._threads.close()
+        self._threads.close(CLOSE_THREADS_S)  # on the loop: a thread at the interpreter's exit may not start
 
     # -- connections ---------------------------------------------------------------------
     async def _connection(self, worker: int, generation: int, kind: str, timeout_s: float) -> PooledConnection:
@@ -241,7 +279,7 @@ class SocketDataPath:
         connection = await self._connection(worker, generation, kind, timeout_s)
         try:
             connection.sock.settimeout(timeout_s)
-            result = await self._run(function, connection.sock, *args)
+            result = await self._run(connection.call, function, *args)
         except BaseException:  # failed or cancelled: the connection ends (a thread still in it fails)
             self._busy.discard(connection)
             connection.abort()
