@@ -4,11 +4,12 @@ Pure: imports neither grpc nor redis. ``safetensors``' own ``save_file`` writes 
 kernel copies every byte into freshly allocated pages, writes them back later (in the flusher's threads or in
 the writer's ``fsync``) and frees them again when the checkpoint is pruned: a shard that checkpoints 33.6 MB
 every 10 rounds spent 15% of its CPU on its checkpoints (``docs/benchmarks.md``). Here the tensors are copied
-(``memmove`` through ctypes: one thread, the interpreter lock released) into a page-aligned staging buffer, each filled chunk's CRC-32 is
-taken while it is in the cache, and the chunk is written with ``O_DIRECT``: the disk reads it from the buffer.
-Where the file system refuses ``O_DIRECT`` (tmpfs, some network and FUSE file systems) the same chunks go
-through the page cache. Either way the file is a plain safetensors file (its header as the format defines
-it, padded so that the data start 8-aligned), read back with ``safetensors.torch.load_file``.
+(``memmove`` through ctypes: one thread, the interpreter lock released) into a page-aligned staging buffer,
+each filled chunk's CRC-32 is taken while it is in the cache, and the chunk is written with ``O_DIRECT``: the
+disk reads it from the buffer. Where the file system refuses ``O_DIRECT`` (some network and FUSE file systems,
+tmpfs on older kernels) the same chunks go through the page cache. Either way the file is a plain safetensors
+file (its header as the format defines it, padded so that the data start 8-aligned), read back with
+``safetensors.torch.load_file``.
 """
 from __future__ import annotations
 

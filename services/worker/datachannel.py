@@ -102,8 +102,9 @@ class CallThreads:
         running = [thread for thread in threads if thread.is_alive()]
         if running:
             frames = sys._current_frames()
+            waits = "; ".join(f"{thread.name} at {where(frames.get(thread.ident or -1))}" for thread in running)
             log.warning("%d data channel thread(s) still in a call %gs after the channel closed: %s", len(running),
-                        timeout_s, "; ".join(f"{thread.name} at {where(frames.get(thread.ident))}" for thread in running))
+                        timeout_s, waits)
 
 
 def where(frame: Any) -> str:
@@ -145,10 +146,13 @@ class PooledConnection:
         try:
             return function(self.sock, *args)
         finally:
-            with self._lock:
-                self._in_call, aborted = False, self._aborted
-            if aborted:
-                self.sock.close()
+            self._call_ended()
+
+    def _call_ended(self) -> None:
+        with self._lock:
+            self._in_call, aborted = False, self._aborted
+        if aborted:  # aborted during the call: closed now that nothing holds its descriptor
+            self.sock.close()
 
 
 class SocketDataPath:
