@@ -30,13 +30,13 @@ import logging
 import os
 import shutil
 import time
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from zlib_ng.zlib_ng import crc32
 
 from imerge.core.errors import IMergeError
 from imerge.core.optim import OptimizerSpec
@@ -101,12 +101,12 @@ def _sha256(path: Path) -> str:
 
 
 def _crc32(path: Path) -> int:
-    """The file's CRC-32: what a torn write or a flipped bit on the volume changes, at 3.5x SHA-256's speed
-    (4.6 against 16 ms for a 33.5 MB checkpoint here: the shard writes one every ``--checkpoint-every``
-    rounds). A checksum against accidents, not against someone who can write the volume."""
+    """The file's CRC-32: what a torn write or a flipped bit on the volume changes, at 20x SHA-256's speed
+    (zlib-ng's: 0.8 ms for a 33.5 MB checkpoint here, zlib's 4.7, SHA-256 16). A checksum against accidents,
+    not against someone who can write the volume."""
     value = 0
     for chunk in _chunks(path):
-        value = zlib.crc32(chunk, value)
+        value = crc32(chunk, value)
     return value
 
 
