@@ -74,9 +74,9 @@ def test_a_corrupted_checkpoint_fails_its_checksum(tmp_path):
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
 def test_the_tensor_file_is_safetensors_and_its_crc_the_files(tmp_path, direct):
     """The tensor file, written past the page cache or through it, is read back by safetensors bit for bit for
-    every dtype and shape a block's state holds (a 0-d step, an empty piece, bfloat16, int64, a piece larger
-    than the staging buffer and not a multiple of the disk's block), and the CRC-32 taken while writing is the
-    file's."""
+    every dtype and shape a block's state may hold (a 0-d step, an empty piece, bfloat16, int64, bool, complex,
+    unsigned, float8, a piece larger than the staging buffer and not a multiple of the disk's block), and the
+    CRC-32 taken while writing is the file's."""
     from safetensors.torch import load_file
 
     from imerge.ps import tensorfile
@@ -86,6 +86,9 @@ def test_the_tensor_file_is_safetensors_and_its_crc_the_files(tmp_path, direct):
                "g0/state/1/empty": torch.zeros(0), "g0/state/1/count": torch.arange(5),
                "g0/state/1/half": torch.randn(33, generator=generator).to(torch.bfloat16),
                "g0/state/1/flag": torch.tensor([True, False, True]),
+               "g0/state/2/complex": torch.randn(7, generator=generator, dtype=torch.complex64),
+               "g0/state/2/unsigned": torch.arange(9, dtype=torch.int64).to(torch.uint32),
+               "g0/state/2/fp8": torch.randn(11, generator=generator).to(torch.float8_e4m3fn),
                "g0/param": torch.randn(tensorfile.CHUNK // 4 + 1001, generator=generator)}
     written = tensorfile.write_tensors(tmp_path / TENSORS, tensors, direct=direct)
     data = (tmp_path / TENSORS).read_bytes()
@@ -93,8 +96,12 @@ def test_the_tensor_file_is_safetensors_and_its_crc_the_files(tmp_path, direct):
     loaded = load_file(str(tmp_path / TENSORS))
     assert sorted(loaded) == sorted(tensors)
     for name, tensor in tensors.items():
-        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+        got = loaded[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name  # bits
     assert (8 + int.from_bytes(data[:8], "little")) % 8 == 0  # the data start 8-aligned
+    with pytest.raises(ValueError, match="g0/x: dtype torch.complex128 has no safetensors name"):
+        tensorfile.write_tensors(tmp_path / "other", {"g0/x": torch.zeros(2, dtype=torch.complex128)}, direct=direct)
 
 
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache(tmp_path, monkeypatch, caplog):

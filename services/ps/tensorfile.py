@@ -29,9 +29,11 @@ from zlib_ng.zlib_ng import crc32
 log = logging.getLogger(__name__)
 ALIGN = 4096          # O_DIRECT's alignment of offsets, lengths and memory (a multiple of any logical block size)
 CHUNK = 4 << 20       # the staging buffer: what is copied, checksummed and written at a time
-DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",  # safetensors'
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-          torch.bool: "BOOL"}
+          torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+          torch.complex64: "C64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+          torch.float8_e5m2: "F8_E5M2", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
 _staging = threading.local()  # a writer thread's staging buffer, kept from one checkpoint to the next
 _refused: set[int] = set()    # devices whose file system refused O_DIRECT (said once in the log)
 
