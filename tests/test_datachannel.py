@@ -720,6 +720,7 @@ def test_an_aborted_connection_keeps_its_descriptor_until_the_call_in_it_returns
         assert seen["after"] == seen["fd"] and client.fileno() == -1  # open throughout the call, closed after it
         if data_plane().name == "native":
             assert result == [1]  # the native read saw the shutdown: closed
+        assert connection.aborted  # the pool does not take it back
         with pytest.raises(ChannelClosed, match="ended before its call began"):
             connection.call(read_a_head)
     finally:

@@ -137,6 +137,11 @@ class PooledConnection:
         if not in_call:
             self.sock.close()
 
+    @property
+    def aborted(self) -> bool:
+        with self._lock:
+            return self._aborted
+
     def call(self, function: Callable[..., Any], *args: Any) -> Any:
         """``function(sock, *args)`` on the calling thread, unless the connection was aborted first."""
         with self._lock:
@@ -247,6 +252,8 @@ class SocketDataPath:
 
     def _release(self, connection: PooledConnection, worker: int, generation: int, kind: str) -> None:
         self._busy.discard(connection)
+        if connection.aborted:  # ended (the channel closed) while its call succeeded: not reused
+            return
         connection.idle_since = time.monotonic()
         self._idle.setdefault((worker, generation, kind), []).append(connection)
 
