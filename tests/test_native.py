@@ -2,6 +2,7 @@
 still installs and runs IMerge (on the Python path, saying so once)."""
 from __future__ import annotations
 
+import errno
 import shutil
 import socket
 import subprocess
@@ -150,6 +151,21 @@ def test_a_closed_or_silent_sender_is_reported_with_what_arrived(plane):
         left.close()
         received, _, states = receive(plane, right, torch.empty(1000))
     assert received == 0 and states == [RECV_CLOSED]
+
+
+def test_a_closed_socket_is_refused_as_its_own_methods_refuse_it():
+    """A data-plane call on a socket already closed raises OSError (EBADF), as ``sock.recv`` would, which the
+    callers' error handling takes for a failed connection (not a ValueError about a negative descriptor)."""
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    plane, (left, right) = data_plane("native"), socket.socketpair()
+    left.close()
+    right.close()
+    for call in (lambda: plane.recv_into(right, memoryview(bytearray(8)), 0, False),
+                 lambda: plane.recv_head(right, 16, 8, 64), lambda: plane.send_parts(right, [memoryview(b"x")])):
+        with pytest.raises(OSError, match="the socket is closed") as info:
+            call()
+        assert info.value.errno == errno.EBADF
 
 
 def test_the_native_receive_returns_within_its_budget_while_the_sender_drips():

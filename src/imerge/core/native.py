@@ -14,6 +14,7 @@ Pure: imports neither grpc nor redis.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import logging
 import math
@@ -52,6 +53,15 @@ def why_unavailable() -> str:
     return "" if _extension is not None else f"imerge.core._native is not built ({_MISSING})"
 
 
+def descriptor(sock: socket.socket) -> int:
+    """The socket's descriptor for a native call; OSError (EBADF), as the socket's own methods raise, once it is
+    closed."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError(errno.EBADF, "the socket is closed")
+    return fd
+
+
 class DataPlane:
     """The byte-moving calls, native (``extension`` given) or Python."""
 
@@ -74,7 +84,7 @@ class DataPlane:
         if self._native is not None and type(sock) is socket.socket:
             timeout = sock.gettimeout()
             timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-            count, finite, state = self._native.recv_into(sock.fileno(), target, start, timeout_ms,
+            count, finite, state = self._native.recv_into(descriptor(sock), target, start, timeout_ms,
                                                           -1 if budget_s is None else max(int(budget_s * 1000), 1),
                                                           check_finite)
             return int(count), bool(finite), int(state)
@@ -87,7 +97,7 @@ class DataPlane:
             return None
         timeout = sock.gettimeout()
         timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-        state, data = self._native.recv_head(sock.fileno(), head_size, length_at, small, timeout_ms)
+        state, data = self._native.recv_head(descriptor(sock), head_size, length_at, small, timeout_ms)
         return int(state), data
 
     def send_parts(self, sock: socket.socket, parts: Sequence[memoryview]) -> int | None:
@@ -98,7 +108,7 @@ class DataPlane:
             return None
         timeout = sock.gettimeout()
         timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-        sent, state = self._native.send_parts(sock.fileno(), parts, timeout_ms)
+        sent, state = self._native.send_parts(descriptor(sock), parts, timeout_ms)
         if state == RECV_TIMEOUT:
             raise TimeoutError(f"timed out: {sent} of {sum(len(part) for part in parts)} bytes written in {timeout}s")
         return int(sent)
