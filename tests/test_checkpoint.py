@@ -102,6 +102,9 @@ def test_the_tensor_file_is_safetensors_and_its_crc_the_files(tmp_path, direct):
     assert (8 + int.from_bytes(data[:8], "little")) % 8 == 0  # the data start 8-aligned
     with pytest.raises(ValueError, match="g0/x: dtype torch.complex128 has no safetensors name"):
         tensorfile.write_tensors(tmp_path / "other", {"g0/x": torch.zeros(2, dtype=torch.complex128)}, direct=direct)
+    with pytest.raises(ValueError, match="g0/x: on meta, not in the CPU's memory"):
+        tensorfile.write_tensors(tmp_path / "other", {"g0/x": torch.zeros(2, device="meta")}, direct=direct)
+    assert not (tmp_path / "other").exists()  # refused before the file was made
 
 
 def test_a_file_system_that_refuses_o_direct_gets_the_page_cache(tmp_path, monkeypatch, caplog):

@@ -10,8 +10,9 @@ Pure: imports neither grpc nor redis. A checkpoint of shard ``i`` at round
   held a SHA-256 instead, is still read).
 
 The tensor file is written past the page cache where the file system allows
-it (:mod:`.tensorfile`). A checkpoint is written into a hidden temporary folder, every file is fsynced, the
-folder is renamed into place and the parent fsynced, so a reader sees either
+it (:mod:`.tensorfile`). A checkpoint is written into a hidden temporary
+folder, every file is fsynced, the folder is renamed into place and the
+parent fsynced, so a reader sees either
 a complete checkpoint or none: a process killed while writing leaves only a
 temporary folder, which is ignored and cleaned up later, and the previous
 checkpoint stays valid. The newest ``keep`` checkpoints are kept.

@@ -47,16 +47,19 @@ class Written:
     direct: bool
 
 
-def header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+def header(tensors: dict[str, torch.Tensor]) -> bytes:
     """The file's first bytes: the header's length (8 bytes, little-endian) and the JSON header naming each
-    tensor's dtype, shape and byte range, in the order of their names (as the data follow it)."""
-    entries: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    tensor's dtype, shape and byte range, in the order of their names (as the data follow it). A tensor the
+    file cannot hold (a dtype safetensors has no name for, memory not on the CPU) raises ValueError naming it."""
+    entries: dict[str, object] = {}
     offset = 0
     for name in sorted(tensors):
         tensor = tensors[name]
         dtype = DTYPES.get(tensor.dtype)
         if dtype is None:
             raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor {name}: on {tensor.device}, not in the CPU's memory")
         size = tensor.numel() * tensor.element_size()
         entries[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
@@ -113,33 +116,32 @@ def _open(path: Path, direct: bool) -> int:
     return os.open(path, flags | os.O_DIRECT if direct else flags, 0o644)
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None,
-                  direct: bool = True) -> Written:
-    """Write ``tensors`` (contiguous) to ``path`` as a safetensors file, fsynced; its size and CRC-32.
-    ``direct``: bypass the page cache where the file system allows it."""
-    direct = direct and hasattr(os, "O_DIRECT") and os.stat(path.parent).st_dev not in _refused
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], direct: bool = True) -> Written:
+    """Write ``tensors`` to ``path`` as a safetensors file, fsynced; its size and CRC-32. ``direct``: bypass the
+    page cache where the file system allows it."""
+    head = header(tensors)  # before the file exists: a tensor it cannot hold leaves none behind
+    device = os.stat(path.parent).st_dev
+    direct = direct and hasattr(os, "O_DIRECT") and device not in _refused
     try:
-        return _write(path, tensors, metadata, direct)
+        return _write(path, head, tensors, direct)
     except OSError as exc:
         if not direct or exc.errno != errno.EINVAL:
             raise
-    device = os.stat(path.parent).st_dev
     if device not in _refused:
         _refused.add(device)
         log.info("checkpoints in %s go through the page cache: its file system refuses O_DIRECT", path.parent)
-    return _write(path, tensors, metadata, False)
+    return _write(path, head, tensors, False)
 
 
-def _write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, direct: bool
-           ) -> Written:
+def _write(path: Path, head: bytes, tensors: dict[str, torch.Tensor], direct: bool) -> Written:
     fd = _open(path, direct)
     try:
         stream = _Stream(fd, direct)
-        stream.put(torch.frombuffer(bytearray(header(tensors, metadata)), dtype=torch.uint8))
+        stream.put(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         for name in sorted(tensors):
             tensor = tensors[name]
             if tensor.numel():
-                stream.put(tensor.reshape(-1).view(torch.uint8))
+                stream.put(tensor.reshape(-1).view(torch.uint8))  # a non-contiguous one: copied here
         stream.finish()
         return Written(stream.size, stream.crc32, direct)
     finally:

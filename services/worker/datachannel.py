@@ -89,7 +89,7 @@ class CallThreads:
             with self._lock:
                 self._idle += 1
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = CLOSE_THREADS_S) -> None:
         """Ends every thread once its call returns (the caller has aborted their connections) and waits up to
         ``timeout_s`` for them all."""
         with self._lock:
@@ -182,7 +182,7 @@ class SocketDataPath:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
         self._idle.clear()
-        self._threads.close(CLOSE_THREADS_S)  # on the loop: a thread at the interpreter's exit may not start
+        self._threads.close()  # on the loop: a thread at the interpreter's exit may not start
 
     # -- connections ---------------------------------------------------------------------
     async def _connection(self, worker: int, generation: int, kind: str, timeout_s: float) -> PooledConnection:

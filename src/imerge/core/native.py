@@ -53,13 +53,14 @@ def why_unavailable() -> str:
     return "" if _extension is not None else f"imerge.core._native is not built ({_MISSING})"
 
 
-def descriptor(sock: socket.socket) -> int:
-    """The socket's descriptor for a native call; OSError (EBADF), as the socket's own methods raise, once it is
-    closed."""
+def native_socket(sock: socket.socket) -> tuple[int, int]:
+    """(descriptor, timeout in ms, -1: none) of a socket for a native call; OSError (EBADF), as the socket's own
+    methods raise, once it is closed."""
     fd = sock.fileno()
     if fd < 0:
         raise OSError(errno.EBADF, "the socket is closed")
-    return fd
+    timeout = sock.gettimeout()
+    return fd, -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
 
 
 class DataPlane:
@@ -82,9 +83,8 @@ class DataPlane:
         the sender's rate before it calls again. The native path needs a plain socket (a TLS socket's bytes must
         pass its decryption)."""
         if self._native is not None and type(sock) is socket.socket:
-            timeout = sock.gettimeout()
-            timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-            count, finite, state = self._native.recv_into(descriptor(sock), target, start, timeout_ms,
+            fd, timeout_ms = native_socket(sock)
+            count, finite, state = self._native.recv_into(fd, target, start, timeout_ms,
                                                           -1 if budget_s is None else max(int(budget_s * 1000), 1),
                                                           check_finite)
             return int(count), bool(finite), int(state)
@@ -95,9 +95,8 @@ class DataPlane:
         None where the data plane is Python's (the caller reads the head itself)."""
         if self._native is None:
             return None
-        timeout = sock.gettimeout()
-        timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-        state, data = self._native.recv_head(descriptor(sock), head_size, length_at, small, timeout_ms)
+        fd, timeout_ms = native_socket(sock)
+        state, data = self._native.recv_head(fd, head_size, length_at, small, timeout_ms)
         return int(state), data
 
     def send_parts(self, sock: socket.socket, parts: Sequence[memoryview]) -> int | None:
@@ -106,11 +105,11 @@ class DataPlane:
         None where the data plane is Python's (the caller writes them itself)."""
         if self._native is None:
             return None
-        timeout = sock.gettimeout()
-        timeout_ms = -1 if timeout is None else max(int(math.ceil(timeout * 1000)), 0)
-        sent, state = self._native.send_parts(descriptor(sock), parts, timeout_ms)
+        fd, timeout_ms = native_socket(sock)
+        sent, state = self._native.send_parts(fd, parts, timeout_ms)
         if state == RECV_TIMEOUT:
-            raise TimeoutError(f"timed out: {sent} of {sum(len(part) for part in parts)} bytes written in {timeout}s")
+            raise TimeoutError(f"timed out: {sent} of {sum(len(part) for part in parts)} bytes written in "
+                               f"{sock.gettimeout()}s")
         return int(sent)
 
     def mean_rows(self, out: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int) -> bool:
