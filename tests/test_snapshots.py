@@ -78,3 +78,52 @@ def test_a_checkpoints_image_keeps_its_rounds_parameters_while_the_block_steps_o
     third = block.image()  # the first one's copies, reused
     assert third.state["1/momentum_buffer"].data_ptr() == kept != second.state["1/momentum_buffer"].data_ptr()
     assert torch.equal(third.state["1/momentum_buffer"], block.optimizer.state[block.pieces[1]]["momentum_buffer"])
+
+
+def test_a_native_step_writes_the_next_rounds_parameters_into_the_snapshot_it_publishes():
+    """The step reads one round's parameters and writes the next round's straight into the buffer of the snapshot
+    it publishes, which holds the block's parameters from then on (no copy of them per round); a step that writes
+    in place (torch's, for a piece without gradient; an assignment) first moves them to memory of their own, so a
+    snapshot a pull still sends never changes."""
+    from imerge.core import native
+    from imerge.core.optim import OptimizerSpec
+    from imerge.core.rounds import RoundOptions
+    from imerge.ps.block import BlockMeta, BlockState
+    from imerge.ps.metrics import ShardCounters, ShardMetrics
+
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    meta = BlockMeta("b", "float32", 5_000, 2, OptimizerSpec("sgd", lr=0.1, momentum=0.9), (1_000, 4_000))
+    block = BlockState(meta, torch.randn(5_000, generator=torch.Generator().manual_seed(0)), "d")
+    metrics, generator = ShardMetrics(0, ShardCounters(), 1e4), torch.Generator().manual_seed(1)
+
+    def round_(options: RoundOptions = RoundOptions(), no_grad: frozenset[int] = frozenset()) -> None:
+        block.grads.copy_(torch.randn(2, 5_000, generator=generator))
+        block.snapshot = block.aggregate(metrics, options, no_grad)
+
+    def address(snapshot: object) -> int:
+        return torch.frombuffer(snapshot.parts[0], dtype=torch.float32).data_ptr()  # type: ignore[attr-defined]
+
+    for _ in range(3):
+        round_()
+    assert block.flat.data_ptr() == address(block.snapshot)
+    assert [piece.data_ptr() for piece in block.pieces] == [address(block.snapshot), address(block.snapshot) + 4_000]
+    held = block.snapshot  # a pull still sending it
+    expected = bytes(held.parts[0])
+    for _ in range(10):
+        round_()
+    gc.collect()
+    assert bytes(held.parts[0]) == expected and bytes(block.snapshot.parts[0]) != expected
+    assert block._buffers is not None and block._buffers.allocated == 3  # the held one, and two in turn
+    for torch_round in (lambda: round_(no_grad=frozenset({0})), lambda: round_(RoundOptions(assign=True))):
+        round_()  # native: the parameters in the published snapshot's buffer
+        held, before = block.snapshot, block.flat.clone()
+        assert block.flat.data_ptr() == address(held)
+        expected = bytes(held.parts[0])
+        torch_round()
+        assert bytes(held.parts[0]) == expected and block.flat.data_ptr() != address(held)
+        assert not torch.equal(block.flat, before)
+        assert bytes(block.snapshot.parts[0]) == block.flat.numpy().tobytes()
+    assert torch.equal(block.flat, block.grads[0])  # the assignment's
+    round_()  # native again: back in a snapshot's buffer
+    assert block.flat.data_ptr() == address(block.snapshot)

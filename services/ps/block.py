@@ -9,7 +9,10 @@ when every worker pushed, the rows are summed in worker-id order, divided by
 the worker count and handed to ``torch.optim`` with the round's options (see
 :mod:`.rounds`). The new parameters are serialized once, already cut into the
 chunks that go on the wire, into a snapshot that every pull of that round is
-answered with.
+answered with. Where the step is native (dense fp32 blocks, SGD and Adam) it reads one round's parameters and
+writes the next round's straight into the buffer of the snapshot it publishes, which holds the block's
+parameters from then on: the parameters are double-buffered, never copied per round; a step that writes in
+place (torch's) first moves them to memory of their own (:meth:`BlockState.own_params`).
 
 Compression (:mod:`imerge.core.compression`, the block's ``compression``
 mode): fp16/bf16 gradients are widened into the fp32 rows and the snapshot
@@ -112,9 +115,10 @@ class Kept(Generic[K]):
 
 class SnapshotBuffers:
     """The buffers a dense block's snapshots are written into, each one reused once no pull holds the snapshot
-    that was written into it. A fresh buffer per round costs its page faults every round: publishing a 33.5 MB
-    block took 26.5 ms that way here, 5 ms into a kept buffer); kept buffers are two in the steady state (the
-    snapshot of the round before, still being sent, and this one's)."""
+    that was written into it (nor the block, whose parameters a native step leaves in its snapshot's buffer). A
+    fresh buffer per round costs its page faults every round: publishing a 33.5 MB block took 26.5 ms that way
+    here, 5 ms into a kept buffer); in the steady state the buffers in use are two (the snapshot of the round
+    before, still being sent, and this one's, which holds the parameters)."""
 
     KEPT = 2  # free buffers kept for reuse (more would only hold memory)
 
@@ -212,6 +216,7 @@ class BlockState:
         self.init_digest = init_digest
         self.flat = init  # the parameters; each piece below is a view of it, with its own optimizer state
         self.pieces = [torch.nn.Parameter(init[start:end]) for start, end in meta.bounds()]
+        self._flat_owner: Snapshot | None = None  # the published snapshot whose buffer holds the parameters
         self.optimizer = meta.optimizer.build(self.pieces)
         self.state_layout = meta.optimizer.state_layout()  # what an import's optimizer state must hold
         self.hypers = scalar_hypers(self.optimizer.param_groups[0], list(self.optimizer.defaults))
@@ -384,17 +389,37 @@ class BlockState:
         if any(state.get(name) is None for state in states for name in needed):
             return None
 
-        def write(snapshot: torch.Tensor) -> None:
+        written: list[torch.Tensor] = []
+
+        def write(target: torch.Tensor) -> None:  # the new parameters into the snapshot's buffer: no copy
             with torch.no_grad():
                 for piece, state, (start, end) in zip(self.pieces, states, self.meta.bounds()):
                     piece_rows = [row[start:end] for row in rows]
                     if isinstance(step, AdamStep):
-                        adam_step(self.plane, piece, piece_rows, divisor, step, state, snapshot[start:end])
+                        adam_step(self.plane, piece, piece_rows, divisor, step, state, target[start:end])
                     else:
                         self.plane.sgd_step(piece, piece_rows, divisor, step, state.get("momentum_buffer"),
-                                            snapshot[start:end])
+                                            target[start:end])
+            written.append(target)
 
-        return buffers.written(write)
+        snapshot = buffers.written(write)
+        self._hold_params(written[0], snapshot)
+        return snapshot
+
+    def _hold_params(self, flat: torch.Tensor, owner: Snapshot | None) -> None:
+        """The parameters are ``flat`` from now on (each piece a view of it; the optimizer's state stays with the
+        piece), kept in the buffer of the snapshot ``owner`` (None: their own), which nothing writes again."""
+        self.flat, self._flat_owner = flat, owner
+        for piece, (start, end) in zip(self.pieces, self.meta.bounds()):
+            piece.data = flat[start:end]
+
+    def own_params(self) -> torch.Tensor:
+        """The parameters in memory of their own, for a step that writes them in place (a published snapshot's
+        buffer holds them after a native step, which writes the next round's parameters into another buffer);
+        returns them."""
+        if self._flat_owner is not None:
+            self._hold_params(self.flat.clone(), None)
+        return self.flat
 
     def step(self, metrics: ShardMetrics, mean: torch.Tensor | None, options: RoundOptions, no_grad: Collection[int],
              total: RoundScalars) -> Snapshot:
@@ -404,7 +429,7 @@ class BlockState:
         the gradient as torch.nn.utils.clip_grad_norm_ does (runs off the event loop)."""
         with torch.no_grad():
             if options.assign:  # every element: the workers' copies may differ from the parameters anywhere
-                self.flat.copy_(self.grads[0])
+                self.own_params().copy_(self.grads[0])
                 return self.reset_held()
             if total.found_inf:
                 return self.publish() if self.sparse else self.snapshot
@@ -418,6 +443,7 @@ class BlockState:
             native = self._native_step([mean], 1, no_grad, options.hypers) \
                 if mean.dtype == torch.float32 and mean.is_contiguous() else None
             if native is None:
+                self.own_params()  # torch steps in place
                 self._torch_step(mean, no_grad, options.hypers)
         return native if native is not None else self.publish()
 

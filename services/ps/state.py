@@ -492,7 +492,7 @@ class Shard(Pulls):
         for block_id, (param, state) in parsed.items():  # no await from the checks to the last block: atomic
             block = self.blocks[block_id]
             with torch.no_grad():
-                block.flat.copy_(param)
+                block.own_params().copy_(param)
             block.load_state(state)
             block.snapshot = block.reset_held()
         log.info("shard %d: imported the state of blocks %s", self.index, sorted(states))

@@ -442,8 +442,8 @@ typedef struct {
     int nesterov;
 } SgdHypers;
 
-CLONES static int sgd_into(float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel, float divisor,
-                           SgdHypers h, float *buf, float *snapshot) {
+CLONES static int sgd_into(const float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel,
+                           float divisor, SgdHypers h, float *buf, float *out) {
     float mean[MEAN_CHUNK];
     const float *shifted[MAX_SMALL_ROWS];
     int finite = 1;
@@ -452,7 +452,8 @@ CLONES static int sgd_into(float *param, const float **rows, Py_ssize_t count, P
         for (Py_ssize_t w = 0; w < count; w++)
             shifted[w] = rows[w] + start;
         finite &= mean_into(mean, shifted, count, n, divisor);
-        float *p = param + start, *b = buf ? buf + start : NULL, *snap = snapshot ? snapshot + start : NULL;
+        const float *p = param + start;
+        float *b = buf ? buf + start : NULL, *next = out + start;
         for (Py_ssize_t i = 0; i < n; i++) {
             float grad = mean[i];
             if (h.weight_decay != 0.0f)
@@ -463,30 +464,32 @@ CLONES static int sgd_into(float *param, const float **rows, Py_ssize_t count, P
                 b[i] = kept;
                 grad = h.nesterov ? fmaf(kept, h.momentum, grad) : kept;
             }
-            p[i] = fmaf(grad, h.neg_lr, p[i]);
+            next[i] = fmaf(grad, h.neg_lr, p[i]);
         }
-        if (snap != NULL)
-            memcpy(snap, p, (size_t)n * sizeof(float));
     }
     return finite;
 }
 
 /* sgd_step(param, rows, numel, divisor, neg_lr, weight_decay, momentum, one_minus_dampening, nesterov, buf,
- *          snapshot) -> finite
+ *          out) -> finite
  *
  * One pass over a piece: the rows' mean (as mean_rows makes it), then SGD's update of param (and of the
- * momentum buffer buf, 0 without momentum), the new parameters also written to snapshot (0: none). Returns
- * whether the mean was finite. The GIL is released throughout. */
+ * momentum buffer buf, 0 without momentum), the new parameters written to out (param is only read; out may be
+ * param itself: in place). Returns whether the mean was finite. The GIL is released throughout. */
 static PyObject *sgd_step(PyObject *self, PyObject *args) {
-    unsigned long long param_address, buf_address, snapshot_address;
+    unsigned long long param_address, buf_address, out_address;
     PyObject *rows_arg;
     Py_ssize_t numel, count;
     float divisor;
     SgdHypers h;
     if (!PyArg_ParseTuple(args, "KOnfffffpKK", &param_address, &rows_arg, &numel, &divisor, &h.neg_lr,
                           &h.weight_decay, &h.momentum, &h.one_minus_dampening, &h.nesterov, &buf_address,
-                          &snapshot_address))
+                          &out_address))
         return NULL;
+    if (out_address == 0) {
+        PyErr_SetString(PyExc_ValueError, "sgd_step: no place for the new parameters");
+        return NULL;
+    }
     if (numel < 0) {
         PyErr_SetString(PyExc_ValueError, "sgd_step: a negative length");
         return NULL;
@@ -496,8 +499,8 @@ static PyObject *sgd_step(PyObject *self, PyObject *args) {
         return NULL;
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = sgd_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, h,
-                      (float *)(uintptr_t)buf_address, (float *)(uintptr_t)snapshot_address);
+    finite = sgd_into((const float *)(uintptr_t)param_address, rows, count, numel, divisor, h,
+                      (float *)(uintptr_t)buf_address, (float *)(uintptr_t)out_address);
     Py_END_ALLOW_THREADS
     PyMem_Free(rows);
     return PyBool_FromLong(finite);
@@ -506,11 +509,12 @@ static PyObject *sgd_step(PyObject *self, PyObject *args) {
 /* Adam's moments on the rows' mean, torch.optim.Adam's (and AdamW's) single-tensor order: the weight decay
  * (AdamW: param.mul_(decay_mul) first; Adam: grad.add(param, alpha=weight_decay)), exp_avg.lerp_(grad, w1),
  * exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=omb2), as torch's vector kernels round them (lerp and
- * addcmul fused multiply-adds). The square root is torch's own (its vector library's rounding); then
- * adam_update. The caller probes each variant against torch first (imerge/core/native.py). */
-CLONES static int adam_moments_into(float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel,
+ * addcmul fused multiply-adds). With AdamW's decay the decayed parameters go to out (param is only read).
+ * The square root is torch's own (its vector library's rounding); then adam_update. The caller probes each
+ * variant against torch first (imerge/core/native.py). */
+CLONES static int adam_moments_into(const float *param, const float **rows, Py_ssize_t count, Py_ssize_t numel,
                                     float divisor, float weight_decay, float decay_mul, float w1, float beta2,
-                                    float omb2, float *exp_avg, float *exp_avg_sq) {
+                                    float omb2, float *exp_avg, float *exp_avg_sq, float *out) {
     float mean[MEAN_CHUNK];
     const float *shifted[MAX_SMALL_ROWS];
     int finite = 1;
@@ -519,43 +523,53 @@ CLONES static int adam_moments_into(float *param, const float **rows, Py_ssize_t
         for (Py_ssize_t w = 0; w < count; w++)
             shifted[w] = rows[w] + start;
         finite &= mean_into(mean, shifted, count, n, divisor);
-        float *p = param + start, *m = exp_avg + start, *v = exp_avg_sq + start;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float grad = mean[i];
-            if (decay_mul != 0.0f)
-                p[i] = p[i] * decay_mul;
-            else if (weight_decay != 0.0f)
-                grad = fmaf(p[i], weight_decay, grad);
-            float difference = grad - m[i];
-            m[i] = fabsf(w1) < 0.5f ? fmaf(w1, difference, m[i]) : fmaf(w1 - 1.0f, difference, grad);
-            v[i] = fmaf(omb2 * grad, grad, v[i] * beta2);
+        const float *p = param + start;
+        float *m = exp_avg + start, *v = exp_avg_sq + start, *decayed = out + start;
+        /* one loop per kind of decay, so that each stays a plain vector loop */
+#define MOMENTS(decay)                                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                                  \
+            float grad = mean[i];                                                                             \
+            decay;                                                                                            \
+            float difference = grad - m[i];                                                                   \
+            m[i] = fabsf(w1) < 0.5f ? fmaf(w1, difference, m[i]) : fmaf(w1 - 1.0f, difference, grad);       \
+            v[i] = fmaf(omb2 * grad, grad, v[i] * beta2);                                                     \
         }
+        if (decay_mul != 0.0f) {
+            MOMENTS(decayed[i] = p[i] * decay_mul)
+        } else if (weight_decay != 0.0f) {
+            MOMENTS(grad = fmaf(p[i], weight_decay, grad))
+        } else {
+            MOMENTS((void)0)
+        }
+#undef MOMENTS
     }
     return finite;
 }
 
-/* param += (neg_step * exp_avg) / (root / bc2_sqrt + eps), as torch's div, add_ and addcdiv_ round them; the
- * new parameters also into snapshot (NULL: none). root: torch's exp_avg_sq.sqrt(). */
-CLONES static void adam_update_into(float *param, const float *exp_avg, const float *root, Py_ssize_t numel,
-                                    float bc2_sqrt, float eps, float neg_step, float *snapshot) {
+/* out = param + (neg_step * exp_avg) / (root / bc2_sqrt + eps), as torch's div, add_ and addcdiv_ round them
+ * (out may be param: in place). root: torch's exp_avg_sq.sqrt(). */
+CLONES static void adam_update_into(const float *param, const float *exp_avg, const float *root, Py_ssize_t numel,
+                                    float bc2_sqrt, float eps, float neg_step, float *out) {
     for (Py_ssize_t i = 0; i < numel; i++) {
         float denom = root[i] / bc2_sqrt + eps;
-        param[i] = param[i] + (neg_step * exp_avg[i]) / denom;
+        out[i] = param[i] + (neg_step * exp_avg[i]) / denom;
     }
-    if (snapshot != NULL)
-        memcpy(snapshot, param, (size_t)numel * sizeof(float));
 }
 
-/* adam_moments(param, rows, numel, divisor, weight_decay, decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq)
- * -> finite (of the mean) */
+/* adam_moments(param, rows, numel, divisor, weight_decay, decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq,
+ *              out) -> finite (of the mean) */
 static PyObject *adam_moments(PyObject *self, PyObject *args) {
-    unsigned long long param_address, exp_avg_address, exp_avg_sq_address;
+    unsigned long long param_address, exp_avg_address, exp_avg_sq_address, out_address;
     PyObject *rows_arg;
     Py_ssize_t numel, count;
     float divisor, weight_decay, decay_mul, w1, beta2, omb2;
-    if (!PyArg_ParseTuple(args, "KOnffffffKK", &param_address, &rows_arg, &numel, &divisor, &weight_decay,
-                          &decay_mul, &w1, &beta2, &omb2, &exp_avg_address, &exp_avg_sq_address))
+    if (!PyArg_ParseTuple(args, "KOnffffffKKK", &param_address, &rows_arg, &numel, &divisor, &weight_decay,
+                          &decay_mul, &w1, &beta2, &omb2, &exp_avg_address, &exp_avg_sq_address, &out_address))
         return NULL;
+    if (out_address == 0) {
+        PyErr_SetString(PyExc_ValueError, "adam_moments: no place for the decayed parameters");
+        return NULL;
+    }
     if (numel < 0) {
         PyErr_SetString(PyExc_ValueError, "adam_moments: a negative length");
         return NULL;
@@ -565,30 +579,34 @@ static PyObject *adam_moments(PyObject *self, PyObject *args) {
         return NULL;
     int finite;
     Py_BEGIN_ALLOW_THREADS
-    finite = adam_moments_into((float *)(uintptr_t)param_address, rows, count, numel, divisor, weight_decay,
+    finite = adam_moments_into((const float *)(uintptr_t)param_address, rows, count, numel, divisor, weight_decay,
                                decay_mul, w1, beta2, omb2, (float *)(uintptr_t)exp_avg_address,
-                               (float *)(uintptr_t)exp_avg_sq_address);
+                               (float *)(uintptr_t)exp_avg_sq_address, (float *)(uintptr_t)out_address);
     Py_END_ALLOW_THREADS
     PyMem_Free(rows);
     return PyBool_FromLong(finite);
 }
 
-/* adam_update(param, exp_avg, root, numel, bc2_sqrt, eps, neg_step, snapshot) */
+/* adam_update(param, exp_avg, root, numel, bc2_sqrt, eps, neg_step, out) */
 static PyObject *adam_update(PyObject *self, PyObject *args) {
-    unsigned long long param_address, exp_avg_address, root_address, snapshot_address;
+    unsigned long long param_address, exp_avg_address, root_address, out_address;
     Py_ssize_t numel;
     float bc2_sqrt, eps, neg_step;
     if (!PyArg_ParseTuple(args, "KKKnfffK", &param_address, &exp_avg_address, &root_address, &numel, &bc2_sqrt,
-                          &eps, &neg_step, &snapshot_address))
+                          &eps, &neg_step, &out_address))
         return NULL;
+    if (out_address == 0) {
+        PyErr_SetString(PyExc_ValueError, "adam_update: no place for the new parameters");
+        return NULL;
+    }
     if (numel < 0) {
         PyErr_SetString(PyExc_ValueError, "adam_update: a negative length");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    adam_update_into((float *)(uintptr_t)param_address, (const float *)(uintptr_t)exp_avg_address,
+    adam_update_into((const float *)(uintptr_t)param_address, (const float *)(uintptr_t)exp_avg_address,
                      (const float *)(uintptr_t)root_address, numel, bc2_sqrt, eps, neg_step,
-                     (float *)(uintptr_t)snapshot_address);
+                     (float *)(uintptr_t)out_address);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -659,11 +677,11 @@ static PyMethodDef methods[] = {
     {"recv_head", recv_head, METH_VARARGS, "recv_head(fd, head_size, length_at, small, timeout_ms) -> (state, data)"},
     {"mean_rows", mean_rows, METH_VARARGS, "mean_rows(out, rows, numel, divisor) -> finite"},
     {"adam_moments", adam_moments, METH_VARARGS, "adam_moments(param, rows, numel, divisor, weight_decay, "
-                                                 "decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq) -> finite"},
+                                                 "decay_mul, w1, beta2, omb2, exp_avg, exp_avg_sq, out) -> finite"},
     {"adam_update", adam_update, METH_VARARGS, "adam_update(param, exp_avg, root, numel, bc2_sqrt, eps, neg_step, "
-                                               "snapshot)"},
+                                               "out)"},
     {"sgd_step", sgd_step, METH_VARARGS, "sgd_step(param, rows, numel, divisor, neg_lr, weight_decay, momentum, "
-                                         "one_minus_dampening, nesterov, buf, snapshot) -> finite"},
+                                         "one_minus_dampening, nesterov, buf, out) -> finite"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, numel) -> bool"},
     {"sum_squares", sum_squares, METH_VARARGS, "sum_squares(address, numel) -> float (double precision)"},
     {NULL, NULL, 0, NULL},

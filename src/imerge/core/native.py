@@ -157,19 +157,18 @@ class DataPlane:
         return _VERIFIED[variant]
 
     def sgd_step(self, param: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int, step: "SgdStep",
-                 buffer: torch.Tensor | None, snapshot: torch.Tensor | None) -> bool:
+                 buffer: torch.Tensor | None, out: torch.Tensor) -> bool:
         """One pass: the rows' mean (as :meth:`mean_rows`), then ``step`` applied to ``param`` (and to the
-        momentum ``buffer``) as torch.optim.SGD's single-tensor path does, the new parameters also written into
-        ``snapshot``; return whether the mean was finite. Only where :meth:`fused_step` said so."""
+        momentum ``buffer``) as torch.optim.SGD's single-tensor path does, the new parameters written into
+        ``out`` (``param`` is only read; ``out`` may be ``param``); return whether the mean was finite. Only
+        where :meth:`fused_step` said so."""
         if self._native is None:
             raise InvalidArgument("sgd_step needs the native data plane")
-        tensors = [param, *rows, *(t for t in (buffer, snapshot) if t is not None)]
-        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != param.numel() for t in tensors):
-            raise InvalidArgument(f"sgd_step: tensors that are not contiguous float32 of {param.numel()} elements")
+        _check_floats("sgd_step", param, out, [*rows, *(t for t in (buffer,) if t is not None)])
         return bool(self._native.sgd_step(
             param.data_ptr(), [row.data_ptr() for row in rows], param.numel(), float(divisor), -step.lr,
             step.weight_decay, step.momentum, 1.0 - step.dampening, step.nesterov,
-            buffer.data_ptr() if buffer is not None else 0, snapshot.data_ptr() if snapshot is not None else 0))
+            buffer.data_ptr() if buffer is not None else 0, out.data_ptr()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,31 +241,41 @@ class AdamStep:
 
 
 def adam_step(plane: DataPlane, param: torch.Tensor, rows: Sequence[torch.Tensor], divisor: int, step: AdamStep,
-              state: dict[str, torch.Tensor], snapshot: torch.Tensor | None) -> bool:
+              state: dict[str, torch.Tensor], out: torch.Tensor) -> bool:
     """One Adam step of ``param`` on the rows' mean, as torch.optim.Adam's single-tensor path makes it (its
     ``step``, ``exp_avg`` and ``exp_avg_sq`` in ``state``, made by torch's first step): the moments in a
-    native pass, torch's square root, the update and the snapshot in a second pass. Returns whether the mean
-    was finite. Only where :meth:`DataPlane.fused_step` said so."""
+    native pass, torch's square root, the update in a second pass, the new parameters written into ``out``
+    (``param`` is only read; ``out`` may be ``param``). Returns whether the mean was finite. Only where
+    :meth:`DataPlane.fused_step` said so."""
     native = plane._native
     if native is None:
         raise InvalidArgument("adam_step needs the native data plane")
     exp_avg, exp_avg_sq, count = state["exp_avg"], state["exp_avg_sq"], state["step"]
-    tensors = [param, *rows, exp_avg, exp_avg_sq, *(t for t in (snapshot,) if t is not None)]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != param.numel() for t in tensors):
-        raise InvalidArgument(f"adam_step: tensors that are not contiguous float32 of {param.numel()} elements")
+    _check_floats("adam_step", param, out, [*rows, exp_avg, exp_avg_sq])
     count += 1
     decay_mul = 1 - step.lr * step.weight_decay if step.decoupled and step.weight_decay else 0.0
     finite = bool(native.adam_moments(param.data_ptr(), [row.data_ptr() for row in rows], param.numel(),
                                       float(divisor), 0.0 if step.decoupled else step.weight_decay, decay_mul,
                                       1 - step.beta1, step.beta2, 1 - step.beta2, exp_avg.data_ptr(),
-                                      exp_avg_sq.data_ptr()))
+                                      exp_avg_sq.data_ptr(), out.data_ptr()))
     number = count.item()
     bias_correction1, bias_correction2 = 1 - step.beta1 ** number, 1 - step.beta2 ** number
     root = exp_avg_sq.sqrt()
-    native.adam_update(param.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), param.numel(),
-                       bias_correction2 ** 0.5, step.eps, -(step.lr / bias_correction1),
-                       snapshot.data_ptr() if snapshot is not None else 0)
+    decayed = out if decay_mul else param  # AdamW's moments pass wrote the decayed parameters into out
+    native.adam_update(decayed.data_ptr(), exp_avg.data_ptr(), root.data_ptr(), param.numel(),
+                       bias_correction2 ** 0.5, step.eps, -(step.lr / bias_correction1), out.data_ptr())
     return finite
+
+
+def _check_floats(what: str, param: torch.Tensor, out: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
+    """Every tensor a contiguous float32 run of ``param``'s length, and ``out`` (where the new parameters go)
+    ``param`` itself or apart from it."""
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != param.numel()
+           for t in [param, out, *others]):
+        raise InvalidArgument(f"{what}: tensors that are not contiguous float32 of {param.numel()} elements")
+    start, place, nbytes = param.data_ptr(), out.data_ptr(), param.numel() * param.element_size()
+    if place != start and place < start + nbytes and start < place + nbytes:
+        raise InvalidArgument(f"{what}: the new parameters' place overlaps the parameters without being them")
 
 
 def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool:
@@ -278,8 +287,8 @@ def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool
     optimizer = torch.optim.SGD([theirs], lr=step.lr, momentum=step.momentum, dampening=step.dampening,
                                 weight_decay=step.weight_decay, nesterov=step.nesterov)
     return _probe(optimizer, theirs, ("momentum_buffer",) if momentum else (),
-                  lambda ours, rows, state, snapshot: plane.sgd_step(ours, rows, len(rows), step,
-                                                                     state.get("momentum_buffer"), snapshot))
+                  lambda ours, rows, state, out: plane.sgd_step(ours, rows, len(rows), step,
+                                                                state.get("momentum_buffer"), out))
 
 
 def _probe_adam(plane: DataPlane, variant: tuple[str, bool, bool, bool]) -> bool:
@@ -290,7 +299,7 @@ def _probe_adam(plane: DataPlane, variant: tuple[str, bool, bool, bool]) -> bool
     optimizer = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
         [theirs], lr=step.lr, betas=(step.beta1, step.beta2), eps=step.eps, weight_decay=step.weight_decay)
     return _probe(optimizer, theirs, ("exp_avg", "exp_avg_sq", "step"),
-                  lambda ours, rows, state, snapshot: adam_step(plane, ours, rows, len(rows), step, state, snapshot))
+                  lambda ours, rows, state, out: adam_step(plane, ours, rows, len(rows), step, state, out))
 
 
 NativeStep = Callable[[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor], torch.Tensor], object]
@@ -300,8 +309,9 @@ PROBE_NUMEL = 4099  # every vector width's tail
 def _probe(optimizer: torch.optim.Optimizer, theirs: torch.nn.Parameter, names: tuple[str, ...],
            native_step: NativeStep, steps: int = 4) -> bool:
     """Torch's first step makes the optimizer's state; then ``steps - 1`` steps on the mean of 3 random rows,
-    by torch and by ``native_step(params, rows, state, snapshot)`` on copies, compared bit for bit: the
-    parameters, the snapshot, and the state ``names``."""
+    by torch and by ``native_step(params, rows, state, out)`` on copies, compared bit for bit: the new
+    parameters and the state ``names``. The steps but the last write into a second buffer (the parameters
+    they read must stay as they were), the last in place."""
     generator = torch.Generator().manual_seed(48)
     ours, state, mean, workers = theirs.detach().clone(), {}, torch.empty(theirs.numel()), 3
     for index in range(steps):
@@ -314,11 +324,12 @@ def _probe(optimizer: torch.optim.Optimizer, theirs: torch.nn.Parameter, names: 
             ours.copy_(theirs.detach())
             state = {name: value.clone() for name, value in kept.items() if isinstance(value, torch.Tensor)}
             continue
-        snapshot = torch.empty(theirs.numel())
-        native_step(ours, rows, state, snapshot)
-        if not (_same(ours, theirs.detach()) and _same(snapshot, ours) and
+        before, out = ours.clone(), ours if index == steps - 1 else torch.empty(theirs.numel())
+        native_step(ours, rows, state, out)
+        if not (_same(out, theirs.detach()) and (out is ours or _same(ours, before)) and
                 all(name in kept and _same(state[name], kept[name]) for name in names)):
             return False
+        ours = out
     return True
 
 
