@@ -127,3 +127,35 @@ def test_a_native_step_writes_the_next_rounds_parameters_into_the_snapshot_it_pu
     assert torch.equal(block.flat, block.grads[0])  # the assignment's
     round_()  # native again: back in a snapshot's buffer
     assert block.flat.data_ptr() == address(block.snapshot)
+
+
+def test_an_import_leaves_the_snapshot_that_held_the_parameters_as_it_was(request):
+    """An import (``imerge.load``) writes the parameters in place: after a native step they lie in the published
+    snapshot's buffer, which a pull may still be sending, so the shard first moves them to memory of their own."""
+    from safetensors.torch import save
+
+    from imerge.core import native
+    from imerge.core.optim import OptimizerSpec
+    from imerge.core.rounds import RoundOptions
+    from imerge.ps.block import BlockMeta, BlockState
+    from imerge.ps.metrics import ShardCounters, ShardMetrics
+    from imerge.ps.state import Shard
+
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    shard = Shard(0, threads=1)
+    request.addfinalizer(shard.close)
+    block = shard.blocks["b"] = BlockState(
+        BlockMeta("b", "float32", 64, 2, OptimizerSpec("sgd", lr=0.1, momentum=0.9)), torch.randn(64), "d")
+    metrics = ShardMetrics(0, ShardCounters(), 1e4)
+    for _ in range(2):
+        block.grads.copy_(torch.randn(2, 64))
+        block.snapshot = block.aggregate(metrics, RoundOptions(), set())
+    held = block.snapshot  # a pull still sending it
+    expected = bytes(held.parts[0])
+    assert block.flat.data_ptr() == torch.frombuffer(held.parts[0], dtype=torch.float32).data_ptr()
+    shard.import_blocks({"b": save({"param": torch.full((64,), 3.0),
+                                    "state/0/momentum_buffer": torch.zeros(64)})}, 0)
+    assert bytes(held.parts[0]) == expected
+    assert torch.equal(block.flat, torch.full((64,), 3.0))
+    assert bytes(block.snapshot.parts[0]) == torch.full((64,), 3.0).numpy().tobytes()
