@@ -78,6 +78,27 @@ def test_rows_that_do_not_match_are_refused():
         data_plane("fast")
 
 
+def test_a_step_whose_new_parameters_would_overwrite_what_it_reads_is_refused():
+    """The new parameters go to the parameters themselves or to memory apart from everything the step reads or
+    keeps: half over the parameters, or over a row or the momentum buffer, the step would read back what it had
+    just written (silently wrong bits)."""
+    if not native.native_available():
+        pytest.skip(native.why_unavailable())
+    plane, step = data_plane("native"), native.SgdStep(0.1, momentum=0.9)
+    memory, rows, buffer = torch.zeros(3_000), [torch.ones(1_000), torch.ones(1_000)], torch.zeros(1_000)
+    param = memory[:1_000]
+    assert plane.sgd_step(param, rows, 2, step, buffer, param)  # in place
+    assert plane.sgd_step(param, rows, 2, step, buffer, memory[1_000:2_000])  # apart
+    for out, named in ((memory[500:1_500], "overlaps the parameters"), (rows[1], "a gradient row"),
+                       (buffer, "the optimizer's state")):
+        with pytest.raises(InvalidArgument, match=named):
+            plane.sgd_step(param, rows, 2, step, buffer, out)
+    state = {"exp_avg": torch.zeros(1_000), "exp_avg_sq": torch.zeros(1_000), "step": torch.tensor(1.0)}
+    with pytest.raises(InvalidArgument, match="the optimizer's state"):
+        native.adam_step(plane, param, rows, 2, native.AdamStep(0.1, 0.9, 0.999, 1e-8), state, state["exp_avg"])
+    assert state["step"].item() == 1.0  # refused before anything changed
+
+
 def receive(plane: str, sock: socket.socket, target: torch.Tensor, check: bool = True) -> tuple[int, bool, list[int]]:
     view = memoryview(target.numpy()).cast("B")
     received, finite, states = 0, True, []

@@ -372,10 +372,11 @@ class BlockState:
     def _native_step(self, rows: list[torch.Tensor], divisor: int, no_grad: Collection[int], hypers: str
                      ) -> Snapshot | None:
         """The optimizer's step on the mean of ``rows`` (the workers' gradients, or one row already averaged,
-        unscaled and clipped, with divisor 1: the same bits as torch's step on it) and the float32 snapshot, in
-        native passes per piece; None where that does not apply: compressed or sparse blocks, pieces without
-        gradient, an optimizer other than single-tensor SGD, Adam or AdamW, state that torch's first step has not
-        made yet, or a machine whose probe of the variant found other bits than torch's."""
+        unscaled and clipped, with divisor 1: the same bits as torch's step on it), the new parameters written
+        into the float32 snapshot that holds them from then on (:meth:`_hold_params`), in native passes per
+        piece; None where that does not apply: compressed or sparse blocks, pieces without gradient, an optimizer
+        other than single-tensor SGD, Adam or AdamW, state that torch's first step has not made yet, or a machine
+        whose probe of the variant found other bits than torch's."""
         buffers = self._buffers
         if buffers is None or buffers.dtype != "float32" or no_grad:
             return None
@@ -389,8 +390,6 @@ class BlockState:
         if any(state.get(name) is None for state in states for name in needed):
             return None
 
-        written: list[torch.Tensor] = []
-
         def write(target: torch.Tensor) -> None:  # the new parameters into the snapshot's buffer: no copy
             with torch.no_grad():
                 for piece, state, (start, end) in zip(self.pieces, states, self.meta.bounds()):
@@ -400,10 +399,9 @@ class BlockState:
                     else:
                         self.plane.sgd_step(piece, piece_rows, divisor, step, state.get("momentum_buffer"),
                                             target[start:end])
-            written.append(target)
 
         snapshot = buffers.written(write)
-        self._hold_params(written[0], snapshot)
+        self._hold_params(torch.frombuffer(snapshot.parts[0], dtype=torch.float32), snapshot)
         return snapshot
 
     def _hold_params(self, flat: torch.Tensor, owner: Snapshot | None) -> None:

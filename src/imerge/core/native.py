@@ -268,14 +268,22 @@ def adam_step(plane: DataPlane, param: torch.Tensor, rows: Sequence[torch.Tensor
 
 
 def _check_floats(what: str, param: torch.Tensor, out: torch.Tensor, others: Sequence[torch.Tensor]) -> None:
-    """Every tensor a contiguous float32 run of ``param``'s length, and ``out`` (where the new parameters go)
-    ``param`` itself or apart from it."""
+    """Every tensor a contiguous float32 run of ``param``'s length; ``out`` (where the new parameters go)
+    ``param`` itself or apart from it, and apart from every other tensor the step reads or keeps (the rows,
+    the optimizer's state): written over one of them, the step would go on from bytes it had just replaced."""
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != param.numel()
            for t in [param, out, *others]):
         raise InvalidArgument(f"{what}: tensors that are not contiguous float32 of {param.numel()} elements")
-    start, place, nbytes = param.data_ptr(), out.data_ptr(), param.numel() * param.element_size()
-    if place != start and place < start + nbytes and start < place + nbytes:
+    nbytes = param.numel() * param.element_size()
+
+    def overlaps(tensor: torch.Tensor) -> bool:
+        return out.data_ptr() < tensor.data_ptr() + nbytes and tensor.data_ptr() < out.data_ptr() + nbytes
+
+    if out.data_ptr() != param.data_ptr() and overlaps(param):
         raise InvalidArgument(f"{what}: the new parameters' place overlaps the parameters without being them")
+    if nbytes and any(overlaps(tensor) for tensor in others):
+        raise InvalidArgument(f"{what}: the new parameters' place overlaps a gradient row or the optimizer's "
+                              "state")
 
 
 def _probe_sgd(plane: DataPlane, variant: tuple[bool, bool, bool, bool]) -> bool:
