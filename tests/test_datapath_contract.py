@@ -6,6 +6,7 @@ refused payload changes the block), fencing, deadlines that name who is missing,
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -113,6 +114,22 @@ def test_refusals_raise_the_shards_error_class_and_the_client_goes_on(shard, dat
             assert pushed(shard, block) == 0
             reply = await client.push([PushItem(block, torch.ones(NUMEL), 0)], 0, timeout_s=10)
             assert reply.results[0].pushed == 1
+        finally:
+            await client.close()
+
+    run(go())
+
+
+def test_a_push_says_once_on_the_callers_loop_that_its_data_is_written_before_it_returns(shard, data_path, request):
+    block = make_block(shard, request.node.name)
+
+    async def go():
+        (client,) = await clients(shard, data_path, 1)
+        told: list[int] = []
+        try:  # the comm loop starts the shard's next push stream on this word, before the shard's answer
+            reply = await client.push([PushItem(block, torch.ones(NUMEL), 0)], 0, timeout_s=10,
+                                      on_written=lambda: told.append(threading.get_ident()))
+            assert told == [threading.get_ident()] and reply.results[0].pushed == 1
         finally:
             await client.close()
 

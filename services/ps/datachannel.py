@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from imerge.core.codec import tensor_view
+from imerge.core.handover import hand_over
 from imerge.core.blockround import Aggregate
 from imerge.core.native import RECV_CLOSED, RECV_TIMEOUT, DataPlane, data_plane
 from imerge.core.rounds import Push
@@ -196,17 +197,8 @@ class Handoff:
                 failed = False
             except BaseException as exc:  # noqa: BLE001 - the coroutine raises it
                 outcome, failed = exc, True
-            self._loop.call_soon_threadsafe(_settle, done, outcome, failed)
+            hand_over(self._loop, done, outcome, failed)
         return future.result()
-
-
-def _settle(done: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
-    if done.done():
-        return
-    if failed:
-        done.set_exception(outcome)
-    else:
-        done.set_result(outcome)
 
 
 class SocketPayload:

@@ -164,7 +164,7 @@ class Communicator:
         """Start the sync's pull (after the group's previous one) and hand its blocks to the pushes."""
         index = sync.group.index
         previous = self._pulls.get(index)
-        if previous is not None:  # the previous round's pull of this group
+        if previous is not None and not previous.done():  # the previous round's pull of this group
             await asyncio.wait([previous])
         pull = self._pulls[index] = asyncio.get_running_loop().create_task(self._pull_group(sync))
         if self.pusher.per_group:
@@ -183,8 +183,8 @@ class Communicator:
         group = sync.group
         try:
             with self.timeline.span(f"pull {group.index}", "pull", group=group.index, round=sync.round):
-                await asyncio.gather(*(self._pull_shard(sync, shard, blocks)
-                                       for shard, blocks in group.by_shard.items()))
+                pulls = [self._pull_shard(sync, shard, blocks) for shard, blocks in group.by_shard.items()]
+                await (pulls[0] if len(pulls) == 1 else asyncio.gather(*pulls))  # one shard: no task of its own
             self.metrics.group_synced(group.index)
             sync.future.set_result(sync.round + 1)
         except Exception as exc:

@@ -13,9 +13,9 @@ connection down, which ends the thread's read or write.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import socket
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from imerge.core.codec import tensor_view
+from imerge.core.handover import run_and_hand_over
 from imerge.core.errors import Busy, DeadlineExceeded, InvalidArgument, RequestError, Unavailable
 from imerge.wire.datapath import (ChannelClosed, FrameHeader, Kind, error_from_meta, expect, read_exact, read_head,
                                   read_meta, send_frame)
@@ -54,15 +55,17 @@ class CallThreads:
 
     def __init__(self, name: str):
         self._name = name
-        self._tasks: queue.SimpleQueue[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any],
+                                             tuple[Any, ...]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self._threads: list[threading.Thread] = []
         self._closed = False
 
-    def submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    def submit(self, loop: asyncio.AbstractEventLoop, function: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """``function(*args)`` on a thread; its outcome settles the returned future on ``loop`` (cancelling it
+        before a thread takes the call skips the call)."""
+        future = loop.create_future()
         with self._lock:
             if self._closed:
                 raise Unavailable(f"{self._name}: the data channel is closed")
@@ -71,21 +74,17 @@ class CallThreads:
                 self._idle -= 1
             else:
                 self._threads.append(thread)
-        self._tasks.put((future, function, args))
+        self._tasks.put((loop, future, function, args))
         if thread is not None:
             thread.start()
         return future
 
     def _serve(self) -> None:
         while (task := self._tasks.get()) is not None:
-            future, function, args = task
-            del task  # an idle thread holds no payload (the tensors of its last call) and no result
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(function(*args))
-                except BaseException as exc:  # noqa: BLE001 - the caller's to raise
-                    future.set_exception(exc)
-            del future, function, args
+            loop, future, function, args = task
+            del task
+            run_and_hand_over(loop, future, function, *args)
+            del loop, future, function, args  # an idle thread holds no payload (its last call's tensors) and no result
             with self._lock:
                 self._idle += 1
 
@@ -270,7 +269,7 @@ class SocketDataPath:
         return header, read_meta(sock, header, message_type, what, received)
 
     async def _run(self, function: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self._threads.submit(self._translated, function, *args))
+        return await self._threads.submit(asyncio.get_running_loop(), self._translated, function, *args)
 
     def _translated(self, function: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -300,15 +299,15 @@ class SocketDataPath:
 
     # -- calls ---------------------------------------------------------------------------
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0, fence: int = 0,
-                   lane: int = 0, written: asyncio.Event | None = None) -> ps_pb2.PushReply:
+                   lane: int = 0, on_written: Callable[[], None] | None = None) -> ps_pb2.PushReply:
         """Each block's frame, one after another, then the shard's result of each (see ShardClient.push)."""
         loop = asyncio.get_running_loop()
         frames = []
         for item in blocks:
             payload = item.payload
             frames.append((push_header(item.push(worker, generation, fence, lane)), payload.parts()))
-        on_written = (lambda: loop.call_soon_threadsafe(written.set)) if written is not None else None
-        results = await self._call(worker, generation, timeout_s, self._push, frames, on_written)
+        written = functools.partial(loop.call_soon_threadsafe, on_written) if on_written is not None else None
+        results = await self._call(worker, generation, timeout_s, self._push, frames, written)
         return ps_pb2.PushReply(results=results)
 
     def _push(self, sock: socket.socket, frames: list[tuple[ps_pb2.PushHeader, list[memoryview]]],

@@ -1,7 +1,6 @@
 """What a push carries of each block, and the interface of what carries it: typed, for every data path."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -49,9 +48,9 @@ class DataPath(Protocol):
     address: str
 
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0,
-                   fence: int = 0, lane: int = 0, written: asyncio.Event | None = None) -> Any:
-        """Push the blocks' gradients in one call (``written`` set once the last byte is handed over); return
-        the shard's ``PushReply``."""
+                   fence: int = 0, lane: int = 0, on_written: Callable[[], None] | None = None) -> Any:
+        """Push the blocks' gradients in one call (``on_written`` called on the caller's loop once the last byte
+        is handed over); return the shard's ``PushReply``."""
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int, timeout_s: float,
                         generation: int = 0, on_block: BlockArrived | None = None) -> list[int]:

@@ -1,6 +1,8 @@
 """The worker's Prometheus metrics: where an iteration's time goes, and what it moves."""
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from imerge.telemetry.metrics import SECONDS_BUCKETS, role_registry
@@ -43,32 +45,36 @@ class WorkerMetrics:
                           "built-in job reports every iteration's)", ["worker"], registry=registry).labels(worker=worker)
         self._learning_rate = Gauge("imerge_worker_learning_rate", "The learning rate of each parameter group, as "
                                     "the latest push carried it", ["worker", "param_group"], registry=registry)
-        self._moved: dict[tuple[int, str], tuple[Counter, Counter]] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}  # (metric's id, label values) -> child
         self.groups_synced = Gauge("imerge_worker_groups_synced", "Groups the last iteration pushed",
                                    ["worker"], registry=registry).labels(worker=worker)
 
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric``'s child for this worker and ``labels``, looked up once (the comm loop counts every push and
+        pull: prometheus_client's ``labels`` validates and locks on each call)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.rank, *labels)
+        return child
+
     def pushed(self, shard: int, nbytes: int) -> None:
-        self._pushed.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
+        self._child(self._pushed, str(shard)).inc(nbytes)
 
     def pulled(self, shard: int, nbytes: int) -> None:
-        self._pulled.labels(worker=self.rank, shard=str(shard)).inc(nbytes)
+        self._child(self._pulled, str(shard)).inc(nbytes)
 
     def moved(self, group: int, direction: str, raw_bytes: int, wire_bytes: int) -> None:
-        """Bytes of a group's push or pull before and after compression (called per block: the labelled
-        children are looked up once per group and direction)."""
-        children = self._moved.get((group, direction))
-        if children is None:
-            labels = {"worker": self.rank, "group": str(group), "direction": direction}
-            children = self._moved[group, direction] = (self._raw.labels(**labels), self._wire.labels(**labels))
-        children[0].inc(raw_bytes)
-        children[1].inc(wire_bytes)
+        """Bytes of a group's push or pull before and after compression (called per block)."""
+        self._child(self._raw, str(group), direction).inc(raw_bytes)
+        self._child(self._wire, str(group), direction).inc(wire_bytes)
 
     def learning_rates(self, rates: list[float]) -> None:
         for index, rate in enumerate(rates):
             self._learning_rate.labels(worker=self.rank, param_group=str(index)).set(rate)
 
     def group_synced(self, group: int) -> None:
-        self._group_syncs.labels(worker=self.rank, group=str(group)).inc()
+        self._child(self._group_syncs, str(group)).inc()
 
     def flag_held(self, group: int, seconds: float) -> None:
-        self._flag_held.labels(worker=self.rank, group=str(group) if group >= 0 else "port").inc(seconds)
+        self._child(self._flag_held, str(group) if group >= 0 else "port").inc(seconds)

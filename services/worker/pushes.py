@@ -124,23 +124,34 @@ class Pusher:
         awaited: the round trip through the link's queue would leave the link idle), and once it is answered
         one fewer is in flight."""
         batch = list(stream.items)
-        written = asyncio.Event()
-        push = asyncio.get_running_loop().create_task(self._send_batch(stream.shard, batch, written))
+        written = False
+
+        def on_written() -> None:  # on the comm loop, called by the data path once the last byte is handed over
+            nonlocal written
+            if written:
+                return
+            written = True
+            try:
+                self._start(self.senders.written(stream))
+            except Exception as exc:  # noqa: BLE001 - a bug here must fail the job at once, not leave it waiting
+                self._crash(exc, batch)
+
         try:
-            all_written = asyncio.ensure_future(written.wait())
-            await asyncio.wait([push, all_written], return_when=asyncio.FIRST_COMPLETED)
-            all_written.cancel()
-            self._start(self.senders.written(stream))
-            await push
+            await self._send_batch(stream.shard, batch, on_written)
+            on_written()  # a push that failed before its data was all written
             self._start(self.senders.answered(stream))
-        except asyncio.CancelledError:
-            push.cancel()
+        except asyncio.CancelledError:  # the worker is leaving: a late word of the write starts nothing
+            written = True
             raise
         except Exception as exc:  # noqa: BLE001 - a bug here must fail the job at once, not leave it waiting
-            if self.on_crash is not None:
-                self.on_crash(exc, [pending.sync for pending, _ in batch + self.senders.drain()])
+            self._crash(exc, batch)
 
-    async def _send_batch(self, shard: int, batch: list[tuple[ShardPushes, Block]], written: asyncio.Event) -> None:
+    def _crash(self, exc: BaseException, batch: list[tuple[ShardPushes, Block]]) -> None:
+        if self.on_crash is not None:
+            self.on_crash(exc, [pending.sync for pending, _ in batch + self.senders.drain()])
+
+    async def _send_batch(self, shard: int, batch: list[tuple[ShardPushes, Block]],
+                          on_written: Callable[[], None]) -> None:
         """One push stream of queued blocks (of any groups and rounds); with slots scoped to the shard's port, made
         holding the port's flag."""
         try:
@@ -160,10 +171,11 @@ class Pusher:
 
             if self.slots.holds_flags:
                 await self._in_slot(Flag(self.plan_version, PORT, shard, self.lane), nbytes,
-                                    lambda fence: self._timed_push(shard, items, nbytes, fence, written), acknowledged)
+                                    lambda fence: self._timed_push(shard, items, nbytes, fence, on_written),
+                                    acknowledged)
             else:
                 started = time.time()
-                await self._timed_push(shard, items, nbytes, 0, written)
+                await self._timed_push(shard, items, nbytes, 0, on_written)
                 acknowledged((started, time.time()))
         except Exception as exc:
             for pending, _ in batch:
@@ -226,10 +238,10 @@ class Pusher:
         raise AssertionError("unreachable: the last attempt re-raises or returns")
 
     async def _timed_push(self, shard: int, items: list[PushItem], nbytes: int, fence: int,
-                          written: asyncio.Event | None = None) -> None:
+                          on_written: Callable[[], None] | None = None) -> None:
         started = time.monotonic()
         await self.clients[shard].push(items, self.rank, self.rpc_timeout_s, self.generation, fence, self.lane,
-                                       written=written)
+                                       on_written=on_written)
         seconds = time.monotonic() - started
         self.metrics.pushed(shard, nbytes)
         self.slots.observe(nbytes, seconds)

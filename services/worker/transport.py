@@ -7,7 +7,6 @@ shard's address.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -109,7 +108,8 @@ class GrpcDataPath:
         """Nothing of its own: it rides on the client's channel."""
 
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float, generation: int = 0,
-                   fence: int = 0, lane: int = 0, written: asyncio.Event | None = None) -> ps_pb2.PushReply:
+                   fence: int = 0, lane: int = 0, on_written: Callable[[], None] | None = None
+                   ) -> ps_pb2.PushReply:
         async def segments() -> AsyncIterator[ps_pb2.PushChunk | bytes]:
             for item in blocks:
                 payload = item.payload
@@ -117,8 +117,8 @@ class GrpcDataPath:
                 for part in payload.parts():
                     for frame in data_frames(part, CHUNK_BYTES):  # PushChunk data, encoded once
                         yield frame
-            if written is not None:
-                written.set()
+            if on_written is not None:
+                on_written()
 
         try:
             reply: ps_pb2.PushReply = await self._push(segments(), timeout=timeout_s)
@@ -191,10 +191,11 @@ class ShardClient:
 
     async def push(self, blocks: list[PushItem], worker: int, timeout_s: float,
                    generation: int = 0, fence: int = 0, lane: int = 0,
-                   written: asyncio.Event | None = None) -> ps_pb2.PushReply:
-        """Push several blocks' gradients in one call: a header, then the data, per block. ``written`` is set
-        once the last data has been handed to the data path."""
-        reply: ps_pb2.PushReply = await self._data.push(blocks, worker, timeout_s, generation, fence, lane, written)
+                   on_written: Callable[[], None] | None = None) -> ps_pb2.PushReply:
+        """Push several blocks' gradients in one call: a header, then the data, per block. ``on_written`` is
+        called (on the comm loop) once the last data has been handed to the data path."""
+        reply: ps_pb2.PushReply = await self._data.push(blocks, worker, timeout_s, generation, fence, lane,
+                                                        on_written)
         return reply
 
     async def pull_into(self, targets: list[tuple[str, torch.Tensor]], worker: int, round_: int,
