@@ -127,13 +127,15 @@ class DatapathScenario:
 
 @dataclasses.dataclass(frozen=True)
 class DatapathReport(JsonReport):
-    """``imerge bench datapath``: each strategy's rounds merged (medians), each round, the socket's limit."""
+    """``imerge bench datapath``: each strategy's rounds merged (medians), each round, the socket's limit (the
+    median of its rounds' probes, and each round's)."""
 
     scenario: DatapathScenario
     strategies: dict[str, DatapathRun]
     runs: dict[str, list[DatapathRun]]
     socket_limit: list[ProbeResult]
     command: str = ""
+    socket_limit_rounds: list[list[ProbeResult]] = dataclasses.field(default_factory=list)
 
 
 def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, out: Path) -> DatapathRun:
@@ -181,7 +183,7 @@ def run_once(strategy: str, options: dict[str, Any], workers: int, iters: int, o
 def run_datapath(config: Any, console: Console) -> DatapathReport:
     """Every chosen strategy (default: ddp and both of IMerge's data paths), alternating over ``config.rounds``."""
     from imerge.bench.report import write_datapath_report
-    from imerge.bench.socket_probe import probes
+    from imerge.bench.socket_probe import merged as merged_limits, probes
     from imerge.core.strategies import STRATEGIES
 
     workers = config.workers or 2
@@ -192,9 +194,11 @@ def run_datapath(config: Any, console: Console) -> DatapathReport:
         raise IMergeError(f"--strategies: {', '.join(unknown)} not in {', '.join(STRATEGIES)}")
     out = Path(config.out or f"runs/bench-datapath-{time.strftime('%Y%m%d-%H%M%S')}")
     runs: dict[str, list[DatapathRun]] = {s: [] for s in chosen}
-    console.print("datapath: the raw-socket limit of this machine (Python sendall and recv_into + add_)")
-    limit = probes()
+    limits: list[list[ProbeResult]] = []
     for round_ in range(config.rounds):
+        console.print(f"datapath round {round_ + 1}: the raw-socket limit of this machine (Python sendall and "
+                      "recv_into + add_)")
+        limits.append(probes())
         for strategy in chosen:
             console.print(f"datapath round {round_ + 1}: {strategy}")
             result = run_once(strategy, STRATEGIES[strategy], workers, iters, out / f"round{round_ + 1}" / strategy)
@@ -207,7 +211,7 @@ def run_datapath(config: Any, console: Console) -> DatapathReport:
                   for name, run in merged.items()}
     command = " ".join(["imerge", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else ""
     report = DatapathReport(DatapathScenario(MODEL, model_bytes(), workers, workers, iters, config.rounds),
-                            merged, runs, limit, command)
+                            merged, runs, merged_limits(limits), command, limits)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report.to_json(), indent=2))
     write_datapath_report(report, out)

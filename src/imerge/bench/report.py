@@ -213,7 +213,8 @@ def datapath_markdown(report: DatapathReport) -> str:
              f"iterations x {scenario.rounds} rounds. GB/s and CPU s/GB count payload bytes sent plus "
              "received by one process (DDP: a rank, in the worker columns); a worker's CPU includes its "
              "training thread (forward, backward, its hooks' gradient copies), its comm threads' CPU is all its "
-             "threads but that one (DDP: gloo's threads).", "",
+             "threads but that one (DDP: gloo's threads). The raw socket's rows: the median of the probes made "
+             "at the start of each round.", "",
              "| strategy | " + " | ".join(title for _, title, _ in DATAPATH_COLUMNS) + " |",
              "|---|" + "---|" * len(DATAPATH_COLUMNS)]
     for name, run in report.strategies.items():

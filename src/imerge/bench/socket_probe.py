@@ -5,13 +5,16 @@ A sender thread writes a tensor's memory with ``sendall`` (no intermediate
 with ``recv_into`` straight into a preallocated tensor and adds it into an
 accumulator (``add_``), as a shard does with a gradient. Each side's CPU time
 is its own thread's (``time.thread_time``: user and system, the kernel's copies
-included), per GB it moved. ``imerge bench datapath`` prints it beside the data
-paths it measures.
+included), per GB it moved. ``imerge bench datapath`` measures it in every
+round, beside the data paths it measures, and prints the median of each frame
+size's rounds (:func:`merged`): one probe before the rounds varied from one run
+to the next as much as the ratios it was the measure of.
 """
 from __future__ import annotations
 
 import dataclasses
 import socket
+import statistics
 import ssl
 import threading
 import time
@@ -94,3 +97,16 @@ def probe(frame_bytes: int = 4 * MIB, total_bytes: int = 1 << 30,
 
 def probes(sizes: tuple[int, ...] = (1 * MIB, 4 * MIB)) -> list[ProbeResult]:
     return [probe(size) for size in sizes]
+
+
+def merged(rounds: list[list[ProbeResult]]) -> list[ProbeResult]:
+    """Each frame size's probes over the rounds, in the order of the first round: the median of each measure."""
+    if not rounds:
+        return []
+    by_size: dict[int, list[ProbeResult]] = {}
+    for result in (result for round_ in rounds for result in round_):
+        by_size.setdefault(result.frame_bytes, []).append(result)
+    return [ProbeResult(size, statistics.median(r.receive_cpu_s_per_gb for r in results),
+                        statistics.median(r.send_cpu_s_per_gb for r in results),
+                        statistics.median(r.gb_per_s for r in results))
+            for size, results in by_size.items()]
