@@ -154,6 +154,28 @@ def test_slots_serialize_pushes_of_a_group_with_bounded_redis_commands(cluster, 
     assert per_worker_iteration <= 8 * 6  # acquire + release, plus a bounded number of wake-ups
 
 
+def test_a_worker_that_leaves_lets_its_answered_pushes_end(cluster, monkeypatch):
+    """The last pull can come in before the thread of the push it depended on has handed that push's answer over
+    to the comm loop; leaving must not cancel the push's stream then (its timeline entry, its counters, its slot's
+    release would be lost)."""
+    from imerge.worker.datachannel import SocketDataPath
+
+    push = SocketDataPath._push
+
+    def answered_late(self, *args):
+        results = push(self, *args)
+        time.sleep(0.2)  # the shard has answered; the answer reaches the comm loop after the pulls' blocks
+        return results
+
+    monkeypatch.setattr(SocketDataPath, "_push", answered_late)
+    steps, workers = 2, 2
+    engines = run_job(cluster(workers, 1), equal_layers, steps)
+    pushes = [i for e in engines for i in e.timeline.of("push")]
+    for group in range(8):
+        assert len([i for i in pushes if i.args["group"] == group]) == workers * steps, f"group {group}"
+    assert all(not e.comm.pusher.streams for e in engines)
+
+
 def most_at_once(spans) -> int:
     """The most (start, end) spans open at one instant (an end before a start at the same instant)."""
     edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])

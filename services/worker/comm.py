@@ -37,6 +37,7 @@ from .wire_compression import Compression, meta_nbytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SETTLE_PUSHES_S = 5.0  # how long a worker that leaves cleanly waits for its answered push streams to end
 
 
 class CommLoop:
@@ -217,6 +218,19 @@ class Communicator:
         self.metrics.moved(group.index, "pull", group.shard_bytes(shard), sum(wire.values()))
 
     # -- closing -------------------------------------------------------------------------------
+    def settle_pushes(self, timeout_s: float = SETTLE_PUSHES_S) -> None:
+        """Wait, at most ``timeout_s``, until the push streams in flight have ended. Called once every group's
+        last pull is in: every push was answered then, and what a stream has left to do (its timeline entry, its
+        counters, its slot's release) would otherwise be cancelled by :meth:`close` where its thread handed the
+        answer over after the pull's."""
+
+        async def settled() -> None:
+            if self.pusher.streams:
+                await asyncio.wait(list(self.pusher.streams), timeout=timeout_s)
+
+        if self.comm.loop.is_running():
+            self.comm.run(settled(), timeout_s + 5.0, "the push streams to end")
+
     def close(self) -> None:
         """Stop the consumer, cancel pulls still in flight, close the shard channels."""
         if not self.comm.loop.is_running():

@@ -329,6 +329,7 @@ class SyncEngine:
         clipping.release(self.state)
         rounds.flush(self.state)
         self.synchronize()
+        self.comm.settle_pushes()
         self.state.buffer_sync.apply()
 
     def next_load(self) -> int:
