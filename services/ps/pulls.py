@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 
 from imerge.core.errors import (DeadlineExceeded, FailedPrecondition, FutureGeneration, InvalidArgument, NotFound,
                                 StaleGeneration)
+from imerge.core.handover import hand_over
 from imerge.core.limits import clip
 
 from .block import BlockState, Snapshot
@@ -77,9 +78,8 @@ class Pulls:
         pull = PullLooks(self, block_ids, worker, round_, timeout_s, generation, loop.time)
         wake: asyncio.Future[None] = loop.create_future()
 
-        def changed() -> None:  # a round may complete on a data connection's thread
-            with contextlib.suppress(RuntimeError):  # the loop closed: the shard stopped
-                loop.call_soon_threadsafe(_settle, wake)
+        def changed() -> None:  # a round may complete on a data connection's thread (a closed loop: no one waits)
+            hand_over(loop, wake, None, False)
 
         with self.waiting_on(pull.blocks, changed):
             while pull.waiting:
@@ -178,8 +178,3 @@ class PullLooks:
         reason = f"workers {missing} have not pushed" if missing else "the aggregation is still running"
         return DeadlineExceeded(f"pull of block {block_id} by worker {self._worker} for round {self._round}: "
                                 f"timed out after {self._timeout_s:g}s; {reason}")
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

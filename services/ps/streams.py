@@ -22,6 +22,7 @@ from imerge.core.codec import ChunkAssembler
 from imerge.wire.frames import deserializer
 from imerge.core.dtypes import BLOCK_DTYPE
 from imerge.core.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Superseded
+from imerge.core.handover import hand_over
 from imerge.core.limits import MAX_ROW_WAITERS, STALLED_S, check_id, clip
 
 from .pace import Pace, payload_budget_s
@@ -333,7 +334,7 @@ class Row:
                     self._locked, self.holder = True, holder
                     return True
                 freed: asyncio.Future[None] = loop.create_future()
-                wake = functools.partial(loop.call_soon_threadsafe, _settled, freed)
+                wake = functools.partial(hand_over, loop, freed, None, False)
                 self._wakers.append(wake)
             try:
                 async with asyncio.timeout_at(deadline):
@@ -343,11 +344,6 @@ class Row:
                     if wake in self._wakers:
                         self._wakers.remove(wake)
                 return False
-
-
-def _settled(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 def _why_superseded(holder: tuple[int, Any], round_: int, current: int, looked: bool) -> str:

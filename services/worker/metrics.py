@@ -71,7 +71,7 @@ class WorkerMetrics:
 
     def learning_rates(self, rates: list[float]) -> None:
         for index, rate in enumerate(rates):
-            self._learning_rate.labels(worker=self.rank, param_group=str(index)).set(rate)
+            self._child(self._learning_rate, str(index)).set(rate)
 
     def group_synced(self, group: int) -> None:
         self._child(self._group_syncs, str(group)).inc()

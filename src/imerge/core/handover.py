@@ -3,7 +3,7 @@
 One ``call_soon_threadsafe`` per outcome, where ``asyncio.wrap_future`` of a
 ``concurrent.futures.Future`` takes a condition, two chained done callbacks and
 a state copy: the data channels' threads hand over one outcome per call or
-payload, many per iteration.
+payload, many per iteration, and wake the shard's waiting pulls and rows.
 
 Pure: imports neither grpc nor redis.
 """
